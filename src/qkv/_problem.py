@@ -1,0 +1,158 @@
+"""Validation of attention inputs, done once, before any kernel runs.
+
+`describe_problem` checks q, k, v, mask, scale and dropout and returns an `AttentionProblem`:
+the sizes by their DESIGN.md letters and the inputs flattened to one batch axis. Every
+error names the offending shapes or values. PyTorch's own kernels are not trusted to catch
+these: its CPU path reads past memory when k and v have different lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qkv.masks import Mask
+
+__all__ = ["AttentionProblem", "describe_problem", "normalize_mask"]
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """A validated attention call, inputs flattened to one batch axis N = prod(batch_shape).
+
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev). ``mask`` is None, a qkv.masks object,
+    or a bool/float tensor (N | 1, H | 1, L, S) (already broadcast on L and S).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | Mask | None
+    batch_shape: tuple[int, ...]
+    H: int
+    G: int
+    L: int
+    S: int
+    E: int
+    Ev: int
+    scale: float
+    dropout: float
+
+    @property
+    def N(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def mask_kind(self) -> str:
+        if self.mask is None:
+            return "none"
+        if isinstance(self.mask, Mask):
+            return type(self.mask).__name__.lower()
+        return "bool" if self.mask.dtype == torch.bool else "float"
+
+
+def _check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.ndim < 3:
+        raise ValueError(
+            f"{name} must have shape (..., heads, length, dim) with at least 3 dimensions, "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def describe_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+) -> AttentionProblem:
+    """Check every input of `qkv.attention` and return the flattened problem."""
+    q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    batch_shape = tuple(q.shape[:-3])
+    if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
+        raise ValueError(
+            f"q, k and v must share their batch dimensions, got {tuple(q.shape[:-3])}, "
+            f"{tuple(k.shape[:-3])} and {tuple(v.shape[:-3])}"
+        )
+    H, L, E = q.shape[-3:]
+    G, S, E_k = k.shape[-3:]
+    G_v, S_v, Ev = v.shape[-3:]
+    if E_k != E:
+        raise ValueError(f"q and k must share the head dim E: q has E={E}, k has E={E_k}")
+    if S_v != S:
+        raise ValueError(f"k and v must have the same length S: k has S={S}, v has S={S_v}")
+    if G_v != G:
+        raise ValueError(f"k and v must have the same number of heads: k has {G}, v has {G_v}")
+    if G == 0 or H % G != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G} (grouped-query attention)")
+    if min(L, S, E, Ev) == 0 or math.prod(batch_shape) == 0:
+        raise ValueError(f"empty inputs: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    normalized = normalize_mask(mask, q, batch_shape, H, L, S)
+    N = math.prod(batch_shape)
+    return AttentionProblem(
+        q=q.reshape(N, H, L, E),  # (N, H, L, E)
+        k=k.reshape(N, G, S, E),  # (N, G, S, E)
+        v=v.reshape(N, G, S, Ev),  # (N, G, S, Ev)
+        mask=normalized,
+        batch_shape=batch_shape,
+        H=H, G=G, L=L, S=S, E=E, Ev=Ev,
+        scale=float(scale),
+        dropout=float(dropout),
+    )
+
+
+def normalize_mask(
+    mask: torch.Tensor | Mask | None,
+    q: torch.Tensor,
+    batch_shape: tuple[int, ...],
+    H: int,
+    L: int,
+    S: int,
+) -> torch.Tensor | Mask | None:
+    """Check a mask against (*batch, H, L, S) and bring a tensor mask to (N | 1, H | 1, L, S)."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"mask must be None, a bool or float torch.Tensor, or a qkv.masks object; got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or floating point (added to scores), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    target = (*batch_shape, H, L, S)
+    if mask.ndim > len(target) or any(
+        m not in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
+    ):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (*batch, H, L, S) = {target}")
+    full = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))  # (*batch | 1, H | 1, L | 1, S | 1)
+    lead = full.shape[: len(batch_shape)]
+    heads = full.shape[-3]
+    if all(b == 1 for b in lead):
+        full = full.reshape(1, heads, full.shape[-2], full.shape[-1])  # (1, H | 1, L | 1, S | 1)
+    else:
+        full = full.expand(*batch_shape, heads, full.shape[-2], full.shape[-1])
+        full = full.reshape(-1, heads, full.shape[-2], full.shape[-1])  # (N, H | 1, L | 1, S | 1)
+    return full.expand(full.shape[0], heads, L, S)  # (N | 1, H | 1, L, S)

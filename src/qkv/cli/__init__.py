@@ -1,0 +1,14 @@
+"""The `qkv` command: one module per subcommand, all registered on one typer app."""
+
+from __future__ import annotations
+
+from qkv.cli._app import app
+
+# Each import registers its subcommands on `app`.
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Entry point of the `qkv` console script and of `python -m qkv`."""
+    app()

@@ -1,0 +1,31 @@
+"""The typer application that every `qkv` subcommand registers on, and the CLI's error rule.
+
+Commands import their heavy dependencies (PyTorch, the model) inside the command body, so
+that `qkv --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="qkv",
+    help="Attention as the seed articles teach it: worked examples, a real model's attention, benchmarks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+USAGE_ERROR = 2
+
+
+def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
+    """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)

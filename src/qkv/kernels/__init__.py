@@ -1,0 +1,1 @@
+"""The paths that compute attention; `qkv.functional` picks one of them in one place."""

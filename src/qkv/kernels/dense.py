@@ -1,0 +1,198 @@
+"""Dense paths: the explicit "math" path and PyTorch's fused SDPA kernels.
+
+Both take the flattened problem of `qkv._problem`: q (N, H, L, E), k (N, G, S, E),
+v (N, G, S, Ev) and a mask that is None, is_causal, or a tensor (N | 1, H | 1, L, S).
+
+- `math_attention` materializes scores and weights in float32 or wider (the softmax state
+  of DESIGN.md) and reads grouped key/value heads without copying them.
+- `fused_attention` calls `torch.nn.functional.scaled_dot_product_attention`, the kernels
+  people run. Query rows with no visible key are made harmless before the call (their mask
+  row is opened) and zeroed after it, so neither the forward nor the backward sees a NaN.
+  On CPU, when the caller needs the log-sum-exp, it calls the flash kernel that SDPA
+  dispatches to (`aten._scaled_dot_product_flash_attention_for_cpu`), which returns it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qkv.kernels.softmax import masked_softmax
+
+__all__ = [
+    "accumulation_dtype",
+    "attention_weights_dense",
+    "dense_lse",
+    "fused_attention",
+    "fused_lse_available",
+    "math_attention",
+]
+
+_NEG_INF = float("-inf")
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax state and accumulation happen in float32 at least (float64 stays float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scores_with_mask(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, causal_offset: int | None
+) -> torch.Tensor:
+    """Scaled scores (N, G, r, L, S) with masked entries at -inf, in the accumulation dtype."""
+    N, H, L, E = q.shape
+    G, S = k.shape[1], k.shape[2]
+    acc = accumulation_dtype(q.dtype)
+    q5 = q.to(acc).reshape(N, G, H // G, L, E)  # (N, G, r, L, E): query heads grouped by kv head
+    k5 = k.to(acc).unsqueeze(2)  # (N, G, 1, S, E)
+    scores = torch.matmul(q5, k5.transpose(-1, -2)) * scale  # (N, G, r, L, S)
+    if causal_offset is not None:
+        # query i may see key j when j <= i + offset (offset S - L is bottom-right, 0 top-left)
+        visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)  # (L, S)
+        scores = scores.masked_fill(~visible, _NEG_INF)
+    if mask is not None:
+        m = _group_heads(mask, G, H)  # (N | 1, G | 1, r | 1, L, S)
+        if m.dtype == torch.bool:
+            scores = scores.masked_fill(~m, _NEG_INF)
+        else:
+            scores = scores + m.to(acc)
+    return scores
+
+
+def _group_heads(mask: torch.Tensor, G: int, H: int) -> torch.Tensor:
+    """(N | 1, H | 1, L, S) -> (N | 1, G | 1, r | 1, L, S) to match grouped query heads."""
+    n, h, L, S = mask.shape
+    if h == 1:
+        return mask.unsqueeze(1)  # (N | 1, 1, 1, L, S)
+    return mask.reshape(n, G, H // G, L, S)  # (N | 1, G, r, L, S)
+
+
+def attention_weights_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal_offset: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact probabilities (N, H, L, S) and lse (N, H, L), in the accumulation dtype."""
+    N, H, L, _ = q.shape
+    S = k.shape[2]
+    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset))  # (N, G, r, L, S)
+    return weights.reshape(N, H, L, S), lse.reshape(N, H, L)  # (N, H, L, S), (N, H, L)
+
+
+def math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    causal_offset: int | None = None,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v, every intermediate materialized.
+
+    ``causal_offset``: query i may see key j only when j <= i + offset. Returns (output (N, H, L, Ev) in q's dtype,
+    weights (N, H, L, S) as used for the output, i.e. after dropout, and lse (N, H, L)).
+    """
+    N, H, L, _ = q.shape
+    G, S, Ev = v.shape[1], v.shape[2], v.shape[3]
+    acc = accumulation_dtype(q.dtype)
+    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset))  # (N, G, r, L, S)
+    if dropout > 0.0:
+        keep = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=acc) >= dropout
+        weights = weights * keep / (1.0 - dropout)
+    out = torch.matmul(weights, v.to(acc).unsqueeze(2))  # (N, G, r, L, Ev)
+    return (
+        out.reshape(N, H, L, Ev).to(q.dtype),  # (N, H, L, Ev)
+        weights.reshape(N, H, L, S),  # (N, H, L, S)
+        lse.reshape(N, H, L),  # (N, H, L)
+    )
+
+
+def fused_lse_available(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused kernel can return the log-sum-exp: PyTorch's CPU flash kernel, E == Ev."""
+    return (
+        q.device.type == "cpu"
+        and q.shape[-1] == v.shape[-1]
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+# Query rows per chunk when the log-sum-exp is computed apart from the output: bounds the
+# scores held at once to (N, H, _LSE_CHUNK, S).
+_LSE_CHUNK = 256
+
+
+def dense_lse(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, causal_offset: int | None = None
+) -> torch.Tensor:
+    """log sum_j exp(score_ij) (N, H, L) without holding the whole score matrix (no gradient)."""
+    N, H, L, _ = q.shape
+    parts = []
+    with torch.no_grad():
+        for start in range(0, L, _LSE_CHUNK):
+            stop = min(L, start + _LSE_CHUNK)
+            rows = mask[..., start:stop, :] if mask is not None else None
+            offset = None if causal_offset is None else causal_offset + start
+            scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset)  # (N, G, r, l, S)
+            parts.append(torch.logsumexp(scores, dim=-1).reshape(N, H, stop - start))  # (N, H, l)
+    return torch.cat(parts, dim=-1)  # (N, H, L)
+
+
+def _expand_kv(x: torch.Tensor, H: int) -> torch.Tensor:
+    """(N, G, S, D) -> (N, H, S, D), kv head g serving query heads g*r .. g*r + r - 1."""
+    N, G, S, D = x.shape
+    if G == H:
+        return x
+    return x.unsqueeze(2).expand(N, G, H // G, S, D).reshape(N, H, S, D)  # (N, H, S, D)
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    is_causal: bool = False,
+    dropout: float = 0.0,
+    need_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PyTorch's SDPA. ``is_causal`` is SDPA's (top-left). Returns (output (N, H, L, Ev), lse (N, H, L) or None)."""
+    H = q.shape[1]
+    empty_rows: torch.Tensor | None = None
+    if mask is not None:
+        visible = mask if mask.dtype == torch.bool else mask != _NEG_INF  # (N | 1, H | 1, L, S)
+        has_key = visible.any(dim=-1, keepdim=True)  # (N | 1, H | 1, L, 1)
+        if not bool(has_key.all()):
+            empty_rows = ~has_key
+            # Open the empty rows so that the kernel computes something finite there; the
+            # rows are zeroed below, which also zeroes their gradient.
+            mask = mask | empty_rows if mask.dtype == torch.bool else mask.masked_fill(empty_rows, 0.0)
+    if need_lse:
+        if mask is not None:
+            additive = mask.to(q.dtype) if mask.is_floating_point() else torch.zeros(
+                mask.shape, dtype=q.dtype, device=q.device
+            ).masked_fill(~mask, _NEG_INF)
+        else:
+            additive = None
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand_kv(k, H), _expand_kv(v, H), dropout, is_causal, attn_mask=additive, scale=scale
+        )
+        lse = lse.detach().to(accumulation_dtype(q.dtype))  # (N, H, L)
+    else:
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(q.dtype)
+        gqa = k.shape[1] != H
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+        lse = None
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+        if lse is not None:
+            lse = lse.masked_fill(empty_rows.squeeze(-1), _NEG_INF)
+    return out, lse

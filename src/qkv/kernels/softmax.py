@@ -1,0 +1,29 @@
+"""Softmax with explicit empty-row handling, shared by every materialized path.
+
+A row whose keys are all masked has a maximum of -inf; the textbook formula then computes
+exp(-inf - (-inf)) = NaN. Here such a row gets zero weights and lse = -inf, and its
+gradient is zero: the shift and the denominator are replaced by harmless constants (0 and 1)
+before they are used, so no NaN appears in the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["masked_softmax"]
+
+
+def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last axis of scores (..., S) where masked entries are -inf.
+
+    Returns (weights (..., S), lse (...)), lse = log sum_j exp(scores_j), -inf for empty rows.
+    """
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., 1)
+    empty = row_max == float("-inf")  # (..., 1)
+    shift = row_max.masked_fill(empty, 0.0)
+    exponentials = torch.exp(scores - shift)  # (..., S), exactly 0 where masked
+    sums = exponentials.sum(dim=-1, keepdim=True)  # (..., 1)
+    safe_sums = sums.masked_fill(empty, 1.0)
+    weights = exponentials / safe_sums
+    lse = (torch.log(safe_sums) + shift).masked_fill(empty, float("-inf"))
+    return weights, lse.squeeze(-1)

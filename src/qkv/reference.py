@@ -1,0 +1,263 @@
+"""The NumPy float64 reference: attention exactly as the seed articles write it.
+
+Every function here is one step of the articles, in the order they teach it:
+
+1. project:  Q = X W_Q,  K = X W_K,  V = X W_V        (W_Q, W_K: D x E, W_V: D x Ev)
+2. score:    scores = Q K^T                             (L x S)
+3. scale:    scaled = scores / sqrt(d_k)                (or a custom scale)
+4. softmax:  weights = softmax(scaled) row by row       (rows sum to 1)
+5. mix:      output = weights V                         (L x Ev)
+
+Together: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
+
+This module depends on NumPy alone, computes in float64, and is the oracle that every fast
+path in qkv is tested against. It is written to be read, not to be fast: every intermediate
+is materialized and returned in a `Trace`.
+
+Masks: a boolean mask is True where a query may attend to a key; a float mask is added to
+the scaled scores. A query row that may attend to nothing gets zero weights and a zero
+output (never NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+Array = NDArray[np.float64]
+
+__all__ = [
+    "MultiHeadTrace",
+    "Trace",
+    "attention",
+    "cross_attention",
+    "mix",
+    "multi_head_attention",
+    "project",
+    "scale_scores",
+    "scores",
+    "self_attention",
+    "softmax",
+]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Every intermediate of one scaled dot-product attention.
+
+    Shapes (leading batch/head axes ``...`` are carried through):
+    q (..., L, E), k (..., S, E), v (..., S, Ev), scores and scaled and weights (..., L, S),
+    output (..., L, Ev). ``lse`` (..., L) is the log of each row's softmax denominator
+    (-inf for a row that sees no key).
+    """
+
+    q: Array
+    k: Array
+    v: Array
+    scores: Array
+    scaled: Array
+    weights: Array
+    output: Array
+    lse: Array
+    scale: float
+
+
+@dataclass(frozen=True)
+class MultiHeadTrace:
+    """Every intermediate of multi-head attention.
+
+    ``heads`` is a Trace whose arrays carry a head axis before (L, ...): q (..., H, L, E).
+    concat (..., L, H * Ev) is the heads' outputs side by side; output (..., L, D) = concat W_O.
+    """
+
+    heads: Trace
+    concat: Array
+    output: Array
+
+
+def _as_float64(x: ArrayLike, name: str) -> Array:
+    array = np.asarray(x, dtype=np.float64)
+    if array.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions (..., length, dim), got shape {array.shape}")
+    return array
+
+
+def project(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None) -> Array:
+    """Step 1, projection: ``x @ w (+ b)``. x (..., L, D), w (D, E) -> (..., L, E)."""
+    out = np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64)
+    if b is not None:
+        out = out + np.asarray(b, dtype=np.float64)
+    return out
+
+
+def scores(q: ArrayLike, k: ArrayLike) -> Array:
+    """Step 2, relevance: ``scores[i, j] = q_i . k_j``, i.e. Q K^T. (..., L, E), (..., S, E) -> (..., L, S)."""
+    k = np.asarray(k, dtype=np.float64)
+    return np.asarray(q, dtype=np.float64) @ np.swapaxes(k, -1, -2)
+
+
+def scale_scores(raw: ArrayLike, d_k: int, scale: float | None = None) -> Array:
+    """Step 3, scaling: ``scores / sqrt(d_k)``, or ``scores * scale`` when a scale is given.
+
+    Why: for q, k with unit-variance entries, var(q . k) = d_k; dividing by sqrt(d_k) brings
+    it back to 1 so that softmax does not saturate.
+    """
+    factor = 1.0 / np.sqrt(d_k) if scale is None else float(scale)
+    return np.asarray(raw, dtype=np.float64) * factor
+
+
+def softmax(scaled: ArrayLike, mask: ArrayLike | None = None) -> tuple[Array, Array]:
+    """Step 4, weights: ``softmax(x)_j = exp(x_j) / sum_t exp(x_t)`` over the last axis.
+
+    Numerically stable (the row maximum is subtracted first, which changes nothing since
+    softmax(x + c) = softmax(x)). ``mask``: bool (True = may attend) or float (added).
+    Returns (weights, lse) with lse = log sum_t exp(x_t); a row with no visible key gets
+    zero weights and lse = -inf.
+    """
+    x = np.array(scaled, dtype=np.float64)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_:
+            x = np.where(mask, x, -np.inf)
+        else:
+            x = x + mask.astype(np.float64)
+    row_max = np.max(x, axis=-1, keepdims=True)
+    empty = ~np.isfinite(row_max)  # every key masked (row max is -inf)
+    shifted = x - np.where(empty, 0.0, row_max)
+    exponentials = np.exp(shifted)
+    sums = exponentials.sum(axis=-1, keepdims=True)
+    weights = np.where(empty, 0.0, exponentials / np.where(empty, 1.0, sums))
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, sums)) + np.where(empty, 0.0, row_max))
+    return weights, lse[..., 0]
+
+
+def mix(weights: ArrayLike, v: ArrayLike) -> Array:
+    """Step 5, mixing: ``output_i = sum_j weights[i, j] v_j``, i.e. weights V. (..., L, S), (..., S, Ev) -> (..., L, Ev)."""
+    return np.asarray(weights, dtype=np.float64) @ np.asarray(v, dtype=np.float64)
+
+
+def _repeat_kv_heads(q: Array, kv: Array) -> Array:
+    """Grouped-query attention: query head h reads key/value head h // (H // G)."""
+    if q.ndim < 3 or kv.ndim < 3 or q.shape[-3] == kv.shape[-3]:
+        return kv
+    heads, groups = q.shape[-3], kv.shape[-3]
+    if heads % groups != 0:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({groups})")
+    return np.repeat(kv, heads // groups, axis=-3)
+
+
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    scale: float | None = None,
+) -> Trace:
+    """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d_k) + mask) V``, every step kept.
+
+    q (..., L, E), k (..., S, E), v (..., S, Ev); with head axes (..., H, L, E) and
+    (..., G, S, E), H a multiple of G (grouped-query attention). ``mask`` is broadcastable
+    to (..., L, S): bool True = may attend, or float added to the scaled scores.
+    """
+    q = _as_float64(q, "q")
+    k = _as_float64(k, "k")
+    v = _as_float64(v, "v")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share their last dimension E, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same length S, got {k.shape[-2]} and {v.shape[-2]}")
+    k, v = _repeat_kv_heads(q, k), _repeat_kv_heads(q, v)
+    d_k = q.shape[-1]
+    raw = scores(q, k)  # (..., L, S)
+    scaled = scale_scores(raw, d_k, scale)  # (..., L, S)
+    weights, lse = softmax(scaled, mask)  # (..., L, S), (..., L)
+    output = mix(weights, v)  # (..., L, Ev)
+    used_scale = 1.0 / np.sqrt(d_k) if scale is None else float(scale)
+    return Trace(q=q, k=k, v=v, scores=raw, scaled=scaled, weights=weights, output=output, lse=lse, scale=used_scale)
+
+
+def self_attention(
+    x: ArrayLike,
+    w_q: ArrayLike,
+    w_k: ArrayLike,
+    w_v: ArrayLike,
+    mask: ArrayLike | None = None,
+    scale: float | None = None,
+) -> Trace:
+    """Self-attention: queries, keys and values all come from the same sequence x.
+
+    x (..., L, D); w_q, w_k (D, E); w_v (D, Ev). Q = X W_Q, K = X W_K, V = X W_V, then
+    ``attention(Q, K, V)``. Output (..., L, Ev): one new vector per token.
+    """
+    return cross_attention(x, x, w_q, w_k, w_v, mask=mask, scale=scale)
+
+
+def cross_attention(
+    x: ArrayLike,
+    context: ArrayLike,
+    w_q: ArrayLike,
+    w_k: ArrayLike,
+    w_v: ArrayLike,
+    mask: ArrayLike | None = None,
+    scale: float | None = None,
+) -> Trace:
+    """Cross-attention: queries from x, keys and values from another sequence, ``context``.
+
+    x (..., L, D), context (..., S, Dc); w_q (D, E), w_k (Dc, E), w_v (Dc, Ev). The decoder
+    reading the encoder: Q = X W_Q, K = C W_K, V = C W_V. Output (..., L, Ev).
+    """
+    x = _as_float64(x, "x")
+    context = _as_float64(context, "context")
+    q = project(x, w_q)  # (..., L, E)
+    k = project(context, w_k)  # (..., S, E)
+    v = project(context, w_v)  # (..., S, Ev)
+    return attention(q, k, v, mask=mask, scale=scale)
+
+
+def multi_head_attention(
+    x: ArrayLike,
+    w_q: Sequence[ArrayLike] | ArrayLike,
+    w_k: Sequence[ArrayLike] | ArrayLike,
+    w_v: Sequence[ArrayLike] | ArrayLike,
+    w_o: ArrayLike,
+    *,
+    context: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    scale: float | None = None,
+    b_q: ArrayLike | None = None,
+    b_k: ArrayLike | None = None,
+    b_v: ArrayLike | None = None,
+    b_o: ArrayLike | None = None,
+) -> MultiHeadTrace:
+    """Multi-head attention: H heads, each with its own W_Q, W_K, W_V in a smaller subspace.
+
+    head_h = Attention(X W_Q^h, C W_K^g, C W_V^g)  with g = h // (H // G)
+    output = concat(head_1, ..., head_H) W_O (+ b_O)
+
+    x (..., L, D); context (..., S, Dc), default x (self-attention); w_q (H, D, E);
+    w_k (G, Dc, E); w_v (G, Dc, Ev); w_o (H * Ev, D_out); optional biases b_q (H, E),
+    b_k (G, E), b_v (G, Ev), b_o (D_out,). ``mask`` is broadcastable to (..., H, L, S).
+    """
+    x = _as_float64(x, "x")
+    context = x if context is None else _as_float64(context, "context")
+    w_q, w_k, w_v = (np.asarray(w, dtype=np.float64) for w in (w_q, w_k, w_v))
+    q = np.einsum("...ld,hde->...hle", x, w_q)  # (..., H, L, E)
+    k = np.einsum("...sd,gde->...gse", context, w_k)  # (..., G, S, E)
+    v = np.einsum("...sd,gde->...gse", context, w_v)  # (..., G, S, Ev)
+    if b_q is not None:
+        q = q + np.asarray(b_q, dtype=np.float64)[:, None, :]
+    if b_k is not None:
+        k = k + np.asarray(b_k, dtype=np.float64)[:, None, :]
+    if b_v is not None:
+        v = v + np.asarray(b_v, dtype=np.float64)[:, None, :]
+    heads = attention(q, k, v, mask=mask, scale=scale)
+    out = np.swapaxes(heads.output, -3, -2)  # (..., L, H, Ev)
+    concat = out.reshape(*out.shape[:-2], -1)  # (..., L, H * Ev)
+    output = concat @ np.asarray(w_o, dtype=np.float64)  # (..., L, D_out)
+    if b_o is not None:
+        output = output + np.asarray(b_o, dtype=np.float64)
+    return MultiHeadTrace(heads=heads, concat=concat, output=output)
