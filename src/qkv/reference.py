@@ -33,6 +33,7 @@ __all__ = [
     "MultiHeadTrace",
     "Trace",
     "attention",
+    "attention_grads",
     "cross_attention",
     "mix",
     "multi_head_attention",
@@ -63,6 +64,7 @@ class Trace:
     output: Array
     lse: Array
     scale: float
+    kv_heads: int | None = None  # G when the caller's k and v had fewer heads than q
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ def attention(
         raise ValueError(f"q and k must share their last dimension E, got {q.shape[-1]} and {k.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same length S, got {k.shape[-2]} and {v.shape[-2]}")
+    kv_heads = k.shape[-3] if k.ndim >= 3 and q.ndim >= 3 and k.shape[-3] != q.shape[-3] else None
     k, v = _repeat_kv_heads(q, k), _repeat_kv_heads(q, v)
     d_k = q.shape[-1]
     raw = scores(q, k)  # (..., L, S)
@@ -177,7 +180,44 @@ def attention(
     weights, lse = softmax(scaled, mask)  # (..., L, S), (..., L)
     output = mix(weights, v)  # (..., L, Ev)
     used_scale = 1.0 / np.sqrt(d_k) if scale is None else float(scale)
-    return Trace(q=q, k=k, v=v, scores=raw, scaled=scaled, weights=weights, output=output, lse=lse, scale=used_scale)
+    return Trace(
+        q=q, k=k, v=v, scores=raw, scaled=scaled, weights=weights, output=output, lse=lse,
+        scale=used_scale, kv_heads=kv_heads,
+    )
+
+
+def attention_grads(trace: Trace, d_output: ArrayLike) -> tuple[Array, Array, Array]:
+    """Gradients of a scalar loss with respect to q, k and v, given d_output = dloss/doutput.
+
+    The chain rule through the five steps, backwards:
+
+    dV = P^T dO                                  (mix)
+    dP = dO V^T
+    dX = P * (dP - rowsum(dP * P))               (softmax; X are the scaled scores)
+    dQ = scale * dX K,   dK = scale * dX^T Q     (scale, then score)
+
+    Masked entries have P = 0 and so receive no gradient; a fully masked row contributes
+    nothing. With grouped-query attention the gradients of the key/value heads that serve
+    several query heads are summed over those heads. Shapes: dq like trace.q, dk and dv like
+    the k and v passed to `attention` (before heads were repeated).
+    """
+    d_out = np.asarray(d_output, dtype=np.float64)
+    p = trace.weights
+    dv = np.swapaxes(p, -1, -2) @ d_out  # (..., S, Ev)
+    dp = d_out @ np.swapaxes(trace.v, -1, -2)  # (..., L, S)
+    dx = p * (dp - (dp * p).sum(axis=-1, keepdims=True))  # (..., L, S)
+    dq = trace.scale * dx @ trace.k  # (..., L, E)
+    dk = trace.scale * np.swapaxes(dx, -1, -2) @ trace.q  # (..., S, E)
+    return dq, _sum_repeated_heads(dk, trace.kv_heads), _sum_repeated_heads(dv, trace.kv_heads)
+
+
+def _sum_repeated_heads(grad: Array, kv_heads: int | None) -> Array:
+    """Undo `_repeat_kv_heads` for a gradient: (..., H, S, D) -> (..., G, S, D) by summing."""
+    if kv_heads is None or grad.shape[-3] == kv_heads:
+        return grad
+    heads = grad.shape[-3]
+    grouped = grad.reshape(*grad.shape[:-3], kv_heads, heads // kv_heads, *grad.shape[-2:])  # (..., G, r, S, D)
+    return grouped.sum(axis=-3)
 
 
 def self_attention(

@@ -98,7 +98,7 @@ def math_attention(
     weights (N, H, L, S) as used for the output, i.e. after dropout, and lse (N, H, L)).
     """
     N, H, L, _ = q.shape
-    G, S, Ev = v.shape[1], v.shape[2], v.shape[3]
+    S, Ev = v.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
     weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset))  # (N, G, r, L, S)
     if dropout > 0.0:
