@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import qkv.cli.examples  # registers `qkv examples`
+import qkv.cli.tour  # registers `qkv tour`
 from qkv.cli._app import app
 
 # Each import registers its subcommands on `app`.

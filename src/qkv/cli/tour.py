@@ -1,0 +1,96 @@
+"""`qkv tour`: the whole of qkv in one run, section by section.
+
+A section is a function that renders itself (unless the tour prints JSON) and returns its
+results as JSON-compatible data; the tour runs `SECTIONS` in order. The first section runs
+the seed articles' worked examples, starting with the address book, and shows that
+`qkv.reference`, `qkv.attention` and PyTorch's SDPA agree on it. Later sections (a real
+pretrained model, the attention viewer) are appended to `SECTIONS`.
+
+    qkv tour            every step of every section
+    qkv tour --quiet    one line per step
+    qkv tour --json     every result, unrounded, as JSON on stdout
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.rule import Rule
+from rich.text import Text
+
+from qkv.cli._app import app, console
+from qkv.cli.examples import example_json, render_example
+
+__all__ = ["SECTIONS", "Section", "TourContext", "examples_section", "run_tour", "tour_command"]
+
+
+@dataclass(frozen=True)
+class TourContext:
+    """How a section should report: ``out`` is None when nothing may be printed (--json)."""
+
+    out: Console | None
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the tour: ``run`` prints (through the context) and returns JSON-able data."""
+
+    name: str
+    title: str
+    run: Callable[[TourContext], dict[str, Any]]
+
+
+def examples_section(context: TourContext) -> dict[str, Any]:
+    """Every worked example in order; after the address book, its three-way agreement check."""
+    from qkv import examples
+    from qkv.examples import agreement
+
+    out = context.out
+    results: dict[str, Any] = {}
+    check: dict[str, Any] = {}
+    for example in examples.EXAMPLES.values():
+        result = example.run()
+        results[example.name] = example_json(example, result)
+        if out is not None:
+            render_example(out, example, result, quiet=context.quiet)
+        if example.name == "address-book":
+            agreed = agreement.run()
+            check = agreed.to_json() | {"max_difference": agreed.max_difference}
+            if out is not None:
+                if context.quiet:
+                    out.print(Text.assemble(("agreement: ", "bold"), agreed.headline()))
+                else:
+                    out.print(agreed.render())
+    return {"examples": results, "agreement": check}
+
+
+SECTIONS: list[Section] = [
+    Section("examples", "The seed articles' worked examples", examples_section),
+]
+
+
+def run_tour(context: TourContext, sections: list[Section] | None = None) -> dict[str, Any]:
+    """Run ``sections`` (default: all of SECTIONS) in order; their results by name."""
+    results: dict[str, Any] = {}
+    for section in SECTIONS if sections is None else sections:
+        if context.out is not None:
+            context.out.print(Rule(Text(section.title, style="bold reverse")))
+        results[section.name] = section.run(context)
+    return results
+
+
+@app.command("tour")
+def tour_command(
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per step instead of every table.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every result, unrounded, as JSON.")] = False,
+) -> None:
+    """A guided run through qkv: the articles' examples, checked against PyTorch's SDPA."""
+    results = run_tour(TourContext(out=None if as_json else console, quiet=quiet))
+    if as_json:
+        typer.echo(json.dumps({"sections": results}, ensure_ascii=False, allow_nan=False))

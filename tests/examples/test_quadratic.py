@@ -1,0 +1,53 @@
+"""n^2 scores; the materialized path's memory grows 4x per doubling; the window visits ~n."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+
+from qkv.examples import quadratic
+
+
+@pytest.fixture(scope="module")
+def result() -> quadratic.Result:
+    return quadratic.run()
+
+
+def test_scores_quadruple(result: quadratic.Result) -> None:
+    assert [r.n for r in result.sizes] == list(quadratic.SIZES)
+    for before, after in pairwise(result.sizes):
+        assert after.n == 2 * before.n
+        assert after.scores == 4 * before.scores == after.n**2
+
+
+def test_measured_memory_quadruples(result: quadratic.Result) -> None:
+    peaks = [r.reference_peak_bytes for r in result.sizes]
+    for before, after in pairwise(peaks):
+        assert 3.5 < after / before < 4.5
+    # at least the scores and the weights, float64, are materialized at once
+    last = result.sizes[-1]
+    assert last.reference_peak_bytes >= 2 * 8 * last.scores
+
+
+def test_time_grows(result: quadratic.Result) -> None:
+    # 64x the scores from the smallest to the largest n; timings on a shared machine are noisy,
+    # so only a clear growth is asserted
+    first, last = result.sizes[0], result.sizes[-1]
+    assert last.reference_seconds > 4 * first.reference_seconds
+    assert last.math_seconds > 4 * first.math_seconds
+    assert "math" in result.explain_dense
+
+
+def test_sliding_window_path(result: quadratic.Result) -> None:
+    if not quadratic.window_available():
+        assert result.windows == () and result.window_max_difference is None
+        return
+    from qkv.masks import sliding_window
+
+    window = sliding_window(quadratic.WINDOW_LEFT)
+    for row in result.windows:
+        assert row.visited == int(window.to_dense(row.n, row.n).sum())
+        assert row.visited < (quadratic.WINDOW_LEFT + 1) * row.n
+    assert result.window_max_difference is not None and result.window_max_difference < 1e-5
+    assert result.explain_window
