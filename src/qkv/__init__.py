@@ -22,12 +22,12 @@ _EXPORTS: dict[str, str] = {
     "explain": "qkv.functional",
     "Explanation": "qkv.functional",
 }
-_SUBMODULES = ("masks", "reference", "functional", "examples")
+_SUBMODULES = ("masks", "reference", "functional", "examples", "viz")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:
-    from qkv import examples, functional, masks, reference
+    from qkv import examples, functional, masks, reference, viz
     from qkv.functional import Explanation, attention, explain
 
 

@@ -2,7 +2,8 @@
 
 Tokens, their character offsets and word ids, the exact attention probabilities of every
 layer and head, and the hidden state after every layer. The viewers (`qkv.viz`) and the
-CLI read this object; nothing is stashed inside the model (attention maps are returned,
+CLI read this object; `Inspection.find`, `Inspection.top_attended` and `context_similarity`
+answer the seeds' questions (where does "it" look? does "bank" change with its context?); nothing is stashed inside the model (attention maps are returned,
 never kept as side state).
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Inspection", "word_groups"]
+__all__ = ["Inspection", "context_similarity", "word_groups"]
 
 
 def word_groups(word_ids: list[int | None]) -> list[list[int]]:
@@ -83,3 +84,74 @@ class Inspection:
         keys_summed = self.attentions @ assign  # (layers, heads, T, W)
         mean_over_pieces = assign / assign.sum(dim=0, keepdim=True)  # (T, W), columns sum to 1
         return mean_over_pieces.T @ keys_summed  # (layers, heads, W, W)
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows the attention viewer, isolated in a sandboxed iframe."""
+        from qkv.viz.viewer import render_inline  # the viewer is only needed in a notebook
+
+        return render_inline(self)
+
+    # -- questions asked of an inspection ------------------------------------------------------
+
+    def find(self, word: str, occurrence: int = 0) -> list[int]:
+        """Token indices of ``word`` in the text (case-insensitive), e.g. [5, 6] for a word split
+        into two pieces. The match must cover whole words: "it" is not found inside "fits", nor
+        "unbel" in "unbelievable"; it may span several words ("New York"). ``occurrence`` picks
+        the n-th match (0 = first). Raises ValueError naming the word when it is not there."""
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"word must be a non-empty str, got {word!r}")
+        target = word.strip().lower()
+        real_groups = [g for g in self.groups if self.word_ids[g[0]] is not None]
+        word_ends = {self.offsets[g[-1]][1] for g in real_groups}
+        real = [i for g in real_groups for i in g]
+        matches: list[list[int]] = []
+        for group in real_groups:
+            start = self.offsets[group[0]][0]
+            end = start + len(target)
+            if self.text[start:end].lower() == target and end in word_ends:
+                matches.append([j for j in real if start <= self.offsets[j][0] and self.offsets[j][1] <= end])
+        if not matches:
+            words = [self.text[self.offsets[g[0]][0] : self.offsets[g[-1]][1]] for g in real_groups]
+            raise ValueError(f"{word!r} is not a word of the text; its words are {words}")
+        if not 0 <= occurrence < len(matches):
+            raise ValueError(f"{word!r} occurs {len(matches)} time(s) in the text; occurrence={occurrence} is out of range")
+        return matches[occurrence]
+
+    def top_attended(
+        self, query: int | list[int], layer: int, head: int, k: int = 5
+    ) -> list[tuple[int, float]]:
+        """The k keys that ``query`` attends to most in (layer, head), as (token index, weight),
+        heaviest first. ``query`` is a token index, or a word's token indices (see `find`), whose
+        rows are averaged (a word looks the way its pieces look on average)."""
+        rows = [query] if isinstance(query, int) else list(query)
+        T = len(self.tokens)
+        if not rows or any(not isinstance(r, int) or not 0 <= r < T for r in rows):
+            raise ValueError(f"query must be token indices in [0, {T}), got {query!r}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"head must be in [0, {self.num_heads}), got {head}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        weights = self.attentions[layer, head, rows].mean(dim=0)  # (T,)
+        top = torch.topk(weights, min(k, T))
+        return [(int(i), float(w)) for w, i in zip(top.values, top.indices, strict=True)]
+
+    def word_vectors(self, word: str, occurrence: int = 0) -> torch.Tensor:
+        """``word``'s vector after every layer (layers + 1, D): the mean over its tokens."""
+        return self.hidden_states[:, self.find(word, occurrence)].mean(dim=1)  # (layers + 1, D)
+
+
+def context_similarity(a: Inspection, b: Inspection, word: str) -> torch.Tensor:
+    """Cosine similarity (layers + 1,) between ``word``'s vectors in two inspected texts, layer
+    by layer; index 0 compares the embedding outputs. A word's vector starts from the same
+    token embedding in both texts and drifts apart as attention mixes in each context (the
+    seeds' "apple" the fruit vs the company)."""
+    if a.hidden_states.shape[0] != b.hidden_states.shape[0] or a.hidden_states.shape[-1] != b.hidden_states.shape[-1]:
+        raise ValueError(
+            f"the inspections come from different models: hidden states {tuple(a.hidden_states.shape)} "
+            f"and {tuple(b.hidden_states.shape)}"
+        )
+    vectors_a = a.word_vectors(word)  # (layers + 1, D)
+    vectors_b = b.word_vectors(word)  # (layers + 1, D)
+    return torch.nn.functional.cosine_similarity(vectors_a, vectors_b, dim=-1)  # (layers + 1,)

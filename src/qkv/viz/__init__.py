@@ -1,0 +1,44 @@
+"""Looking at attention: matplotlib heatmaps and a standalone HTML viewer.
+
+- `heatmap` (one head), `heatmap_grid` (all heads of a layer, shared colour scale),
+  `save_heatmap` (either, to PNG / SVG): see `qkv.viz.heatmaps`.
+- `draw_mask`: which (query, key) pairs a `qkv.masks` object allows, and its blocks.
+- `html` (one self-contained file), `render` (its text), `render_inline` (a sandboxed iframe
+  for Jupyter): see `qkv.viz.viewer`.
+
+Names resolve lazily: writing the HTML viewer never imports matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "heatmap": "qkv.viz.heatmaps",
+    "heatmap_grid": "qkv.viz.heatmaps",
+    "save_heatmap": "qkv.viz.heatmaps",
+    "draw_mask": "qkv.viz.maskplot",
+    "html": "qkv.viz.viewer",
+    "render": "qkv.viz.viewer",
+    "render_inline": "qkv.viz.viewer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from qkv.viz.heatmaps import heatmap, heatmap_grid, save_heatmap
+    from qkv.viz.maskplot import draw_mask
+    from qkv.viz.viewer import html, render, render_inline
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'qkv.viz' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,46 @@
+"""Inspections built by hand for the viz tests: random softmax maps and hostile token text.
+
+Building them here (not with the real model) keeps the tests fast and makes the expected
+numbers independent of the code under test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.inspect import Inspection
+
+# Token text that is markup, mathtext, a script terminator or a line break: all must show as typed.
+HOSTILE = "<img src=x onerror=alert(1)>"
+HOSTILE_TOKENS = [HOSTILE, "</script><b>x</b>", "$x$", "a&amp;b", "\u2028", "\\n"]
+
+
+def make_inspection(
+    words: list[list[str]], *, layers: int = 2, heads: int = 3, seed: int = 0
+) -> Inspection:
+    """[CLS] + the words' pieces + [SEP], with sharp random attention (rows sum to 1).
+
+    ``words`` lists each word's pieces, e.g. [["the"], ["tro", "##phy"]]. The text is the
+    pieces joined (without "##"), words separated by spaces.
+    """
+    tokens, offsets, word_ids = ["[CLS]"], [(0, 0)], [None]
+    text = ""
+    for w, pieces in enumerate(words):
+        if w:
+            text += " "
+        for piece in pieces:
+            bare = piece.removeprefix("##")
+            tokens.append(piece)
+            offsets.append((len(text), len(text) + len(bare)))
+            word_ids.append(w)
+            text += bare
+    tokens.append("[SEP]")
+    offsets.append((0, 0))
+    word_ids.append(None)
+    T = len(tokens)
+    generator = torch.Generator().manual_seed(seed)
+    # Scores with a wide spread so that some weights are near 1 and many near 0, as in real heads.
+    scores = 3.0 * torch.randn(layers, heads, T, T, generator=generator)
+    attentions = torch.softmax(scores, dim=-1)  # (layers, heads, T, T)
+    hidden = torch.randn(layers + 1, T, 8, generator=generator)
+    return Inspection(text, tokens, offsets, word_ids, attentions, hidden, model_name="handmade")
