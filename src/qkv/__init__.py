@@ -21,13 +21,17 @@ _EXPORTS: dict[str, str] = {
     "attention": "qkv.functional",
     "explain": "qkv.functional",
     "Explanation": "qkv.functional",
+    "MultiHeadAttention": "qkv.modules",
+    "KVCache": "qkv.cache",
 }
-_SUBMODULES = ("masks", "reference", "functional", "examples", "viz")
+_SUBMODULES = ("masks", "reference", "functional", "examples", "viz", "positional", "modules", "interop")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:
-    from qkv import examples, functional, masks, reference, viz
+    from qkv import examples, functional, interop, masks, modules, positional, reference, viz
+    from qkv.cache import KVCache
+    from qkv.modules import MultiHeadAttention
     from qkv.functional import Explanation, attention, explain
 
 
