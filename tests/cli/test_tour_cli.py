@@ -1,8 +1,12 @@
-"""`qkv tour`: every example in order with the address book's three-way agreement; --json, --quiet."""
+"""`qkv tour`: every example in order with the address book's three-way agreement, then the
+pretrained model's attention with heatmaps and viewers written to --out; --json, --quiet."""
 
 from __future__ import annotations
 
 import json
+import struct
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -10,6 +14,7 @@ from typer.testing import CliRunner
 from qkv import examples
 from qkv.cli import app
 from qkv.cli.tour import SECTIONS, Section, TourContext, run_tour
+from qkv.cli.tour_model import SENTENCES, TROPHY_BIG
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +22,16 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
-def test_tour_json(runner: CliRunner) -> None:
-    result = runner.invoke(app, ["tour", "--json"])
+@pytest.fixture(scope="module")
+def tour_json(runner: CliRunner, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("tour") / "nested" / "out"  # --out creates missing directories
+    result = runner.invoke(app, ["tour", "--json", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    return json.loads(result.stdout), out
+
+
+def test_tour_json_examples(tour_json: tuple[dict[str, Any], Path]) -> None:
+    data, _ = tour_json
     section = data["sections"]["examples"]
     assert list(section["examples"]) == examples.names()
     weights = section["examples"]["address-book"]["result"]["lookups"][0]["trace"]["weights"][0]
@@ -30,15 +41,56 @@ def test_tour_json(runner: CliRunner) -> None:
     assert agreement["max_difference"] < 1e-14
 
 
-def test_tour_quiet(runner: CliRunner) -> None:
-    result = runner.invoke(app, ["tour", "--quiet"])
+def test_tour_model_section_finds_heads_and_context(tour_json: tuple[dict[str, Any], Path]) -> None:
+    model = tour_json[0]["sections"]["model"]
+    assert model["sentences"]["trophy-big"] == TROPHY_BIG
+    heads = model["pronoun_heads"]
+    assert heads == sorted(heads, key=lambda r: -r["big_trophy"])
+    assert heads[0]["big_trophy"] > 0.3  # some head sends "it" clearly to "trophy"
+    for word, values in model["context_similarity"].items():
+        assert len(values) == 7, word  # embeddings + 6 layers
+        assert values[-1] < values[0], word  # the same word drifts apart with depth
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", header[16:24])
+
+
+def test_tour_writes_every_promised_file(tour_json: tuple[dict[str, Any], Path]) -> None:
+    data, out = tour_json
+    files = [Path(p) for p in data["sections"]["model"]["files"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in files)
+    for sentence in SENTENCES:
+        page = out / f"{sentence.slug}.html"
+        assert page.is_file()
+        assert "<script" in page.read_text(encoding="utf-8")
+    pngs = [p for p in files if p.suffix == ".png"]
+    assert len(pngs) >= 3
+    for png in pngs:
+        width, height = _png_size(png)
+        assert width > 200 and height > 200
+
+
+def test_tour_quiet(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["tour", "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.split(":")[0] in [*examples.names(), "agreement"]]
     assert [line.split(":")[0] for line in lines] == ["address-book", "agreement", *examples.names()[1:]]
     assert "69.1% Xi'an" in result.stdout
+    assert "trophy-big.html" in result.stdout
+
+
+def test_tour_refuses_a_file_as_out_dir(runner: CliRunner, tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    result = runner.invoke(app, ["tour", "--out", str(not_a_dir)])
+    assert result.exit_code == 2
+    assert "not a directory" in result.output
 
 
 def test_sections_extend() -> None:
-    assert SECTIONS[0].name == "examples"
+    assert [s.name for s in SECTIONS] == ["examples", "model"]
     extra = Section("extra", "An extra section", lambda context: {"quiet": context.quiet})
     assert run_tour(TourContext(out=None, quiet=True), [extra]) == {"extra": {"quiet": True}}

@@ -3,12 +3,14 @@
 A section is a function that renders itself (unless the tour prints JSON) and returns its
 results as JSON-compatible data; the tour runs `SECTIONS` in order. The first section runs
 the seed articles' worked examples, starting with the address book, and shows that
-`qkv.reference`, `qkv.attention` and PyTorch's SDPA agree on it. Later sections (a real
-pretrained model, the attention viewer) are appended to `SECTIONS`.
+`qkv.reference`, `qkv.attention` and PyTorch's SDPA agree on it. The second loads the
+embedded pretrained model, inspects the seeds' sentences and writes heatmaps and HTML
+viewers (`qkv.cli.tour_model`).
 
-    qkv tour            every step of every section
-    qkv tour --quiet    one line per step
-    qkv tour --json     every result, unrounded, as JSON on stdout
+    qkv tour                every step of every section, files into ./qkv-out/
+    qkv tour --out DIR      files into DIR
+    qkv tour --quiet        one line per step
+    qkv tour --json         every result, unrounded, as JSON on stdout
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -23,8 +26,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.text import Text
 
-from qkv.cli._app import app, console
+from qkv.cli._app import app, console, fail
 from qkv.cli.examples import example_json, render_example
+from qkv.cli.tour_model import model_section
 
 __all__ = ["SECTIONS", "Section", "TourContext", "examples_section", "run_tour", "tour_command"]
 
@@ -35,6 +39,7 @@ class TourContext:
 
     out: Console | None
     quiet: bool = False
+    out_dir: Path = Path("qkv-out")  # where sections write their files
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ def examples_section(context: TourContext) -> dict[str, Any]:
 
 SECTIONS: list[Section] = [
     Section("examples", "The seed articles' worked examples", examples_section),
+    Section("model", "A real pretrained model: all-MiniLM-L6-v2 on qkv's attention", model_section),
 ]
 
 
@@ -89,8 +95,13 @@ def run_tour(context: TourContext, sections: list[Section] | None = None) -> dic
 def tour_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per step instead of every table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every result, unrounded, as JSON.")] = False,
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Directory for the heatmaps and HTML viewers (created if missing).")
+    ] = Path("qkv-out"),
 ) -> None:
-    """A guided run through qkv: the articles' examples, checked against PyTorch's SDPA."""
-    results = run_tour(TourContext(out=None if as_json else console, quiet=quiet))
+    """A guided run through qkv: the articles' examples, then a real model's attention, drawn."""
+    if out_dir.exists() and not out_dir.is_dir():
+        fail(f"--out {out_dir} exists and is not a directory")
+    results = run_tour(TourContext(out=None if as_json else console, quiet=quiet, out_dir=out_dir))
     if as_json:
         typer.echo(json.dumps({"sections": results}, ensure_ascii=False, allow_nan=False))

