@@ -10,6 +10,7 @@ model (PyTorch included) is imported inside the commands so that `qkv --help` st
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -126,10 +127,22 @@ def inspect_command(
     head: Annotated[int | None, typer.Option("--head", help="Only this head (from 0).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many attended tokens to list per head.")] = 3,
     as_json: JsonOption = False,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
+    ] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option(
+            "--png",
+            help="Write a heatmap here (.png or .svg): all heads of --layer (default 0), or one head with --head.",
+        ),
+    ] = None,
 ) -> None:
     """Run TEXT through the model: its tokens, and where every head looks from --token."""
     if top < 1:
         fail(f"--top must be at least 1, got {top}")
+    _check_output(html, "--html", (".html", ".htm"))
+    _check_output(png, "--png", (".png", ".svg"))
     encoder = load_or_fail(model)
     inspection = inspect_or_fail(encoder, text)
     layers = _check_index(layer, inspection.num_layers, "layer")
@@ -141,6 +154,7 @@ def inspect_command(
         except ValueError as error:
             fail(str(error))
     rows = head_report(inspection, query, layers, heads, top) if query is not None else None
+    written = _write_artifacts(inspection, html, png, layer, head)
 
     if as_json:
         report: dict[str, Any] = {
@@ -153,6 +167,7 @@ def inspect_command(
         if query is not None:
             report["query"] = {"word": token, "indices": query}
             report["heads"] = rows
+        report["files"] = [str(path) for path in written]
         typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
         return
     _print_tokens(inspection)
@@ -161,6 +176,36 @@ def inspect_command(
     else:
         assert token is not None and rows is not None
         _print_heads(inspection, token, query, rows)
+    for path in written:
+        console.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+
+
+def _check_output(path: Path | None, option: str, suffixes: tuple[str, ...]) -> None:
+    """Refuse an output path before the model runs: wrong suffix or a missing folder."""
+    if path is None:
+        return
+    if path.suffix.lower() not in suffixes:
+        fail(f"{option} {path}: the file name must end with {' or '.join(suffixes)}")
+    if not path.parent.is_dir():
+        fail(f"{option} {path}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        fail(f"{option} {path} is a directory; give a file name")
+
+
+def _write_artifacts(
+    inspection: Inspection, html: Path | None, png: Path | None, layer: int | None, head: int | None
+) -> list[Path]:
+    """The viewer and the heatmap that --html and --png ask for."""
+    written = []
+    if html is not None:
+        from qkv.viz import html as write_html
+
+        written.append(write_html(inspection, html))
+    if png is not None:
+        from qkv.viz import save_heatmap
+
+        written.append(save_heatmap(inspection, png, layer=0 if layer is None else layer, head=head))
+    return written
 
 
 @app.command("context")
