@@ -24,12 +24,23 @@ _EXPORTS: dict[str, str] = {
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
 }
-_SUBMODULES = ("masks", "reference", "functional", "examples", "viz", "positional", "modules", "interop", "models")
+_SUBMODULES = ("masks", "reference", "functional", "examples", "viz", "positional", "modules", "interop", "models", "distributed")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:
-    from qkv import examples, functional, interop, masks, models, modules, positional, reference, viz
+    from qkv import (
+        distributed,
+        examples,
+        functional,
+        interop,
+        masks,
+        models,
+        modules,
+        positional,
+        reference,
+        viz,
+    )
     from qkv.cache import KVCache
     from qkv.modules import MultiHeadAttention
     from qkv.functional import Explanation, attention, explain
