@@ -1,0 +1,78 @@
+"""`qkv embed`: sentence embeddings from the command line, with a progress bar for long inputs.
+
+    qkv embed "I ate an apple." "Apple released a phone."       cosine similarities
+    qkv embed --file sentences.txt --json > vectors.json          one text per line
+
+The model and PyTorch are imported inside the command so that `qkv --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from qkv.cli._app import app, console, fail
+from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail
+
+__all__ = ["embed_command"]
+
+# Above this many texts a progress bar is drawn (on stderr, so --json output stays clean).
+PROGRESS_FROM = 64
+# Up to this many texts the table of pairwise cosine similarities is printed.
+SIMILARITY_TABLE_UP_TO = 8
+
+
+def _read_texts(texts: list[str], file: Path | None) -> list[str]:
+    if file is not None:
+        if not file.is_file():
+            fail(f"--file {file} does not exist or is not a file")
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            fail(f"--file {file} is not UTF-8 text: {error}")
+        texts = [*texts, *(line for line in lines if line.strip())]
+    if not texts:
+        fail("give at least one text (as arguments or with --file)")
+    empty = [i for i, t in enumerate(texts) if not t.strip()]
+    if empty:
+        fail(f"text {empty[0]} is empty")
+    return texts
+
+
+@app.command("embed")
+def embed_command(
+    texts: Annotated[list[str] | None, typer.Argument(help="Texts to embed.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="A UTF-8 file with one text per line.")] = None,
+    model: ModelOption = BUILTIN_MODEL,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Texts per forward pass.")] = 32,
+    truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than the model's positions.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the embeddings as JSON.")] = False,
+) -> None:
+    """Sentence embeddings (mean pooling + L2 normalisation, as sentence-transformers computes them)."""
+    if batch_size < 1:
+        fail(f"--batch-size must be at least 1, got {batch_size}")
+    all_texts = _read_texts(list(texts or []), file)
+    encoder = load_or_fail(model)
+    try:
+        vectors = encoder.encode(
+            all_texts, batch_size=batch_size, truncate=truncate, progress=len(all_texts) >= PROGRESS_FROM
+        )
+    except ValueError as error:
+        fail(str(error))
+    if as_json:
+        typer.echo(json.dumps({"model": encoder.name, "texts": all_texts, "embeddings": vectors.tolist()}))
+        return
+    console.print(f"{len(all_texts)} embeddings of width {vectors.shape[1]} ({encoder.name})")
+    if len(all_texts) <= SIMILARITY_TABLE_UP_TO:
+        similarity = vectors @ vectors.T  # (N, N): cosine similarity, the vectors have unit norm
+        table = Table(title="cosine similarity")
+        table.add_column("")
+        for i in range(len(all_texts)):
+            table.add_column(str(i), justify="right")
+        for i, text in enumerate(all_texts):
+            table.add_row(f"{i}: {text}", *(f"{float(s):.3f}" for s in similarity[i]))
+        console.print(table)

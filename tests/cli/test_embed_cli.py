@@ -1,0 +1,53 @@
+"""`qkv embed`: embeddings from the command line, checked against the library call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qkv.cli import app
+from qkv.models import load_encoder
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_embed_json_equals_encode(runner: CliRunner, tmp_path: Path) -> None:
+    texts = ["I ate an apple.", "Apple released a phone.", "We sat on the bank of the river."]
+    file = tmp_path / "texts.txt"
+    file.write_text("\n".join(texts[1:]) + "\n\n", encoding="utf-8")
+    result = runner.invoke(app, ["embed", texts[0], "--file", str(file), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["texts"] == texts
+    expected = load_encoder().encode(texts)
+    torch.testing.assert_close(torch.tensor(data["embeddings"]), expected, atol=1e-6, rtol=0)
+
+
+def test_embed_prints_similarities(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["embed", "I ate an apple.", "I ate a pear."])
+    assert result.exit_code == 0, result.output
+    assert "cosine similarity" in result.stdout
+    assert "1.000" in result.stdout  # the diagonal
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "at least one text"),
+        (["--file", "missing.txt"], "does not exist"),
+        (["  "], "empty"),
+        (["x", "--batch-size", "0"], "--batch-size"),
+        (["x", "--model", "/no/such/model"], "cannot load model"),
+    ],
+)
+def test_embed_usage_errors_exit_2(runner: CliRunner, args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["embed", *args])
+    assert result.exit_code == 2
+    assert message in result.output
