@@ -20,11 +20,12 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "attention": "qkv.functional",
     "explain": "qkv.functional",
+    "attention_weights": "qkv.functional",
     "Explanation": "qkv.functional",
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
 }
-_SUBMODULES = ("masks", "reference", "functional", "examples", "viz", "positional", "modules", "interop", "models", "distributed")
+_SUBMODULES = ("masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
         viz,
     )
     from qkv.cache import KVCache
+    from qkv.functional import Explanation, attention, attention_weights, explain
     from qkv.modules import MultiHeadAttention
-    from qkv.functional import Explanation, attention, explain
 
 
 def __getattr__(name: str) -> Any:

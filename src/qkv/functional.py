@@ -6,18 +6,25 @@ heads, L query length, S key length, E q/k head dim, Ev value head dim.
 Paths:
 - ``fused``: PyTorch's scaled_dot_product_attention, the kernels people run.
 - ``math``: the explicit formula, scores and weights materialized in float32 or wider.
+- ``blocks``: the CPU tile engine (`qkv.kernels.blocks`): only the tiles a structured mask
+  leaves visible are computed, forward and backward.
+- ``flex``: PyTorch's FlexAttention with a BlockMask built from the mask's layout
+  (`qkv.kernels.flex`), for structured masks on CUDA.
 
-`explain` returns the same decision with its reason, the work (FLOPs) and the extra memory.
+`explain` returns the same decision with its reason, the work (FLOPs) and the extra memory;
+`attention_weights` recomputes the probabilities of chosen heads and rows only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from qkv._problem import AttentionProblem, describe_problem, normalize_mask
+from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
 from qkv.kernels.dense import (
     accumulation_dtype,
     attention_weights_dense,
@@ -26,12 +33,27 @@ from qkv.kernels.dense import (
     fused_lse_available,
     math_attention,
 )
+from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available
+from qkv.kernels.layout import FULL, BlockLayout
+from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
 from qkv.masks import Causal, Mask
 
-__all__ = ["Explanation", "attention", "choose_path", "explain"]
+__all__ = ["Explanation", "attention", "attention_weights", "choose_path", "explain"]
 
-Backend = Literal["auto", "fused", "math"]
-BACKENDS: tuple[str, ...] = ("auto", "fused", "math")
+Backend = Literal["auto", "fused", "math", "blocks", "flex"]
+BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex")
+Path = Literal["fused", "math", "blocks", "flex"]
+
+# The CPU tile engine's tile sizes (see TileConfig for why).
+TILES = TileConfig()
+# "auto" sends a structured mask to the tile engine / FlexAttention when they compute at
+# most this fraction of the score matrix: the engine's tiles run at about 60-80 % of the
+# dense kernel's rate per FLOP (benchmarks/sparse.py), and SDPA with a dense mask pays for
+# building and reading the L x S mask on top.
+_SPARSE_MAX_VISITED = 0.6
+# ... and when the problem has at least this many (query, key) pairs per head: below it the
+# few microseconds of SDPA beat planning and launching tiles.
+_SPARSE_MIN_PAIRS = 256 * 256
 
 # PyTorch's CPU flash kernel works on query blocks of 256 rows (64 for short queries) and key
 # blocks of 512; one block of scores per thread is its extra memory (aten/src/ATen/native/cpu).
@@ -43,10 +65,12 @@ _CPU_FLASH_KV_BLOCK = 512
 class Plan:
     """What `attention` will run: the path, why, and how the mask reaches it."""
 
-    path: Literal["fused", "math"]
+    path: Path
     reason: str
     sdpa_causal: bool = False  # pass is_causal=True to SDPA (top-left, equal to bottom-right when L == S)
     causal_offset: int | None = None  # math path: query i sees keys j <= i + offset
+    layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
+    tiles: TilePlan | None = None  # blocks: the kernel calls that cover the non-empty tiles
 
 
 @dataclass(frozen=True)
@@ -65,15 +89,20 @@ class Explanation:
     flops: int
     visited_fraction: float
     peak_extra_bytes: int
+    blocks_visited: float | None = None  # blocks / flex: fraction of tiles not skipped
+    tiles: str | None = None  # blocks / flex: tile size and counts
 
     def __str__(self) -> str:
-        return (
-            f"path: {self.path}\n"
-            f"why: {self.reason}\n"
-            f"problem: {self.shape}, mask: {self.mask}\n"
-            f"work: {self.flops / 1e9:.3f} GFLOP forward ({self.visited_fraction:.1%} of the score matrix visited)\n"
-            f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)"
-        )
+        lines = [
+            f"path: {self.path}",
+            f"why: {self.reason}",
+            f"problem: {self.shape}, mask: {self.mask}",
+            f"work: {self.flops / 1e9:.3f} GFLOP forward ({self.visited_fraction:.1%} of the score matrix visited)",
+        ]
+        if self.tiles is not None:
+            lines.append(f"tiles: {self.tiles}")
+        lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
+        return "\n".join(lines)
 
 
 def _format_bytes(n: int) -> str:
@@ -103,6 +132,8 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
 
     if backend == "math":
         return Plan("math", "backend='math' was requested", causal_offset=causal_offset)
+    if backend in ("blocks", "flex"):
+        return _sparse_plan(problem, backend, f"backend={backend!r} was requested")
     if return_weights and problem.dropout > 0.0:
         if backend == "fused":
             raise ValueError(
@@ -114,12 +145,106 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         if backend == "fused":
             raise ValueError("return_lse=True with dropout > 0 is only available with backend='math' (or 'auto')")
         return Plan("math", "the fused kernel returns no log-sum-exp under dropout", causal_offset=causal_offset)
+    if backend == "auto" and isinstance(mask, Mask) and not sdpa_causal and problem.dropout == 0.0:
+        sparse = _sparse_if_it_wins(problem)
+        if sparse is not None:
+            return sparse
     reason = "backend='fused' was requested" if backend == "fused" else "PyTorch's SDPA applies"
     if sdpa_causal:
         reason += "; causal runs as SDPA is_causal (L == S or top-left alignment), no mask materialized"
     elif causal is not None:
         reason += "; bottom-right causal with L != S is passed as a dense bool mask"
+    elif isinstance(mask, Mask):
+        reason += f"; {mask.describe()} is passed as a dense bool mask"
     return Plan("fused", reason, sdpa_causal, causal_offset)
+
+
+def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
+    """The mask's tiles; no mask is one FULL tile grid."""
+    mask = problem.mask
+    if isinstance(mask, Mask):
+        return mask.layout(problem.L, problem.S, block_q, block_k, device=problem.q.device)
+    n_q, n_k = -(-problem.L // block_q), -(-problem.S // block_k)
+    states = torch.full((1, 1, n_q, n_k), FULL, dtype=torch.uint8)
+    return BlockLayout(states, problem.L, problem.S, block_q, block_k, name="no mask")
+
+
+def _sparse_plan(problem: AttentionProblem, path: Literal["blocks", "flex"], reason: str) -> Plan:
+    """Plan for the tile engine (CPU) or FlexAttention; raises when they cannot take the problem."""
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"backend={path!r} takes a qkv.masks object or None, got a {mask.dtype} tensor mask; "
+            "wrap a bool tensor with qkv.masks.dense(tensor)"
+        )
+    if problem.dropout > 0.0:
+        raise ValueError(f"backend={path!r} has no dropout (got dropout={problem.dropout}); use 'fused' or 'math'")
+    device = problem.q.device
+    if path == "blocks":
+        if device.type != "cpu":
+            raise ValueError(f"backend='blocks' is the CPU tile engine, the inputs are on {device}; use 'flex' or 'auto'")
+        if not flash_kernel_available():
+            raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
+        layout = _layout(problem, TILES.block_q, TILES.block_k)
+        return Plan("blocks", reason, layout=layout, tiles=_tile_plan(problem, TILES, layout))
+    if not flex_available():
+        raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
+    if device.type == "cpu" and needs_grad:
+        raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
+    return Plan("flex", reason, layout=_layout(problem, FLEX_BLOCK, FLEX_BLOCK))
+
+
+def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayout) -> TilePlan:
+    """The tile engine's calls: from exact per-query key intervals when the mask has them,
+    from the block layout otherwise."""
+    mask = problem.mask
+    L, S, device = problem.L, problem.S, problem.q.device
+    D, itemsize = max(problem.E, problem.Ev), problem.q.element_size()
+    if mask is None:
+        intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+    else:
+        assert isinstance(mask, Mask)
+        intervals = mask.row_intervals(L, S, device)
+    # without a backward pass to come, calls can be larger (fewer kernel launches)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
+    if intervals is not None:
+        return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, need_grad)
+    heads = mask.heads if isinstance(mask, Mask) and mask.heads else 1
+    return plan_layout(layout, problem.N, problem.H, D, itemsize, config, heads, need_grad)
+
+
+def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
+    """'auto' for a structured mask: the tile engine (CPU) or FlexAttention (CUDA), when they pay off."""
+    L, S = problem.L, problem.S
+    if L * S < _SPARSE_MIN_PAIRS:
+        return None
+    device = problem.q.device
+    if device.type == "cpu" and flash_kernel_available():
+        path: Literal["blocks", "flex"] = "blocks"
+        block_q, block_k = TILES.block_q, TILES.block_k
+    elif device.type == "cuda" and flex_available():
+        path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
+    else:
+        return None
+    layout = _layout(problem, block_q, block_k)
+    if path == "blocks":
+        tiles = _tile_plan(problem, TILES, layout)
+        visited = tiles.computed_pairs() / (problem.N * L * S)
+    else:
+        visited = layout.visited_pairs() / (L * S)
+    if visited > _SPARSE_MAX_VISITED:
+        return None
+    assert isinstance(problem.mask, Mask)
+    engine = "the CPU tile engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
+    reason = (
+        f"{problem.mask.describe()} leaves {layout.visited_block_fraction:.1%} of the "
+        f"{layout.block_q}x{layout.block_k} tiles non-empty; {engine} computes {visited:.1%} "
+        "of the score matrix and skips the rest"
+    )
+    if path == "blocks":
+        return Plan("blocks", reason, layout=layout, tiles=tiles)
+    return _sparse_plan(problem, path, reason)
 
 
 def _dense_mask(problem: AttentionProblem, plan: Plan) -> torch.Tensor | None:
@@ -177,8 +302,11 @@ def attention(
         >>> qkv.attention(q, k, v, qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    problem = describe_problem(q, k, v, mask, scale, dropout)
+    problem = _describe(q, k, v, mask, scale, dropout)
     plan = choose_path(problem, backend, return_weights, return_lse)
+    if plan.path in ("blocks", "flex"):
+        out, weights, lse = _sparse_attention(problem, plan, return_weights, return_lse)
+        return _pack(problem, out, weights, lse, return_weights, return_lse)
     dense_mask = _dense_mask(problem, plan)
     weights = lse = None
     if plan.path == "math":
@@ -201,6 +329,56 @@ def attention(
     return _pack(problem, out, weights, lse, return_weights, return_lse)
 
 
+def _describe(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None,
+    scale: float | None,
+    dropout: float,
+) -> AttentionProblem:
+    """`describe_problem`, plus the checks a structured mask makes against the sizes."""
+    problem = describe_problem(q, k, v, mask, scale, dropout)
+    if isinstance(problem.mask, Mask):
+        problem.mask.validate(problem.N, problem.H, problem.L, problem.S)
+    return problem
+
+
+def _structured(problem: AttentionProblem) -> Mask | None:
+    mask = problem.mask
+    assert mask is None or isinstance(mask, Mask)  # _sparse_plan refuses tensor masks
+    return None if mask is None else mask.to(problem.q.device)
+
+
+def _sparse_attention(
+    problem: AttentionProblem, plan: Plan, return_weights: bool, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The blocks / flex paths: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
+    mask = _structured(problem)
+    q, k, v = problem.q, problem.k, problem.v
+    if plan.path == "blocks":
+        assert plan.tiles is not None
+        out, lse = tile_attention(q, k, v, mask, plan.tiles, problem.scale)
+        tiles = plan.tiles
+    else:
+        assert plan.layout is not None
+        out, lse = flex_attention_layout(q, k, v, mask, plan.layout, problem.scale, need_lse=q.device.type != "cpu")
+        tiles = None
+    weights = None
+    if return_weights or (return_lse and lse is None):
+        if tiles is None:
+            assert plan.layout is not None
+            config = TileConfig(block_q=plan.layout.block_q, block_k=plan.layout.block_k)
+            tiles = _tile_plan(problem, config, plan.layout)
+        if lse is None:
+            lse = tile_lse(q, k, mask, tiles, problem.scale)
+        if return_weights:
+            heads = torch.arange(problem.H, device=q.device)
+            rows = torch.arange(problem.L, device=q.device)
+            weights = tile_weights(q, k, mask, tiles, problem.scale, heads, rows, lse)
+    return out, weights, lse
+
+
 def _pack(
     problem: AttentionProblem,
     out: torch.Tensor,
@@ -221,9 +399,13 @@ def _pack(
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def _visible_pairs(problem: AttentionProblem, plan: Plan) -> int:
+def _visible_pairs(problem: AttentionProblem, plan: Plan) -> float:
     """(query, key) pairs the path computes, per batch row and head."""
     L, S = problem.L, problem.S
+    if plan.tiles is not None:
+        return plan.tiles.computed_pairs() / problem.N
+    if plan.layout is not None:
+        return plan.layout.visited_pairs()
     if plan.path == "fused" and plan.sdpa_causal:
         return sum(min(S, max(0, i + 1)) for i in range(L))
     return L * S
@@ -245,14 +427,24 @@ def explain(
 
     Nothing is computed: the inputs are validated exactly as `attention` does.
     """
-    problem = describe_problem(q, k, v, mask, scale, dropout)
+    problem = _describe(q, k, v, mask, scale, dropout)
     plan = choose_path(problem, backend, return_weights, return_lse)
     NH = problem.N * problem.H
     L, S, E, Ev = problem.L, problem.S, problem.E, problem.Ev
     pairs = _visible_pairs(problem, plan)
-    flops = 2 * (E + Ev) * pairs * NH
+    flops = int(2 * (E + Ev) * pairs * NH)
     acc_bytes = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
-    if plan.path == "math":
+    blocks_visited = tiles = None
+    if plan.layout is not None:
+        layout = plan.layout
+        blocks_visited = layout.visited_block_fraction
+        tiles = (
+            f"{layout.block_q}x{layout.block_k}: {layout.states.numel() - layout.count(0)} of "
+            f"{layout.states.numel()} visited ({blocks_visited:.1%}), {layout.count(FULL)} of them full"
+        )
+    if plan.path in ("blocks", "flex"):
+        extra = _sparse_extra_bytes(problem, plan, acc_bytes, return_weights)
+    elif plan.path == "math":
         # scores, exponentials and weights are each (N, H, L, S)
         extra = 3 * NH * L * S * acc_bytes
     else:
@@ -276,4 +468,111 @@ def explain(
         flops=flops,
         visited_fraction=pairs / (L * S),
         peak_extra_bytes=int(extra),
+        blocks_visited=blocks_visited,
+        tiles=tiles,
     )
+
+
+def _sparse_extra_bytes(problem: AttentionProblem, plan: Plan, acc_bytes: int, return_weights: bool) -> int:
+    """Memory beyond inputs and output of the blocks / flex paths (an estimate)."""
+    NH, L, S = problem.N * problem.H, problem.L, problem.S
+    D = max(problem.E, problem.Ev)
+    itemsize = problem.q.element_size()
+    extra = NH * L * acc_bytes  # lse
+    if plan.tiles is not None:
+        extra += NH * L * D * acc_bytes if acc_bytes != itemsize else 0  # accumulator of a low-precision output
+        if problem.G != problem.H or problem.Ev != problem.E:
+            extra += 2 * NH * S * D * itemsize  # keys and values expanded to every head / padded to D
+        per_call = [
+            problem.H * c.items * c.q_len * (D * itemsize + 4)
+            + (c.items * c.q_len * c.width * (itemsize + 1) if c.masked else 0)
+            for c in plan.tiles.calls
+        ]
+        extra += max(per_call, default=0)
+    else:
+        assert plan.layout is not None
+        extra += plan.layout.states.numel() * 2 * 4  # BlockMask indices (int32)
+    if return_weights:
+        extra += NH * L * S * acc_bytes
+    return int(extra)
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = None,
+    *,
+    heads: Sequence[int] | torch.Tensor | None = None,
+    rows: Sequence[int] | slice | range | torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The exact attention probabilities of chosen heads and query rows, and nothing more.
+
+    For a structured mask the scores are recomputed tile by tile, over the non-empty tiles
+    of the chosen rows only, first for their log-sum-exp and then as exp(s - lse): the
+    memory is that of the answer, whatever L and H. Other masks take the dense path on the
+    chosen heads and rows. The result carries no gradient (use ``qkv.attention(...,
+    backend="math", return_weights=True)`` to differentiate the weights).
+
+    Args:
+        q, k, v, mask, scale: as `qkv.attention` (v is validated and otherwise unused).
+        heads: query head indices, default every head.
+        rows: query row indices (a sequence, range, slice or 1-D integer tensor), default
+            every row.
+
+    Returns:
+        (..., len(heads), len(rows), S) float32 (float64 for float64 inputs). A row that may
+        attend to no key is all zeros.
+
+    Example:
+        >>> import torch, qkv
+        >>> q = k = v = torch.randn(1, 4, 1000, 16)
+        >>> w = qkv.attention_weights(q, k, v, qkv.masks.sliding_window(8), heads=[2], rows=[0, 500])
+        >>> w.shape, int((w[0, 0, 1] > 0).sum())
+        (torch.Size([1, 1, 2, 1000]), 9)
+    """
+    problem = _describe(q, k, v, mask, scale, 0.0)
+    head_idx = _indices(heads, problem.H, "heads", q.device)
+    row_idx = _indices(rows, problem.L, "rows", q.device)
+    batch = problem.batch_shape
+    structured = problem.mask is None or isinstance(problem.mask, Mask)
+    if structured:
+        tiles = _tile_plan(problem, TILES, _layout(problem, TILES.block_q, TILES.block_k))
+        weights = tile_weights(problem.q, problem.k, _structured(problem), tiles, problem.scale, head_idx, row_idx)
+    else:
+        tensor_mask = problem.mask
+        assert isinstance(tensor_mask, torch.Tensor)
+        heads_of_mask = head_idx if tensor_mask.shape[1] > 1 else head_idx[:1] * 0
+        picked = tensor_mask[:, heads_of_mask][:, :, row_idx]  # (N | 1, h | 1, r, S)
+        G, H = problem.G, problem.H
+        q_sel = problem.q[:, head_idx][:, :, row_idx]  # (N, h, r, E)
+        k_sel = problem.k[:, head_idx // (H // G)]  # (N, h, S, E)
+        with torch.no_grad():
+            weights, _ = attention_weights_dense(q_sel, k_sel, picked, problem.scale)
+    return weights.reshape(*batch, len(head_idx), len(row_idx), problem.S)  # (..., h, r, S)
+
+
+def _indices(
+    chosen: Sequence[int] | slice | range | torch.Tensor | None, size: int, name: str, device: torch.device
+) -> torch.Tensor:
+    """Chosen indices as a 1-D int64 tensor, checked against range(size)."""
+    if chosen is None:
+        return torch.arange(size, device=device)
+    if isinstance(chosen, slice):
+        chosen = range(size)[chosen]
+    if isinstance(chosen, torch.Tensor):
+        if chosen.dtype in (torch.bool,) or chosen.is_floating_point() or chosen.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got dtype {chosen.dtype} shape {tuple(chosen.shape)}")
+        idx = chosen.to(device=device, dtype=torch.long)
+    else:
+        values = list(chosen)
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+            raise TypeError(f"{name} must be integers, got {values!r}")
+        idx = torch.tensor(values, dtype=torch.long, device=device)
+    if idx.numel() == 0:
+        raise ValueError(f"{name} selects nothing")
+    bad = idx[(idx < 0) | (idx >= size)]
+    if bad.numel() > 0:
+        raise ValueError(f"{name} must lie in [0, {size}), got {bad.tolist()}")
+    return idx

@@ -1,0 +1,57 @@
+"""Block-sparse attention: qkv's CPU tile engine against SDPA and FlexAttention, one run.
+
+B = 1, H = 8, E = 64, float32. Every comparison times qkv and its peer in the same process,
+alternating them repetition by repetition, and reports the ratio of the fastest runs (peer
+time / qkv time: above 1 means qkv is faster). The cases and goals (issue 7) are listed in
+`qkv.cli._bench_suite`; `qkv bench` runs the same suite.
+
+Run: ``uv run python benchmarks/sparse.py`` (a few minutes on 2 cores: SDPA's dense masks
+cost n^2 work and FlexAttention compiles for tens of seconds), ``--quick`` for a smoke run,
+``--threads 1`` to keep one core per process on a shared machine, ``--json FILE`` to keep
+the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+from qkv.cli._bench_suite import QUICK, STANDARD, run_suite
+from qkv.cli.bench import print_report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, no FlexAttention")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's choice)")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for a while)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per contender (fastest kept)")
+    parser.add_argument("--json", type=str, default=None, help="also write the report to this JSON file")
+    args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    config = QUICK if args.quick else STANDARD
+    if args.no_flex:
+        config = dataclasses.replace(config, flex=False)
+    if args.repeats is not None:
+        config = dataclasses.replace(config, repeats=args.repeats)
+    report = None
+    for done, partial in run_suite(config):
+        print(f"done: {done}", file=sys.stderr, flush=True)
+        report = partial
+    assert report is not None
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

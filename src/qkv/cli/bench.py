@@ -1,0 +1,115 @@
+"""`qkv bench`: block-sparse attention against PyTorch's SDPA and FlexAttention, on this machine.
+
+    qkv bench --quick              # a smoke run of every comparison on small sizes (seconds)
+    qkv bench --json > bench.json  # the full run (minutes), machine-readable
+    qkv bench --plot bench.png     # and draw time and peak memory versus sequence length
+
+Each line compares qkv with its peer in the same process (fastest of alternating runs) and
+prints the speedup next to the goal of issue 7. See `qkv.cli._bench_suite` for the cases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qkv.cli._app import app, console, err_console, fail
+
+if TYPE_CHECKING:
+    from qkv.cli._bench_suite import BenchReport
+
+__all__ = ["bench_command", "print_report"]
+
+# Formats matplotlib writes without extra dependencies.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+@app.command("bench")
+def bench_command(
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes, no FlexAttention: a smoke run in seconds.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Also draw time and peak memory versus n into this .png/.svg/.pdf.")
+    ] = None,
+) -> None:
+    """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
+    if plot is not None:
+        if plot.suffix.lower() not in PLOT_SUFFIXES:
+            fail(f"--plot writes {', '.join(PLOT_SUFFIXES)} files, got {str(plot)!r}")
+        if not plot.parent.exists():
+            fail(f"--plot: the folder {str(plot.parent)!r} does not exist")
+    from qkv.cli._bench_suite import QUICK, STANDARD, run_suite, steps
+
+    config = QUICK if quick else STANDARD
+    report = None
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("starting", total=steps(config))
+        for done, partial in run_suite(config):
+            progress.update(task, advance=1, description=done)
+            report = partial
+    assert report is not None  # run_suite yields at least once
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print_report(report)
+    if plot is not None:
+        _plot(report, plot)
+        if not as_json:
+            console.print(f"plot written to {plot}")
+
+
+def print_report(report: BenchReport) -> None:
+    """The comparisons as a table, then the machine's matmul rate, the FLOP fraction and the peak memory."""
+    table = Table(title=f"qkv vs peers: float32, B=1, H={report.config.heads}, E={report.config.head_dim}, "
+                  f"{report.threads} threads, torch {report.torch_version}")
+    for column in ("case", "n", "qkv ms", "peer", "peer ms", "speedup", "goal", "qkv GFLOP/s"):
+        table.add_column(column, justify="left" if column in ("case", "peer") else "right")
+    for c in report.comparisons:
+        mark = "" if c.met is None else (" ok" if c.met else " MISSED")
+        table.add_row(
+            c.name, str(c.n), f"{c.qkv_s * 1e3:.1f}", c.peer, f"{c.peer_s * 1e3:.1f}", f"{c.speedup:.2f}x",
+            "" if c.goal is None else f">= {c.goal:g}x{mark}", f"{c.qkv_gflops:.1f}",
+        )
+    console.print(table)
+    console.print(f"float32 matmul on this machine: {report.matmul_gflops:.1f} GFLOP/s")
+    for c in report.comparisons:
+        if c.name.endswith("forward") and "sliding" in c.name and c.peer.startswith("SDPA"):
+            console.print(f"sliding window forward: {c.qkv_gflops:.1f} GFLOP/s on visited tiles = "
+                          f"{c.qkv_gflops / report.matmul_gflops:.0%} of the matmul rate")
+    if report.peak_rss_bytes is not None:
+        console.print(f"peak RSS, sliding window forward at n={report.config.n_memory}: "
+                      f"{report.peak_rss_bytes / 2**30:.2f} GiB (goal < 1.5 GB)")
+
+
+def _plot(report: BenchReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, series in report.sweep.items():
+        ns = sorted(series)
+        values = [series[n] for n in ns]
+        if name.endswith("seconds"):
+            ax_time.plot(ns, values, marker="o", label=name.removesuffix(" seconds"))
+        else:
+            ax_mem.plot(ns, [b / 2**20 for b in values], marker="o", label=name.removesuffix(" peak RSS bytes"))
+    w = report.config.window
+    for ax, ylabel in ((ax_time, "forward time (s)"), (ax_mem, "peak resident memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"sliding_window({w}, {w}): qkv tile engine vs SDPA with a dense mask")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,369 @@
+"""The work list of the CPU tile engine: which kernel calls cover a mask's visible scores.
+
+A *piece* is a rectangle of the score matrix: query rows [q0, q1) x keys [k0, k1), computed
+without a mask when every pair in it is visible and with the mask's tile otherwise. Two
+planners cut the visible part of the matrix into pieces:
+
+- `plan_intervals`, for masks whose queries each see one interval of keys lo..hi
+  (`Mask.row_intervals`: causal, sliding windows, prefix-LM, sorted documents, key padding
+  and their intersections). Rows are grouped greedily, at most ``block_q`` per group, and a
+  new group starts where a row's keys begin after the group's first row's keys end (a new
+  document); each group's keys are exactly the union of its rows' intervals.
+- `plan_layout`, for any mask, from its `BlockLayout` (query blocks of ``block_q`` rows x
+  key blocks of ``block_k``): each query block's runs of consecutive non-empty key blocks.
+
+A piece with partial visibility wider than ``masked_span`` keys is split into the part that
+every row sees (no mask) and the masked rest; pieces of the same rows are merged exactly
+through their log-sum-exp. Pieces of consecutive row groups with the same shape whose keys
+start at evenly spaced positions (a sliding window moves by block_q keys per block, a
+prefix stays at 0) become *one* kernel call over strided views: no copy, one Python round
+trip for many tiles.
+
+This module only plans; `qkv.kernels.blocks` runs the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qkv.kernels.layout import EMPTY, FULL, BlockLayout
+
+__all__ = ["Call", "Piece", "TileConfig", "TilePlan", "plan_intervals", "plan_layout"]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Sizes of the CPU tile engine (measured with benchmarks/sparse.py)."""
+
+    # Query rows per kernel item (at most). PyTorch's CPU flash kernel works on chunks of 32
+    # query rows below 192 rows and of 64 from 192: 192 is the smallest item with the larger
+    # chunks, and it keeps the keys wasted at a window's edges small. On 1 and 2 cores it
+    # beat 64, 96, 128, 160 and 256 for packed documents by 5-15 % and tied for windows.
+    block_q: int = 192
+    # Key granularity of `plan_layout`: a run's edges waste at most block_k - 1 keys per side.
+    block_k: int = 64
+    # A partially visible piece up to this many keys is one masked item (one kernel pass
+    # over long rows beats several short passes and a merge); wider ones are split.
+    masked_span: int = 1024
+    # A new row group starts at a document boundary only once the group has this many rows:
+    # a kernel call costs tens of microseconds, as much as a few thousand wasted scores.
+    min_rows: int = 16
+    # Bound on the temporaries of one kernel call (mask tiles, outputs, gradients of k and v).
+    call_bytes: int = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Query rows [q0, q1) x keys [k0, k1), computed with the mask's tile when ``masked``."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    masked: bool
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: ``items`` pieces of equal shape.
+
+    Item j covers query rows [q0 + j * q_len, + q_len) of batch row ``n`` and keys
+    [k0 + j * k_step, + width). With ``over_batch`` the items are instead batch rows
+    n, n + 1, ... of the same rows [q0, q0 + q_len) and keys [k0, k0 + width).
+    """
+
+    n: int
+    q0: int
+    items: int
+    q_len: int
+    k0: int
+    k_step: int
+    width: int
+    masked: bool
+    merge: bool  # some item's rows have several pieces: merge by log-sum-exp
+    over_batch: bool = False
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Every kernel call of one problem, and the pieces of each (plan batch row)."""
+
+    config: TileConfig
+    N: int
+    L: int
+    S: int
+    calls: tuple[Call, ...]
+    pieces: tuple[tuple[Piece, ...], ...]  # [plan batch row (1 or N)], sorted by rows
+    uncovered: tuple[tuple[tuple[int, int], ...], ...]  # [plan batch row]: row ranges with no piece
+    # the exact key interval lo..hi of every query, (B | 1, L) each, when the plan comes from them
+    intervals: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def computed_pairs(self) -> int:
+        """(query, key) pairs the calls compute, summed over batch rows (per head)."""
+        return sum(c.items * c.q_len * c.width for c in self.calls)
+
+    def max_call_bytes(self, H: int, D: int, itemsize: int, mask_heads: int = 1) -> int:
+        """Largest forward temporaries of one call: its output, lse and mask tile."""
+        return max(
+            (c.items * H * c.q_len * (D * itemsize + 4) + (c.items * mask_heads * c.q_len * c.width * (itemsize + 1)
+                                                           if c.masked else 0) for c in self.calls),
+            default=0,
+        )
+
+
+def _split(q0: int, q1: int, kmin: int, kmax: int, full_lo: int, full_hi: int, config: TileConfig) -> list[Piece]:
+    """Pieces of rows [q0, q1) whose keys are kmin..kmax, all of them visible to every row
+    in full_lo..full_hi (empty when full_lo > full_hi)."""
+    if full_lo == kmin and full_hi == kmax:
+        return [Piece(q0, q1, kmin, kmax + 1, masked=False)]
+    if kmax - kmin + 1 <= config.masked_span:
+        return [Piece(q0, q1, kmin, kmax + 1, masked=True)]
+    span = config.masked_span
+    if full_lo > full_hi:  # no key seen by every row: masked spans only
+        return [Piece(q0, q1, a, min(a + span, kmax + 1), True) for a in range(kmin, kmax + 1, span)]
+    pieces = [Piece(q0, q1, full_lo, full_hi + 1, masked=False)]
+    pieces += [Piece(q0, q1, a, min(a + span, full_lo), True) for a in range(kmin, full_lo, span)]
+    pieces += [Piece(q0, q1, a, min(a + span, kmax + 1), True) for a in range(full_hi + 1, kmax + 1, span)]
+    return pieces
+
+
+def _uncovered(pieces: list[Piece], L: int) -> tuple[tuple[int, int], ...]:
+    covered = np.zeros(L + 1, dtype=np.int64)
+    for p in pieces:
+        covered[p.q0] += 1
+        covered[p.q1] -= 1
+    free = np.cumsum(covered)[:L] == 0
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], free.astype(np.int8), [0]))))
+    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
+
+
+def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: TileConfig) -> list[Piece]:
+    """`_interval_pieces` for rows that all see some key through intervals whose ends never
+    decrease (every interval mask of qkv, sorted documents): each group's end is found by
+    binary search instead of row by row."""
+    L = len(lo)
+    bq = config.block_q
+    pieces: list[Piece] = []
+    q0 = 0
+    while q0 < L:
+        # a new document: the first row whose keys begin after the first row's keys end
+        new_document = max(int(np.searchsorted(lo, hi[q0], side="right")), q0 + config.min_rows)
+        drift = min(int(np.searchsorted(lo, lo[q0] + bq, side="left")), int(np.searchsorted(hi, hi[q0] + bq, side="left")))
+        end = max(q0 + 1, min(L, q0 + bq, new_document, drift))
+        last = end - 1
+        pieces += _split(q0, end, int(lo[q0]), int(hi[last]), int(lo[last]), int(hi[q0]), config)
+        q0 = end
+    return pieces
+
+
+def _interval_pieces(lo: list[int], hi: list[int], config: TileConfig) -> list[Piece]:
+    """Greedy row groups over one batch row's intervals (module docstring)."""
+    L = len(lo)
+    pieces: list[Piece] = []
+    r = 0
+    while r < L:
+        if lo[r] > hi[r]:  # a row with no visible key belongs to no piece
+            r += 1
+            continue
+        q0 = r
+        kmin, kmax, full_lo, full_hi = lo[r], hi[r], lo[r], hi[r]
+        r += 1
+        while r < L and r - q0 < config.block_q and lo[r] <= hi[r]:
+            new_document = lo[r] > hi[q0] and r - q0 >= config.min_rows
+            drift = abs(lo[r] - lo[q0]) >= config.block_q or abs(hi[r] - hi[q0]) >= config.block_q
+            if new_document or drift:
+                break
+            kmin, kmax = min(kmin, lo[r]), max(kmax, hi[r])
+            full_lo, full_hi = max(full_lo, lo[r]), min(full_hi, hi[r])
+            r += 1
+        pieces += _split(q0, r, kmin, kmax, full_lo, full_hi, config)
+    return pieces
+
+
+def plan_intervals(
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    L: int,
+    S: int,
+    N: int,
+    H: int,
+    D: int,
+    itemsize: int,
+    config: TileConfig,
+    need_grad: bool = True,
+) -> TilePlan:
+    """Plan from the per-query key intervals (B | 1, L) of `Mask.row_intervals`.
+
+    Without ``need_grad`` the calls are sized for the forward pass alone (fewer, larger)."""
+    lo, hi = lo.clamp(min=0).cpu(), hi.clamp(max=S - 1).cpu()
+    rows = []
+    for a, b in zip(lo.numpy(), hi.numpy(), strict=True):
+        nonempty = a <= b
+        monotone = bool((np.diff(a[nonempty]) >= 0).all() and (np.diff(b[nonempty]) >= 0).all())
+        if monotone and nonempty.all():
+            rows.append(_monotone_pieces(a, b, config))
+        else:
+            rows.append(_interval_pieces(a.tolist(), b.tolist(), config))
+    plan = _plan(rows, L, S, N, H, D, itemsize, config, 1, need_grad)
+    return dataclasses.replace(plan, intervals=(lo, hi))
+
+
+def _layout_pieces(nonempty: np.ndarray, full: np.ndarray, L: int, S: int, config: TileConfig) -> list[Piece]:
+    """Pieces of every query block from the states of its key blocks (nQ, nK)."""
+    bq, bk = config.block_q, config.block_k
+    pieces: list[Piece] = []
+    for i in range(nonempty.shape[0]):
+        q0, q1 = i * bq, min(L, (i + 1) * bq)
+        idx = np.flatnonzero(nonempty[i])
+        if idx.size == 0:
+            continue
+        breaks = np.flatnonzero(np.diff(idx) > 1)
+        starts = np.concatenate(([idx[0]], idx[breaks + 1]))
+        stops = np.concatenate((idx[breaks] + 1, [idx[-1] + 1]))
+        for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+            run = full[i, a:b]
+            # the keys every row sees: the longest stretch of full blocks, if any
+            best, best_len, j = (0, -1), 0, 0
+            while j < len(run):
+                if run[j]:
+                    k = j
+                    while k < len(run) and run[k]:
+                        k += 1
+                    if k - j > best_len:
+                        best, best_len = (j, k - 1), k - j
+                    j = k
+                else:
+                    j += 1
+            kmin, kmax = a * bk, min(b * bk, S) - 1
+            if best_len:
+                full_lo, full_hi = (a + best[0]) * bk, min((a + best[1] + 1) * bk, S) - 1
+            else:
+                full_lo, full_hi = kmax + 1, kmax  # nothing seen by every row
+            pieces += _split(q0, q1, kmin, kmax, full_lo, full_hi, config)
+    return pieces
+
+
+def plan_layout(
+    layout: BlockLayout,
+    N: int,
+    H: int,
+    D: int,
+    itemsize: int,
+    config: TileConfig,
+    mask_heads: int = 1,
+    need_grad: bool = True,
+) -> TilePlan:
+    """Plan the non-empty tiles of ``layout`` for N batch rows (any mask)."""
+    if layout.block_q != config.block_q or layout.block_k != config.block_k:
+        raise ValueError(
+            f"layout tiles {layout.block_q}x{layout.block_k} differ from the engine's {config.block_q}x{config.block_k}"
+        )
+    states = layout.states.cpu().numpy()  # (B | 1, H | 1, nQ, nK)
+    nonempty = (states != EMPTY).any(axis=1)  # (B | 1, nQ, nK): union over the heads
+    full = (states == FULL).all(axis=1)  # (B | 1, nQ, nK)
+    rows = [_layout_pieces(nonempty[b], full[b], layout.L, layout.S, config) for b in range(nonempty.shape[0])]
+    return _plan(rows, layout.L, layout.S, N, H, D, itemsize, config, mask_heads, need_grad)
+
+
+def _plan(
+    rows: list[list[Piece]],
+    L: int,
+    S: int,
+    N: int,
+    H: int,
+    D: int,
+    itemsize: int,
+    config: TileConfig,
+    mask_heads: int,
+    need_grad: bool,
+) -> TilePlan:
+    per_batch = len(rows) > 1
+    calls: list[Call] = []
+    for b, pieces in enumerate(rows):
+        calls += _group(pieces, b if per_batch else None, N, H, D, itemsize, config, mask_heads, need_grad)
+    return TilePlan(
+        config, N, L, S, tuple(calls), tuple(tuple(sorted(p, key=lambda x: (x.q0, x.k0))) for p in rows),
+        tuple(_uncovered(p, L) for p in rows),
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the pieces of one call share."""
+
+    q_len: int
+    width: int
+    masked: bool
+
+
+def _item_bytes(H: int, D: int, shape: _Shape, mask_heads: int, itemsize: int, need_grad: bool) -> int:
+    """Temporaries of one item: output and lse, its mask tile, and for the backward pass the
+    gradients of its queries, keys and values."""
+    out = H * shape.q_len * (D * itemsize + 4)
+    mask = mask_heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked else 0
+    grads = (2 * H * shape.width * D * itemsize + H * shape.q_len * D * itemsize) if need_grad else 0
+    return out + mask + grads
+
+
+def _group(
+    pieces: list[Piece],
+    n: int | None,
+    N: int,
+    H: int,
+    D: int,
+    itemsize: int,
+    config: TileConfig,
+    mask_heads: int,
+    need_grad: bool,
+) -> list[Call]:
+    """Batch pieces of adjacent row groups with evenly spaced keys into calls.
+
+    ``n`` is the batch row when the plan has one per row; None when it holds for all rows.
+    """
+    per_rows: dict[tuple[int, int], int] = {}
+    for p in pieces:
+        per_rows[(p.q0, p.q1)] = per_rows.get((p.q0, p.q1), 0) + 1
+    merged = {rows for rows, count in per_rows.items() if count > 1}
+    groups: dict[_Shape, list[Piece]] = {}
+    for p in pieces:
+        groups.setdefault(_Shape(p.q1 - p.q0, p.k1 - p.k0, p.masked), []).append(p)
+    calls: list[Call] = []
+    for shape, members in groups.items():
+        members.sort(key=lambda p: (p.q0, p.k0))
+        budget = max(1, config.call_bytes // _item_bytes(H, D, shape, mask_heads, itemsize, need_grad))
+        run: list[Piece] = []
+        step = 0
+        for p in members:
+            if run:
+                gap = p.k0 - run[-1].k0
+                evenly = gap >= 0 and (len(run) == 1 or gap == step)
+                if p.q0 == run[-1].q1 and len(run) < budget and evenly:
+                    step = gap
+                    run.append(p)
+                    continue
+                calls += _calls_of_run(run, step, shape, n, N, budget, merged)
+            run, step = [p], 0
+        calls += _calls_of_run(run, step, shape, n, N, budget, merged)
+    return calls
+
+
+def _calls_of_run(
+    run: list[Piece], step: int, shape: _Shape, n: int | None, N: int, budget: int, merged: set[tuple[int, int]]
+) -> list[Call]:
+    """The calls of one run of evenly spaced pieces, for batch row n or (n None) for every row."""
+    merge = any((p.q0, p.q1) in merged for p in run)
+    first = run[0]
+    if n is None and N > 1 and len(run) == 1:
+        # one row group: its batch rows become the items of the call
+        return [
+            Call(row, first.q0, min(budget, N - row), shape.q_len, first.k0, 0, shape.width, shape.masked, merge, True)
+            for row in range(0, N, budget)
+        ]
+    return [
+        Call(row, first.q0, len(run), shape.q_len, first.k0, step, shape.width, shape.masked, merge)
+        for row in ([n] if n is not None else range(N))
+    ]

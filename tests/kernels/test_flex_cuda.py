@@ -1,0 +1,126 @@
+"""FlexAttention with qkv's BlockMask: its construction (any machine) and the CUDA path.
+
+The BlockMask is checked against the layout it comes from and FlexAttention's eager
+reference against the float64 NumPy reference; the compiled kernels run only on CUDA
+(compiled FlexAttention on CPU has no backward and no log-sum-exp), where the module checks
+`qkv.attention`'s flex path forward and backward against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+from qkv import reference as R
+from qkv.kernels.flex import (
+    FLEX_BLOCK,
+    block_mask_from_layout,
+    flex_attention_layout,
+    flex_available,
+)
+from qkv.kernels.layout import EMPTY, FULL
+
+pytestmark = pytest.mark.skipif(not flex_available(), reason="this PyTorch has no FlexAttention BlockMask.from_kv_blocks")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels need a CUDA device here")
+
+
+def _ids(S: int, seed: int = 0) -> torch.Tensor:
+    """Sorted document ids with random lengths, some of one token."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(S - 1, generator=gen)[: S // 40].sort().values + 1
+    starts = torch.zeros(S, dtype=torch.long)
+    starts[cuts] = 1
+    return torch.cumsum(starts, 0)
+
+
+def _masks(N: int, S: int) -> dict[str, M.Mask]:
+    return {
+        "sliding": M.sliding_window(70, 20),
+        "documents&causal": M.documents(torch.stack([_ids(S, n) for n in range(N)])) & M.causal(),
+        "padding": M.key_padding(torch.tensor([0, S - 50])[:N]),  # batch row 0 sees no key
+        "prefix": M.prefix_lm(33),
+    }
+
+
+@pytest.mark.parametrize("name", ["sliding", "documents&causal", "padding", "prefix"])
+def test_block_mask_holds_the_layout(name: str) -> None:
+    L, S = 300, 333
+    mask = _masks(2, S)[name]
+    layout = mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK)
+    block_mask = block_mask_from_layout(layout, mask, "cpu")
+    visited = block_mask.to_dense().bool()  # (B | 1, H | 1, nQ, nK): partial and full blocks
+    states = layout.states.expand_as(visited)
+    assert torch.equal(visited, states != EMPTY)
+    full = torch.zeros_like(visited)
+    counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    for idx in np.ndindex(*counts.shape):
+        full[idx][indices[idx][: counts[idx]].long()] = True
+    assert torch.equal(full, states == FULL)
+
+
+# FlexAttention warns that its eager reference materializes the scores; that is the point here
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+@pytest.mark.parametrize("name", ["sliding", "documents&causal", "padding", "prefix"])
+def test_eager_flex_with_the_layout_matches_the_reference(name: str) -> None:
+    N, H, G, L, S, E = 2, 2, 1, 150, 260, 8
+    mask = _masks(N, S)[name]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    k = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    out, lse = flex_attention_layout(q, k, v, mask, mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK), 0.3, compiled=False)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), mask.to_dense(L, S).numpy(), 0.3)
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-6)
+    assert lse is not None
+    np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(trace.lse))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["sliding", "documents&causal", "padding", "prefix"])
+def test_cuda_flex_path_forward_and_backward(name: str, dtype: torch.dtype) -> None:
+    N, H, G, L, S, E = 2, 4, 2, 1024, 1024, 64
+    mask = _masks(N, S)[name]
+    gen = torch.Generator().manual_seed(2)
+    q64 = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    k64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    v64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    trace = R.attention(q64.numpy(), k64.numpy(), v64.numpy(), mask.to_dense(L, S).numpy())
+    ref_grads = R.attention_grads(trace, d_out.numpy())
+    cuda_mask = mask.to("cuda")
+    q, k, v = (t.to("cuda", dtype).requires_grad_(True) for t in (q64, k64, v64))
+    assert qkv.explain(q, k, v, cuda_mask).path == "flex"
+    out, lse = qkv.attention(q, k, v, cuda_mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), d_out.to("cuda", dtype))
+    # error at most 2x (forward) / 3x (gradients) that of a naive implementation in the same dtype
+    qn, kn, vn = (t.to("cuda", dtype).requires_grad_(True) for t in (q64, k64, v64))
+    kr, vr = kn.repeat_interleave(H // G, dim=1), vn.repeat_interleave(H // G, dim=1)
+    scores = (qn @ kr.transpose(-1, -2) * E**-0.5).masked_fill(~mask.to_dense(L, S).cuda(), float("-inf"))
+    naive = torch.nan_to_num(torch.softmax(scores, dim=-1)) @ vr
+    naive_grads = torch.autograd.grad(naive, (qn, kn, vn), d_out.to("cuda", dtype))
+    floor = 1e-5 if dtype == torch.float32 else 2e-3
+
+    def err(a: torch.Tensor, b: np.ndarray) -> float:
+        return float(np.abs(a.detach().double().cpu().numpy() - b).max())
+
+    assert err(out, trace.output) <= 2 * err(naive, trace.output) + floor
+    for got, naive_g, want in zip(grads, naive_grads, ref_grads, strict=True):
+        assert not torch.isnan(got).any()
+        assert err(got, want) <= 3 * err(naive_g, want) + floor
+    np.testing.assert_array_equal(np.isneginf(lse.cpu().numpy()), np.isneginf(trace.lse))
+
+
+@needs_cuda
+def test_cuda_weights_and_refusals() -> None:
+    q = torch.randn(1, 2, 512, 32, device="cuda")
+    mask = M.sliding_window(16)
+    out, weights = qkv.attention(q, q, q, mask, return_weights=True)
+    expected = qkv.attention(q.cpu().double(), q.cpu().double(), q.cpu().double(), mask, backend="math", return_weights=True)
+    torch.testing.assert_close(weights.cpu().double(), expected[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.cpu().double(), expected[0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="CPU tile engine"):
+        qkv.attention(q, q, q, mask, backend="blocks")

@@ -1,0 +1,74 @@
+"""`qkv bench`: the quick run produces consistent JSON and a plot; bad --plot paths exit 2 at once.
+
+Timings are machine-dependent, so the checks are on what must hold on any machine: the
+ratios are the ratios of the reported times, every case and size is present, the FLOP rate
+follows from DESIGN.md's formula, qkv agrees with its peers, and memory was measured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qkv.cli import app
+from qkv.cli._bench_suite import QUICK
+from qkv.functional import TILES
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    plot = tmp_path_factory.mktemp("bench") / "bench.png"
+    result = CliRunner().invoke(app, ["bench", "--quick", "--json", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), plot
+
+
+def test_quick_json_holds_every_comparison(quick_run: tuple[dict, Path]) -> None:
+    data, _ = quick_run
+    names = [(c["name"], c["n"]) for c in data["comparisons"]]
+    w = QUICK.window
+    assert names == [
+        (f"sliding_window({w}, {w}) forward", QUICK.n_window),
+        (f"documents({QUICK.documents}) & causal forward", QUICK.n_docs),
+        *[("causal forward", n) for n in QUICK.n_causal],
+        (f"sliding_window({w}, {w}) forward + backward", QUICK.n_window),
+    ]
+    for c in data["comparisons"]:
+        assert c["qkv_s"] > 0 and c["peer_s"] > 0
+        assert c["speedup"] == pytest.approx(c["peer_s"] / c["qkv_s"])
+        assert c["met"] == (c["speedup"] >= c["goal"])
+        if c["max_abs_err"] is not None:
+            assert c["max_abs_err"] < 1e-4  # qkv and SDPA compute the same attention
+    assert data["matmul_gflops"] > 0 and data["threads"] >= 1
+
+
+def test_quick_flop_rate_follows_the_formula(quick_run: tuple[dict, Path]) -> None:
+    data, _ = quick_run
+    window = data["comparisons"][0]
+    n, H, E, w = QUICK.n_window, QUICK.heads, QUICK.head_dim, QUICK.window
+    # row groups [r0, r1) of the tile engine's block_q rows visit the keys r0 - w .. r1 - 1 + w in [0, n)
+    bq = TILES.block_q
+    groups = [(r0, min(n, r0 + bq)) for r0 in range(0, n, bq)]
+    visited = sum((r1 - r0) * (min(n, r1 + w) - max(0, r0 - w)) for r0, r1 in groups)
+    assert window["qkv_gflops"] == pytest.approx(4 * H * visited * E / window["qkv_s"] / 1e9)
+
+
+def test_quick_sweep_and_memory(quick_run: tuple[dict, Path]) -> None:
+    data, plot = quick_run
+    sweep = data["sweep"]
+    assert set(sweep) == {"qkv seconds", "SDPA dense mask seconds", "qkv peak RSS bytes", "SDPA dense mask peak RSS bytes"}
+    for series in sweep.values():
+        assert sorted(map(int, series)) == sorted(QUICK.sweep)
+    # peak RSS never decreases along increasing sizes in one process, and it was measured
+    assert data["peak_rss_bytes"] >= max(sweep["qkv peak RSS bytes"].values()) > 10 * 2**20
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("path", "words"), [("bench.txt", ".png"), ("no/such/folder/bench.png", "does not exist")])
+def test_bad_plot_path_exits_2_before_running(path: str, words: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(tmp_path / path)])
+    assert result.exit_code == 2
+    assert words in result.output
