@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,12 +21,28 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import qkv  # noqa: E402
-from _timing import matmul_gflops, time_interleaved  # noqa: E402
+from _timing import matmul_gflops, time_interleaved
+
+import qkv
 
 B, H, E = 1, 8, 64
 # The math path holds three (B, H, n, n) float32 tensors: 6 GiB at n = 8192. Past this it is skipped.
 MATH_MAX_N = 8192
+
+
+def _candidates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, with_math: bool
+) -> dict[str, Callable[[], object]]:
+    """The implementations compared on one problem, by name."""
+    mask = qkv.masks.causal() if causal else None
+    fns: dict[str, Callable[[], object]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "auto": lambda: qkv.attention(q, k, v, mask),
+        "fused": lambda: qkv.attention(q, k, v, mask, backend="fused"),
+    }
+    if with_math:
+        fns["math"] = lambda: qkv.attention(q, k, v, mask, backend="math")
+    return fns
 
 
 def main() -> None:
@@ -47,14 +64,7 @@ def main() -> None:
     for n in sizes:
         q, k, v = (torch.randn(B, H, n, E) for _ in range(3))
         for causal in (False, True):
-            mask = qkv.masks.causal() if causal else None
-            fns = {
-                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                "auto": lambda: qkv.attention(q, k, v, mask),
-                "fused": lambda: qkv.attention(q, k, v, mask, backend="fused"),
-            }
-            if n <= MATH_MAX_N:
-                fns["math"] = lambda: qkv.attention(q, k, v, mask, backend="math")
+            fns = _candidates(q, k, v, causal, with_math=n <= MATH_MAX_N)
             with torch.inference_mode():
                 seconds = time_interleaved(fns, reps=reps)
             pairs = n * (n + 1) // 2 if causal else n * n
