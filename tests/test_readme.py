@@ -1,0 +1,23 @@
+"""The README's code runs: every ```python block is executed, in order, in a fresh namespace."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL)
+
+
+def test_readme_has_the_two_commands() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert "uv run qkv tour" in text
+    assert "uv run pytest" in text
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": f"readme_{index}"})
+    assert capsys.readouterr().out or "assert" in BLOCKS[index]
