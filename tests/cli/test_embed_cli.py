@@ -37,11 +37,19 @@ def test_embed_prints_similarities(runner: CliRunner) -> None:
     assert "1.000" in result.stdout  # the diagonal
 
 
+def test_embed_prints_texts_as_written_not_as_markup(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["embed", "[/b] closes nothing", "[bold]not bold[/bold]"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "0: [/b] closes nothing" in result.stdout
+    assert "1: [bold]not bold[/bold]" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         ([], "at least one text"),
         (["--file", "missing.txt"], "does not exist"),
+        (["--file", "[/missing].txt"], "--file [/missing].txt does not exist"),  # not read as markup
         (["  "], "empty"),
         (["x", "--batch-size", "0"], "--batch-size"),
         (["x", "--model", "/no/such/model"], "cannot load model"),

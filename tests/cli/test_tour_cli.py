@@ -90,6 +90,15 @@ def test_tour_refuses_a_file_as_out_dir(runner: CliRunner, tmp_path: Path) -> No
     assert "not a directory" in result.output
 
 
+def test_tour_refuses_an_out_dir_it_cannot_create(runner: CliRunner, tmp_path: Path) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    result = runner.invoke(app, ["tour", "--out", str(blocker / "sub")])
+    assert result.exit_code == 2
+    assert "cannot be created" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_sections_extend() -> None:
     assert [s.name for s in SECTIONS] == ["examples", "model"]
     extra = Section("extra", "An extra section", lambda context: {"quiet": context.quiet})

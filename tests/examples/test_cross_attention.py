@@ -26,7 +26,8 @@ def test_decoder_reads_encoder() -> None:
 
 def test_queries_only_from_the_decoder() -> None:
     result = cross_attention.run()
-    # a different source sentence changes the output, the queries stay
+    # the source read in reverse order: the queries stay, and since attention is a weighted sum
+    # over keys, the output is the same while the weights' columns are reversed
     other = reference.cross_attention(result.x, result.context[::-1], result.w_q, result.w_k, result.w_v)
     np.testing.assert_array_equal(other.q, result.trace.q)
     np.testing.assert_allclose(other.output, result.trace.output, atol=1e-15)  # a permuted source: same answer

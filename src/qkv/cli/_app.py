@@ -10,6 +10,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 app = typer.Typer(
     name="qkv",
@@ -27,5 +28,6 @@ USAGE_ERROR = 2
 
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    # Text, not markup: the message quotes user input (paths, texts, names) that may hold "[".
+    err_console.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
     raise typer.Exit(code)

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from qkv.cli._app import app, console, fail
 from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail
@@ -74,5 +75,5 @@ def embed_command(
         for i in range(len(all_texts)):
             table.add_column(str(i), justify="right")
         for i, text in enumerate(all_texts):
-            table.add_row(f"{i}: {text}", *(f"{float(s):.3f}" for s in similarity[i]))
+            table.add_row(Text(f"{i}: {text}"), *(f"{float(s):.3f}" for s in similarity[i]))  # Text: no markup from users
         console.print(table)

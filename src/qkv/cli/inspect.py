@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from qkv.cli._app import app, console, fail
 
@@ -45,7 +46,7 @@ def load_or_fail(model: str) -> Encoder:
 
         try:
             _encoders[model] = load_encoder(model)
-        except (FileNotFoundError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError) as error:  # OSError: missing or unreadable files
             fail(f"cannot load model {model!r}: {error}")
     return _encoders[model]
 
@@ -100,18 +101,18 @@ def _print_tokens(inspection: Inspection) -> None:
     for row in token_report(inspection):
         start, end = row["offsets"]
         word = "" if row["word_id"] is None else str(row["word_id"])
-        table.add_row(str(row["index"]), row["token"], word, f"{start}..{end}" if end > start else "")
+        table.add_row(str(row["index"]), Text(row["token"]), word, f"{start}..{end}" if end > start else "")
     console.print(table)
 
 
 def _print_heads(inspection: Inspection, token: str, query: list[int], rows: list[dict[str, Any]]) -> None:
     pieces = " ".join(inspection.tokens[i] for i in query)
-    table = Table(title=f"where each head looks from {token!r} (tokens {pieces}; weights sum to 1 per head)")
+    table = Table(title=Text(f"where each head looks from {token!r} (tokens {pieces}; weights sum to 1 per head)", "table.title"))
     table.add_column("layer", justify="right")
     table.add_column("head", justify="right")
     table.add_column("most attended tokens")
     for row in rows:
-        looks = ",  ".join(f"{t['token']} [bold]{t['weight']:.3f}[/]" for t in row["top"])
+        looks = Text(",  ").join(Text.assemble(f"{t['token']} ", (f"{t['weight']:.3f}", "bold")) for t in row["top"])
         table.add_row(str(row["layer"]), str(row["head"]), looks)
     console.print(table)
 
@@ -177,7 +178,7 @@ def inspect_command(
         assert token is not None and rows is not None
         _print_heads(inspection, token, query, rows)
     for path in written:
-        console.print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+        console.print(Text(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"))
 
 
 def _check_output(path: Path | None, option: str, suffixes: tuple[str, ...]) -> None:
@@ -241,7 +242,7 @@ def context_command(
             "similarity": [{"after": label, "cosine": round(c, 6)} for label, c in zip(labels, similarity, strict=True)],
         }, ensure_ascii=False, indent=2))
         return
-    table = Table(title=f"cosine similarity of {word!r} in the two texts")
+    table = Table(title=Text(f"cosine similarity of {word!r} in the two texts", "table.title"))
     table.add_column("after")
     table.add_column("cosine", justify="right")
     table.add_column("")

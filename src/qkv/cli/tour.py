@@ -102,6 +102,10 @@ def tour_command(
     """A guided run through qkv: the articles' examples, then a real model's attention, drawn."""
     if out_dir.exists() and not out_dir.is_dir():
         fail(f"--out {out_dir} exists and is not a directory")
+    try:  # now, not after the model has run: a folder that cannot be made is a usage error
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fail(f"--out {out_dir} cannot be created: {error.strerror or error}")
     results = run_tour(TourContext(out=None if as_json else console, quiet=quiet, out_dir=out_dir))
     if as_json:
         typer.echo(json.dumps({"sections": results}, ensure_ascii=False, allow_nan=False))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from qkv.cli.tour import TourContext
@@ -132,7 +133,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
 
     written = _write_artifacts(context.out_dir, inspections, best["layer"], best["head"])
     if out is not None:
-        table = Table(title=f"Written to {context.out_dir}")
+        table = Table(title=Text(f"Written to {context.out_dir}", "table.title"))  # Text: the folder is the user's
         table.add_column("file")
         table.add_column("what")
         table.add_column("size", justify="right")
@@ -140,7 +141,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
             table.add_row(path.name, what, f"{path.stat().st_size / 1024:.0f} KiB")
         out.print(table)
         viewer = context.out_dir / "trophy-big.html"
-        out.print(f"Open [bold]{viewer}[/] in a browser (no server needed) to explore every layer and head.")
+        out.print(Text.assemble("Open ", (str(viewer), "bold"), " in a browser (no server needed) to explore every layer and head."))
     return {
         "model": encoder.name,
         "sentences": {s.slug: s.text for s in SENTENCES},
