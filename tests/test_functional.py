@@ -222,3 +222,16 @@ def test_explain_names_the_path_and_counts_flops_by_hand() -> None:
 def test_explain_does_not_run_attention() -> None:
     q = torch.randn(1, 1, 4, 2)
     assert qkv.explain(q, q, q).visited_fraction == 1.0
+
+
+def test_a_decoding_step_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # L = 1 with bottom-right causal alignment sees the whole cache: no L x S mask is needed
+    q, k, v = Case(B=2, H=4, G=2, L=1, S=50, E=8, Ev=8).tensors(torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def no_dense_mask(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a dense causal mask was built for a decoding step")
+
+    monkeypatch.setattr(qkv.masks.Causal, "to_dense", no_dense_mask)
+    torch.testing.assert_close(qkv.attention(q, k, v, qkv.masks.causal()), expected)
+    assert "hides no key" in qkv.explain(q, k, v, qkv.masks.causal()).reason

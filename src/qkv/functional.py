@@ -152,6 +152,8 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     reason = "backend='fused' was requested" if backend == "fused" else "PyTorch's SDPA applies"
     if sdpa_causal:
         reason += "; causal runs as SDPA is_causal (L == S or top-left alignment), no mask materialized"
+    elif causal is not None and causal_offset is not None and causal_offset >= problem.S - 1:
+        reason += "; the causal mask hides no key here (every query sees the whole cache), so none is passed"
     elif causal is not None:
         reason += "; bottom-right causal with L != S is passed as a dense bool mask"
     elif isinstance(mask, Mask):
@@ -252,6 +254,10 @@ def _dense_mask(problem: AttentionProblem, plan: Plan) -> torch.Tensor | None:
     mask = problem.mask
     if mask is None or isinstance(mask, Causal):
         if isinstance(mask, Causal) and plan.path == "fused" and not plan.sdpa_causal:
+            if mask.offset(problem.L, problem.S) >= problem.S - 1:
+                # every query sees every key (a one-token decoding step over its cache):
+                # the mask hides nothing, so none is built
+                return None
             return mask.to_dense(problem.L, problem.S, device=problem.q.device)
         return None
     if isinstance(mask, Mask):
