@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
+
 __all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path", "merge_into"]
 
 # Use PyTorch's CPU flash kernels where they apply; False forces the tiles (tests use it to
@@ -59,22 +61,6 @@ def block_path(q: torch.Tensor, v: torch.Tensor) -> str:
     ):
         return "cpu-flash"
     return "tiles"
-
-
-def _repeat_heads(x: torch.Tensor, H: int) -> torch.Tensor:
-    """(N, G, S_blk, D) -> (N, H, S_blk, D): key/value head g serves query heads g*r .. g*r + r - 1."""
-    N, G, S, D = x.shape
-    if G == H:
-        return x
-    return x.unsqueeze(2).expand(N, G, H // G, S, D).reshape(N, H, S, D)  # (N, H, S_blk, D)
-
-
-def _sum_heads(grad: torch.Tensor, G: int) -> torch.Tensor:
-    """(N, H, S_blk, D) -> (N, G, S_blk, D): gradient of a repeated head, summed over its copies."""
-    N, H, S, D = grad.shape
-    if G == H:
-        return grad
-    return grad.reshape(N, G, H // G, S, D).sum(dim=2)  # (N, G, S_blk, D)
 
 
 def _future_keys(t0: int, t1: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -107,7 +93,7 @@ def block_forward(
     H = q.shape[1]
     if block_path(q, v) == "cpu-flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _repeat_heads(k, H), _repeat_heads(v, H), 0.0, diagonal, scale=scale
+            q, expand_kv_heads(k, H), expand_kv_heads(v, H), 0.0, diagonal, scale=scale
         )
         return out, lse.to(q.dtype)  # (N, H, L_blk, Ev), (N, H, L_blk)
     return _tiled_forward(q, k, v, scale, diagonal)
@@ -176,11 +162,11 @@ def block_backward(
     if block_path(q, v) == "cpu-flash":
         # the kernel recomputes P from the lse and delta from out: pass the global ones
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, _repeat_heads(k, H), _repeat_heads(v, H), out, lse, 0.0, diagonal, scale=scale
+            d_out, q, expand_kv_heads(k, H), expand_kv_heads(v, H), out, lse, 0.0, diagonal, scale=scale
         )
         dq += grad_q
-        dk += _sum_heads(grad_k, G)
-        dv += _sum_heads(grad_v, G)
+        dk += sum_kv_heads(grad_k, G)
+        dv += sum_kv_heads(grad_v, G)
         return
     N, L, E = q.shape[0], q.shape[2], q.shape[3]
     Ev = v.shape[3]

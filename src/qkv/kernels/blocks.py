@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from qkv.kernels.heads import expand_kv_heads
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
 
@@ -270,14 +271,6 @@ class _TileAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _expand_heads(x: torch.Tensor, H: int) -> torch.Tensor:
-    """(N, G, S, D) -> (N, H, S, D): key/value head g serves query heads g*r .. g*r + r - 1."""
-    N, G, S, D = x.shape
-    if G == H:
-        return x
-    return x.unsqueeze(2).expand(N, G, H // G, S, D).reshape(N, H, S, D)  # (N, H, S, D)
-
-
 def tile_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -296,7 +289,7 @@ def tile_attention(
     # the kernel wants one head size for q, k and v: zero columns change no score and no output
     q_, k_ = (F.pad(q, (0, D - E)), F.pad(k, (0, D - E))) if E < D else (q, k)
     v_ = F.pad(v, (0, D - Ev)) if Ev < D else v
-    k_, v_ = _expand_heads(k_, H), _expand_heads(v_, H)
+    k_, v_ = expand_kv_heads(k_, H), expand_kv_heads(v_, H)
     q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_, k_, v_))
     out, lse = _TileAttention.apply(q_, k_, v_, _Run(plan, mask, scale))
     return out[..., :Ev], lse

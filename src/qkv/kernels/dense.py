@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qkv.kernels.heads import expand_kv_heads
 from qkv.kernels.softmax import masked_softmax
 
 __all__ = [
@@ -142,14 +143,6 @@ def dense_lse(
     return torch.cat(parts, dim=-1)  # (N, H, L)
 
 
-def _expand_kv(x: torch.Tensor, H: int) -> torch.Tensor:
-    """(N, G, S, D) -> (N, H, S, D), kv head g serving query heads g*r .. g*r + r - 1."""
-    N, G, S, D = x.shape
-    if G == H:
-        return x
-    return x.unsqueeze(2).expand(N, G, H // G, S, D).reshape(N, H, S, D)  # (N, H, S, D)
-
-
 def fused_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -180,7 +173,7 @@ def fused_attention(
         else:
             additive = None
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand_kv(k, H), _expand_kv(v, H), dropout, is_causal, attn_mask=additive, scale=scale
+            q, expand_kv_heads(k, H), expand_kv_heads(v, H), dropout, is_causal, attn_mask=additive, scale=scale
         )
         lse = lse.detach().to(accumulation_dtype(q.dtype))  # (N, H, L)
     else:
