@@ -36,6 +36,8 @@ def main() -> int:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     config = QUICK if args.quick else STANDARD
     if args.no_flex:
         config = dataclasses.replace(config, flex=False)

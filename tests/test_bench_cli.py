@@ -72,3 +72,26 @@ def test_bad_plot_path_exits_2_before_running(path: str, words: str, tmp_path: P
     result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(tmp_path / path)])
     assert result.exit_code == 2
     assert words in result.output
+
+
+def test_plot_path_that_is_a_folder_exits_2_before_running(tmp_path: Path) -> None:
+    folder = tmp_path / "bench.png"
+    folder.mkdir()
+    result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(folder)])
+    assert result.exit_code == 2
+    assert "is a folder" in " ".join(result.output.split())  # rich wraps long lines
+
+
+def test_a_failing_run_exits_1_with_a_message_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import qkv.cli._bench_suite as suite
+
+    def broken_suite(config: object):
+        yield "warm-up and matmul rate", None
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(suite, "run_suite", broken_suite)
+    result = CliRunner().invoke(app, ["bench", "--quick"])
+    assert result.exit_code == 1
+    message = " ".join(result.output.split())  # rich wraps long lines
+    assert "failed after step 'warm-up and matmul rate'" in message and "cc is not found" in message
+    assert "Traceback" not in result.output and not isinstance(result.exception, RuntimeError)

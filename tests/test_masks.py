@@ -7,6 +7,7 @@ The expected matrices are built with NumPy straight from the definitions in DESI
 from __future__ import annotations
 
 import doctest
+import re
 
 import numpy as np
 import pytest
@@ -286,3 +287,31 @@ def test_masks_that_do_not_fit_the_inputs_are_refused_before_any_work(mask: M.Ma
     for fn in (qkv.attention, qkv.explain):
         with pytest.raises(ValueError, match=words):
             fn(q, k, v, mask)
+
+
+@pytest.mark.parametrize(
+    ("build", "L", "S", "words"),
+    [
+        (lambda: M.documents(torch.tensor([0, 0, 1, 1, 1])), 7, 5, "L=7 queries on the last positions of the S=5 keys"),
+        (lambda: M.documents(torch.tensor([0, 0, 1, 1, 1])), 3, 3, "ids for 5 key positions, the keys have length S=3"),
+        (lambda: M.documents(torch.tensor([0, 1]), torch.tensor([0, 0, 1])), 4, 3, "2 query ids, the queries have L=4"),
+        (lambda: M.key_padding(torch.tensor([[True, False, True]])), 2, 5, "shape (1, 3), the keys have length S=5"),
+        (lambda: M.key_padding(torch.tensor([9])), 2, 3, "length 9 > S=3"),
+        (lambda: M.causal() & M.dense(torch.ones(4, 4, dtype=torch.bool)), 4, 6, "does not broadcast to (..., 4, 6)"),
+    ],
+)
+def test_rendering_refuses_sizes_the_mask_data_does_not_cover(build, L: int, S: int, words: str) -> None:
+    # without the check, documents(ids) with L > S indexed ids with negative positions (wrapping
+    # around to the end) and a layout of a shorter S came out with the ids' own size
+    for render in (lambda m: m.to_dense(L, S), lambda m: m.layout(L, S, 2), lambda m: m.draw(L, S)):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            render(build())
+
+
+def test_drawing_refuses_a_batch_row_the_mask_does_not_have() -> None:
+    mask = M.key_padding(torch.tensor([1, 2]))
+    assert mask.draw(3, 3, batch=1).splitlines()[2:5] == ["0  ██·", "1  ██·", "2  ██·"]  # row 1: 2 valid keys
+    with pytest.raises(ValueError, match=r"batch must be an int in \[0, 2\)"):
+        mask.draw(3, 3, batch=2)
+    # an axis the mask does not vary over draws the same for every index
+    assert M.causal().draw(3, 3, batch=7, head=3) == M.causal().draw(3, 3)

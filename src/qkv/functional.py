@@ -33,7 +33,7 @@ from qkv.kernels.dense import (
     fused_lse_available,
     math_attention,
 )
-from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available
+from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_suits
 from qkv.kernels.layout import FULL, BlockLayout
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
 from qkv.masks import Causal, Mask
@@ -191,8 +191,7 @@ def _sparse_plan(problem: AttentionProblem, path: Literal["blocks", "flex"], rea
         return Plan("blocks", reason, layout=layout, tiles=_tile_plan(problem, TILES, layout))
     if not flex_available():
         raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
-    if device.type == "cpu" and needs_grad:
+    if device.type == "cpu" and _needs_grad(problem):
         raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
     return Plan("flex", reason, layout=_layout(problem, FLEX_BLOCK, FLEX_BLOCK))
 
@@ -209,11 +208,21 @@ def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayou
         assert isinstance(mask, Mask)
         intervals = mask.row_intervals(L, S, device)
     # without a backward pass to come, calls can be larger (fewer kernel launches)
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
+    need_grad = _needs_grad(problem)
     if intervals is not None:
         return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, need_grad)
-    heads = mask.heads if isinstance(mask, Mask) and mask.heads else 1
-    return plan_layout(layout, problem.N, problem.H, D, itemsize, config, heads, need_grad)
+    return plan_layout(layout, problem.N, problem.H, D, itemsize, config, _mask_heads(problem), need_grad)
+
+
+def _needs_grad(problem: AttentionProblem) -> bool:
+    """Whether autograd will ask for a backward pass through this call."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
+
+
+def _mask_heads(problem: AttentionProblem) -> int:
+    """Heads the mask's tiles carry: 1 unless the mask varies over heads."""
+    mask = problem.mask
+    return mask.heads if isinstance(mask, Mask) and mask.heads else 1
 
 
 def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
@@ -225,7 +234,7 @@ def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
     if device.type == "cpu" and flash_kernel_available():
         path: Literal["blocks", "flex"] = "blocks"
         block_q, block_k = TILES.block_q, TILES.block_k
-    elif device.type == "cuda" and flex_available():
+    elif device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
         path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
     else:
         return None
@@ -295,7 +304,9 @@ def attention(
         return_weights: also return the exact probabilities (..., H, L, S) that produced the
             output (after dropout when dropout > 0), in float32 or wider.
         return_lse: also return log sum_j exp(score_ij) (..., H, L), float32 or wider.
-        backend: "auto" (default), "fused" or "math"; see `qkv.explain`.
+        backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
+            (SDPA), "math" (the explicit formula), "blocks" (the CPU tile engine, `qkv.masks`
+            objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
 
     Returns:
         output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
@@ -489,12 +500,7 @@ def _sparse_extra_bytes(problem: AttentionProblem, plan: Plan, acc_bytes: int, r
         extra += NH * L * D * acc_bytes if acc_bytes != itemsize else 0  # accumulator of a low-precision output
         if problem.G != problem.H or problem.Ev != problem.E:
             extra += 2 * NH * S * D * itemsize  # keys and values expanded to every head / padded to D
-        per_call = [
-            problem.H * c.items * c.q_len * (D * itemsize + 4)
-            + (c.items * c.q_len * c.width * (itemsize + 1) if c.masked else 0)
-            for c in plan.tiles.calls
-        ]
-        extra += max(per_call, default=0)
+        extra += plan.tiles.max_call_bytes(problem.H, D, itemsize, _mask_heads(problem))
     else:
         assert plan.layout is not None
         extra += plan.layout.states.numel() * 2 * 4  # BlockMask indices (int32)

@@ -120,12 +120,19 @@ class Mask(ABC):
         del L, S, device
         return None
 
+    def check_size(self, L: int, S: int) -> None:
+        """Raise ValueError when the mask's data (ids, lengths, a tensor) does not fit an L x S
+        score matrix; `to_dense`, `layout` and `validate` call it so that a mismatch is named
+        instead of indexing the data out of range (or, worse, wrapping around silently)."""
+        del L, S
+
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         """Raise ValueError when the mask cannot apply to a (batch, heads, L, S) problem."""
         if self.batch not in (None, 1, batch):
             raise ValueError(f"{self.describe()} has batch size {self.batch}, the inputs have {batch}")
         if self.heads not in (None, 1, heads):
             raise ValueError(f"{self.describe()} covers {self.heads} heads, the inputs have {heads}")
+        self.check_size(L, S)
 
     def __str__(self) -> str:
         return self.describe()
@@ -137,6 +144,7 @@ class Mask(ABC):
 
     def to_dense(self, L: int, S: int, *, device: Device = None) -> torch.Tensor:
         """Render as a bool tensor (B | 1, H | 1, L, S), True = may attend."""
+        self.check_size(L, S)
         shape = (self.batch or 1, self.heads or 1, L, S)
         b, h, q, k = _grid(shape, device)
         return torch.broadcast_to(self.visible(b, h, q, k, L, S), shape)
@@ -149,6 +157,7 @@ class Mask(ABC):
         for name, value in (("L", L), ("S", S), ("block_q", block_q), ("block_k", block_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.check_size(L, S)
         states = self.block_states(L, S, block_q, block_k, device)
         return BlockLayout(states, L, S, block_q, block_k, name=self.describe())
 
@@ -334,8 +343,7 @@ class Documents(Mask):
     def to(self, device: torch.device | str) -> Documents:
         return Documents(self.ids.to(device), None if self.kv_ids is None else self.kv_ids.to(device))
 
-    def validate(self, batch: int, heads: int, L: int, S: int) -> None:
-        super().validate(batch, heads, L, S)
+    def check_size(self, L: int, S: int) -> None:
         keys = self._key_ids()
         if keys.shape[1] != S:
             raise ValueError(f"documents() has ids for {keys.shape[1]} key positions, the keys have length S={S}")
@@ -398,8 +406,7 @@ class KeyPadding(Mask):
         assert data is not None  # the constructor key_padding() sets exactly one of them
         return data.shape[0] if data.shape[0] > 1 else None
 
-    def validate(self, batch: int, heads: int, L: int, S: int) -> None:
-        super().validate(batch, heads, L, S)
+    def check_size(self, L: int, S: int) -> None:
         if self.valid is not None and self.valid.shape[1] != S:
             raise ValueError(f"key_padding(valid) has shape {tuple(self.valid.shape)}, the keys have length S={S}")
         if self.lengths is not None and int(self.lengths.max()) > S:
@@ -535,17 +542,13 @@ class Dense(Mask):
         size = self._4d().shape[1]
         return size if size > 1 else None
 
-    def _check_size(self, L: int, S: int) -> None:
+    def check_size(self, L: int, S: int) -> None:
         t = self.tensor
         if t.shape[-2] not in (1, L) or t.shape[-1] not in (1, S):
             raise ValueError(f"dense mask of shape {tuple(t.shape)} does not broadcast to (..., {L}, {S})")
 
-    def validate(self, batch: int, heads: int, L: int, S: int) -> None:
-        super().validate(batch, heads, L, S)
-        self._check_size(L, S)
-
     def to_dense(self, L: int, S: int, *, device: Device = None) -> torch.Tensor:
-        self._check_size(L, S)
+        self.check_size(L, S)
         t = self._4d()
         t = t.expand(t.shape[0], t.shape[1], L, S)  # (B | 1, H | 1, L, S)
         return t.to(device) if device is not None else t
@@ -558,7 +561,6 @@ class Dense(Mask):
         return t[index[0], index[1], index[2], index[3]]
 
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
-        self._check_size(L, S)
         t = self._4d().to(device)
         # a broadcast axis (size 1) is one block of its own; expand the states afterwards
         states = states_from_dense(t, block_q if t.shape[2] > 1 else 1, block_k if t.shape[3] > 1 else 1)
@@ -608,6 +610,10 @@ class Combined(Mask):
     @property
     def heads(self) -> int | None:
         return self.left.heads or self.right.heads
+
+    def check_size(self, L: int, S: int) -> None:
+        self.left.check_size(L, S)
+        self.right.check_size(L, S)
 
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         self.left.validate(batch, heads, L, S)

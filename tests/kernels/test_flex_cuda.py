@@ -124,3 +124,13 @@ def test_cuda_weights_and_refusals() -> None:
     torch.testing.assert_close(out.cpu().double(), expected[0], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="CPU tile engine"):
         qkv.attention(q, q, q, mask, backend="blocks")
+
+
+def test_auto_sends_flex_only_what_its_gpu_kernels_are_built_for() -> None:
+    from qkv.kernels.flex import flex_suits
+
+    assert flex_suits(torch.bfloat16, (64, 64))
+    assert flex_suits(torch.float32, (128, 64))
+    assert not flex_suits(torch.float64, (64, 64))  # no float64 GPU kernels: SDPA keeps it
+    assert not flex_suits(torch.float16, (59, 59))  # head dim 59 is not a power of two
+    assert not flex_suits(torch.float16, (8, 8))  # below the smallest tested head dim

@@ -11,6 +11,8 @@ prints the speedup next to the goal of issue 7. See `qkv.cli._bench_suite` for t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -41,25 +43,42 @@ def bench_command(
     if plot is not None:
         if plot.suffix.lower() not in PLOT_SUFFIXES:
             fail(f"--plot writes {', '.join(PLOT_SUFFIXES)} files, got {str(plot)!r}")
-        if not plot.parent.exists():
+        # checked before the run (minutes), not found out when the plot is saved after it
+        if not plot.parent.is_dir():
             fail(f"--plot: the folder {str(plot.parent)!r} does not exist")
+        if plot.is_dir():
+            fail(f"--plot: {str(plot)!r} is a folder, not a file name")
+        if not os.access(plot.parent, os.W_OK) or (plot.exists() and not os.access(plot, os.W_OK)):
+            fail(f"--plot: {str(plot)!r} cannot be written (permission denied)")
     from qkv.cli._bench_suite import QUICK, STANDARD, run_suite, steps
 
     config = QUICK if quick else STANDARD
     report = None
+    done = "starting"
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task("starting", total=steps(config))
-        for done, partial in run_suite(config):
-            progress.update(task, advance=1, description=done)
-            report = partial
+    try:
+        with Progress(*columns, console=err_console, transient=True) as progress:
+            task = progress.add_task(done, total=steps(config))
+            for done, partial in run_suite(config):
+                progress.update(task, advance=1, description=done)
+                report = partial
+    except subprocess.CalledProcessError as error:
+        # the peak-memory child process failed: its own message is the useful part
+        last = (error.stderr or "").strip().splitlines()[-1:] or [f"exit status {error.returncode}"]
+        fail(f"the peak-memory measurement failed after step {done!r}: {last[0]}", code=1)
+    except (RuntimeError, OSError) as error:
+        # e.g. FlexAttention cannot compile on this machine (no C compiler), or out of memory
+        fail(f"the benchmark failed after step {done!r}: {type(error).__name__}: {error}", code=1)
     assert report is not None  # run_suite yields at least once
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print_report(report)
     if plot is not None:
-        _plot(report, plot)
+        try:
+            _plot(report, plot)
+        except OSError as error:
+            fail(f"--plot: could not write {str(plot)!r}: {error}", code=1)
         if not as_json:
             console.print(f"plot written to {plot}")
 

@@ -45,6 +45,19 @@ def flex_available() -> bool:
     return hasattr(BlockMask, "from_kv_blocks")
 
 
+# FlexAttention's compiled GPU kernels are built and tested for these dtypes and for head
+# dims that are powers of two from 16 up; 'auto' keeps SDPA (with a dense mask) elsewhere
+# rather than betting on a compile that may fail on the user's machine.
+_FLEX_AUTO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLEX_AUTO_MIN_HEAD_DIM = 16
+
+
+def flex_suits(dtype: torch.dtype, head_dims: tuple[int, ...]) -> bool:
+    """Whether 'auto' may send a problem of this dtype and these head dims to FlexAttention."""
+    powers_of_two = all(d >= _FLEX_AUTO_MIN_HEAD_DIM and d & (d - 1) == 0 for d in head_dims)
+    return dtype in _FLEX_AUTO_DTYPES and powers_of_two
+
+
 def _indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count and indices of the True key blocks of every row, those first: int32 (..., nQ), (..., nQ, nK)."""
     counts = selected.sum(dim=-1, dtype=torch.int32)  # (B | 1, H | 1, nQ)

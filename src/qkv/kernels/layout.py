@@ -115,8 +115,13 @@ class BlockLayout:
         """The tiles as text: one character per tile, a row per query block.
 
         █ full (computed without a mask), ▒ partial (computed with the mask's tile), · empty
-        (skipped). Rows are labelled with their first query index.
+        (skipped). Rows are labelled with their first query index. ``batch`` and ``head``
+        pick the row and head to draw; any index is accepted on an axis of size 1, the
+        layout being the same for every row or head there.
         """
+        for name, index, size in (("batch", batch, self.states.shape[0]), ("head", head, self.states.shape[1])):
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0 or (size > 1 and index >= size):
+                raise ValueError(f"{name} must be an int in [0, {size}) for the layout of {self.name}, got {index!r}")
         b = min(batch, self.states.shape[0] - 1)
         h = min(head, self.states.shape[1] - 1)
         grid = self.states[b, h].tolist()
