@@ -26,7 +26,6 @@ import torch
 from qkv._problem import AttentionProblem, describe_problem, normalize_mask
 from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
 from qkv.kernels.dense import (
-    accumulation_dtype,
     attention_weights_dense,
     dense_lse,
     fused_attention,
@@ -35,6 +34,7 @@ from qkv.kernels.dense import (
 )
 from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_suits
 from qkv.kernels.layout import FULL, BlockLayout
+from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
 from qkv.masks import Causal, Mask
 

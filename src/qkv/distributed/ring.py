@@ -48,7 +48,7 @@ import torch.distributed as dist
 from qkv._problem import describe_problem
 from qkv.distributed.blockwise import block_backward, block_forward, merge_into
 from qkv.distributed.layout import Chunk, Layout, check_layout, shard_chunks, shard_lengths
-from qkv.kernels.dense import accumulation_dtype
+from qkv.kernels.softmax import accumulation_dtype
 
 __all__ = ["DEFAULT_TIMEOUT", "RingCommunicationError", "RingStats", "ring_attention"]
 

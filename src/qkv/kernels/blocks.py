@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
 
@@ -166,7 +167,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tu
     N, H, L, D = q.shape
     S = k.shape[2]
     plan = run.plan
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulation_dtype(q.dtype)
     out = torch.empty(N, L, H, D, dtype=acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)
     # rows that no piece covers, and rows that calls merge into, start as "nothing seen yet":
@@ -210,7 +211,7 @@ def _backward(
     """dq, dk, dv (N, H, *, D) from the final output and lse (FlashAttention-2 recomputation)."""
     N, H, L, D = q.shape
     S = k.shape[2]
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulation_dtype(q.dtype)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
@@ -309,7 +310,7 @@ def _piece_scores(
     N, H, L, _ = q.shape
     G, S = k.shape[1], k.shape[2]
     device = q.device
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     kv_heads = heads // (H // G)
     for n in range(N):
         groups: dict[tuple[int, int], list[Piece]] = {}
@@ -339,7 +340,7 @@ def _piece_scores(
 def tile_lse(q: torch.Tensor, k: torch.Tensor, mask: Mask | None, plan: TilePlan, scale: float) -> torch.Tensor:
     """log sum_j exp(s_ij) (N, H, L) over the non-empty tiles, block by block (no gradient)."""
     N, H, L, _ = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     lse = torch.full((N, H, L), _NEG_INF, dtype=acc, device=q.device)
     heads, rows = torch.arange(H, device=q.device), torch.arange(L, device=q.device)
     with torch.no_grad():
@@ -366,7 +367,7 @@ def tile_weights(
     log-sum-exp over the same pieces first. No gradient; float32 or wider.
     """
     N, S = q.shape[0], k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     weights = torch.zeros(N, len(heads), len(rows), S, dtype=acc, device=q.device)
     with torch.no_grad():
         for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows):

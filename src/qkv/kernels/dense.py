@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
-from qkv.kernels.softmax import masked_softmax
+from qkv.kernels.softmax import accumulation_dtype, masked_softmax
 
 __all__ = [
-    "accumulation_dtype",
     "attention_weights_dense",
     "dense_lse",
     "fused_attention",
@@ -30,11 +29,6 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax state and accumulation happen in float32 at least (float64 stays float64)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scores_with_mask(

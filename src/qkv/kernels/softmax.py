@@ -1,4 +1,5 @@
-"""Softmax with explicit empty-row handling, shared by every materialized path.
+"""Softmax numerics shared by every path: the accumulation dtype (float32 at least, as
+DESIGN.md decides) and a softmax with explicit empty-row handling.
 
 A row whose keys are all masked has a maximum of -inf; the textbook formula then computes
 exp(-inf - (-inf)) = NaN. Here such a row gets zero weights and lse = -inf, and its
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["masked_softmax"]
+__all__ = ["accumulation_dtype", "masked_softmax"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax state and accumulation happen in float32 at least (float64 stays float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
