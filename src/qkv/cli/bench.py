@@ -11,7 +11,6 @@ prints the speedup next to the goal of issue 7. See `qkv.cli._bench_suite` for t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -20,7 +19,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qkv.cli._app import app, console, err_console, fail
+from qkv.cli._app import app, check_output_file, console, err_console, fail
 
 if TYPE_CHECKING:
     from qkv.cli._bench_suite import BenchReport
@@ -40,16 +39,8 @@ def bench_command(
     ] = None,
 ) -> None:
     """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
-    if plot is not None:
-        if plot.suffix.lower() not in PLOT_SUFFIXES:
-            fail(f"--plot writes {', '.join(PLOT_SUFFIXES)} files, got {str(plot)!r}")
-        # checked before the run (minutes), not found out when the plot is saved after it
-        if not plot.parent.is_dir():
-            fail(f"--plot: the folder {str(plot.parent)!r} does not exist")
-        if plot.is_dir():
-            fail(f"--plot: {str(plot)!r} is a folder, not a file name")
-        if not os.access(plot.parent, os.W_OK) or (plot.exists() and not os.access(plot, os.W_OK)):
-            fail(f"--plot: {str(plot)!r} cannot be written (permission denied)")
+    # checked before the run (minutes), not found out when the plot is saved after it
+    check_output_file(plot, "--plot", PLOT_SUFFIXES)
     from qkv.cli._bench_suite import QUICK, STANDARD, run_suite, steps
 
     config = QUICK if quick else STANDARD

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, console, fail
+from qkv.cli._app import app, check_output_file, console, fail
 
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
@@ -142,8 +142,8 @@ def inspect_command(
     """Run TEXT through the model: its tokens, and where every head looks from --token."""
     if top < 1:
         fail(f"--top must be at least 1, got {top}")
-    _check_output(html, "--html", (".html", ".htm"))
-    _check_output(png, "--png", (".png", ".svg"))
+    check_output_file(html, "--html", (".html", ".htm"))
+    check_output_file(png, "--png", (".png", ".svg"))
     encoder = load_or_fail(model)
     inspection = inspect_or_fail(encoder, text)
     layers = _check_index(layer, inspection.num_layers, "layer")
@@ -179,18 +179,6 @@ def inspect_command(
         _print_heads(inspection, token, query, rows)
     for path in written:
         console.print(Text(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"))
-
-
-def _check_output(path: Path | None, option: str, suffixes: tuple[str, ...]) -> None:
-    """Refuse an output path before the model runs: wrong suffix or a missing folder."""
-    if path is None:
-        return
-    if path.suffix.lower() not in suffixes:
-        fail(f"{option} {path}: the file name must end with {' or '.join(suffixes)}")
-    if not path.parent.is_dir():
-        fail(f"{option} {path}: the folder {path.parent} does not exist")
-    if path.is_dir():
-        fail(f"{option} {path} is a directory; give a file name")
 
 
 def _write_artifacts(
