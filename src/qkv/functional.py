@@ -171,8 +171,11 @@ def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayou
     return BlockLayout(states, problem.L, problem.S, block_q, block_k, name="no mask")
 
 
-def _sparse_plan(problem: AttentionProblem, path: Literal["blocks", "flex"], reason: str) -> Plan:
-    """Plan for the tile engine (CPU) or FlexAttention; raises when they cannot take the problem."""
+def _sparse_plan(
+    problem: AttentionProblem, path: Literal["blocks", "flex"], reason: str, layout: BlockLayout | None = None
+) -> Plan:
+    """Plan for the tile engine (CPU) or FlexAttention; raises when they cannot take the problem.
+    ``layout``: the mask's tiles when the caller already computed them at this path's tile size."""
     mask = problem.mask
     if isinstance(mask, torch.Tensor):
         raise ValueError(
@@ -193,7 +196,7 @@ def _sparse_plan(problem: AttentionProblem, path: Literal["blocks", "flex"], rea
         raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
     if device.type == "cpu" and _needs_grad(problem):
         raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
-    return Plan("flex", reason, layout=_layout(problem, FLEX_BLOCK, FLEX_BLOCK))
+    return Plan("flex", reason, layout=layout if layout is not None else _layout(problem, FLEX_BLOCK, FLEX_BLOCK))
 
 
 def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayout) -> TilePlan:
@@ -255,7 +258,7 @@ def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
     )
     if path == "blocks":
         return Plan("blocks", reason, layout=layout, tiles=tiles)
-    return _sparse_plan(problem, path, reason)
+    return _sparse_plan(problem, path, reason, layout)
 
 
 def _dense_mask(problem: AttentionProblem, plan: Plan) -> torch.Tensor | None:
