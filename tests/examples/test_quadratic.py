@@ -30,24 +30,18 @@ def test_measured_memory_quadruples(result: quadratic.Result) -> None:
     assert last.reference_peak_bytes >= 2 * 8 * last.scores
 
 
-def test_time_grows(result: quadratic.Result) -> None:
-    # 64x the scores from the smallest to the largest n; timings on a shared machine are noisy,
-    # so only a clear growth is asserted
-    first, last = result.sizes[0], result.sizes[-1]
-    assert last.reference_seconds > 4 * first.reference_seconds
-    assert last.math_seconds > 4 * first.math_seconds
-    assert "math" in result.explain_dense
+def test_explanations_name_the_paths(result: quadratic.Result) -> None:
+    # times are measured and printed, never asserted (benchmarks judge speed, tests judge results)
+    assert result.explain_dense.startswith("path: math")
+    assert result.explain_window.startswith(f"path: {result.windows[-1].path}")
 
 
 def test_sliding_window_path(result: quadratic.Result) -> None:
-    if not quadratic.window_available():
-        assert result.windows == () and result.window_max_difference is None
-        return
     from qkv.masks import sliding_window
 
     window = sliding_window(quadratic.WINDOW_LEFT)
     for row in result.windows:
         assert row.visited == int(window.to_dense(row.n, row.n).sum())
         assert row.visited < (quadratic.WINDOW_LEFT + 1) * row.n
-    assert result.window_max_difference is not None and result.window_max_difference < 1e-5
+    assert result.window_max_difference < 1e-5
     assert result.explain_window

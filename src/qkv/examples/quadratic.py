@@ -29,7 +29,7 @@ from qkv import reference
 from qkv.examples._result import ExampleResult
 from qkv.examples._tables import fmt, table
 
-__all__ = ["Result", "SizeRow", "WindowRow", "run", "window_available"]
+__all__ = ["Result", "SizeRow", "WindowRow", "run"]
 
 NAME = "quadratic"
 TITLE = "Quadratic cost: double the sequence, four times the scores, time and memory"
@@ -72,15 +72,15 @@ class WindowRow:
 
 @dataclass(frozen=True)
 class Result(ExampleResult):
-    """One SizeRow per n; WindowRows when qkv.masks.sliding_window exists (else empty)."""
+    """One SizeRow and one WindowRow per n."""
 
     head_dim: int
     window_left: int
     sizes: tuple[SizeRow, ...]
     windows: tuple[WindowRow, ...]
     explain_dense: str  # qkv.explain for the largest n, no mask
-    explain_window: str  # ... and with the sliding window ("" when unavailable)
-    window_max_difference: float | None  # max |window path - masked reference| at n = CHECK_N
+    explain_window: str  # ... and with the sliding window
+    window_max_difference: float  # max |window path - masked reference| at n = CHECK_N
 
     def headline(self) -> str:
         last = self.sizes[-1]
@@ -90,7 +90,7 @@ class Result(ExampleResult):
             f"n x{grow}: scores x{last.scores // first.scores}, reference time "
             f"x{fmt(last.reference_seconds / first.reference_seconds, 0)}, memory "
             f"x{fmt(last.reference_peak_bytes / first.reference_peak_bytes, 0)}"
-            + (f"; sliding window visits x{fmt(self.windows[-1].visited / self.windows[0].visited, 1)}" if self.windows else "")
+            + f"; sliding window visits x{fmt(self.windows[-1].visited / self.windows[0].visited, 1)}"
         )
 
     def render(self) -> RenderableType:
@@ -115,36 +115,20 @@ class Result(ExampleResult):
             Text(f"The materialized path (qkv.reference, float64, one head, d_k = {self.head_dim})", style="italic"),
             materialized,
         ]
-        if self.windows:
-            qkv_rows = [
-                [str(s.n), f"{1e3 * s.math_seconds:.1f} ms", f"{w.visited:,}", f"{1e3 * w.seconds:.1f} ms", w.path]
-                for s, w in zip(self.sizes, self.windows, strict=True)
-            ]
-            parts += [
-                Text(f"qkv (float32): materialized math path vs sliding_window({self.window_left})", style="italic"),
-                table(["n", "math time", "window: scores visited", "window time", "path"], qkv_rows, numeric=True),
-                Text(f"qkv.explain, n = {self.sizes[-1].n}, no mask:", style="italic"),
-                Text(self.explain_dense),
-                Text(f"qkv.explain, n = {self.sizes[-1].n}, sliding_window({self.window_left}):", style="italic"),
-                Text(self.explain_window),
-                Text(f"The window path agrees with the masked reference to {self.window_max_difference:.1g} (n = {CHECK_N}).\n"),
-            ]
-        else:
-            math_rows = [[str(s.n), f"{1e3 * s.math_seconds:.1f} ms"] for s in self.sizes]
-            parts += [
-                Text("qkv (float32), materialized math path", style="italic"),
-                table(["n", "math time"], math_rows, numeric=True),
-                Text(self.explain_dense),
-                Text("(this version of qkv has no qkv.masks.sliding_window, so no block-sparse path)\n"),
-            ]
+        qkv_rows = [
+            [str(s.n), f"{1e3 * s.math_seconds:.1f} ms", f"{w.visited:,}", f"{1e3 * w.seconds:.1f} ms", w.path]
+            for s, w in zip(self.sizes, self.windows, strict=True)
+        ]
+        parts += [
+            Text(f"qkv (float32): materialized math path vs sliding_window({self.window_left})", style="italic"),
+            table(["n", "math time", "window: scores visited", "window time", "path"], qkv_rows, numeric=True),
+            Text(f"qkv.explain, n = {self.sizes[-1].n}, no mask:", style="italic"),
+            Text(self.explain_dense),
+            Text(f"qkv.explain, n = {self.sizes[-1].n}, sliding_window({self.window_left}):", style="italic"),
+            Text(self.explain_window),
+            Text(f"The window path agrees with the masked reference to {self.window_max_difference:.1g} (n = {CHECK_N}).\n"),
+        ]
         return Group(*parts)
-
-
-def window_available() -> bool:
-    """Whether this version of qkv has the sliding-window mask."""
-    from qkv import masks
-
-    return hasattr(masks, "sliding_window")
 
 
 def _best_times(calls: list[Callable[[], object]]) -> list[float]:
@@ -193,7 +177,7 @@ def run() -> Result:
     torch_inputs = [
         tuple(torch.tensor(a, dtype=torch.float32)[None, None] for a in qkv_) for qkv_ in numpy_inputs
     ]  # (1, 1, n, E) each
-    mask = qkv.masks.sliding_window(WINDOW_LEFT) if window_available() else None
+    mask = qkv.masks.sliding_window(WINDOW_LEFT)
 
     def materialized(i: int) -> Callable[[], object]:
         return lambda: reference.attention(*numpy_inputs[i])
@@ -207,7 +191,7 @@ def run() -> Result:
     count = len(SIZES)
     # NumPy's and PyTorch's thread pools each spin for a while after a call: timing them
     # interleaved makes them fight over the cores, so each engine gets its own rounds.
-    torch_calls = [math(i) for i in range(count)] + ([window(i) for i in range(count)] if mask else [])
+    torch_calls = [math(i) for i in range(count)] + [window(i) for i in range(count)]
     threads = torch.get_num_threads()
     # One thread each: on a shared machine a thread pool waits at every barrier for a
     # descheduled worker, which swamps the n^2 growth this example is about.
@@ -227,34 +211,30 @@ def run() -> Result:
         for i, n in enumerate(SIZES)
     )
     largest = torch_inputs[-1]
-    windows: list[WindowRow] = []
-    explain_window = ""
-    window_difference = None
-    if mask is not None:
-        for i, n in enumerate(SIZES):
-            explanation = qkv.explain(*torch_inputs[i], mask)
-            windows.append(
-                WindowRow(
-                    n=n,
-                    visited=_visible_pairs(n, WINDOW_LEFT),
-                    seconds=times[2 * count + i],
-                    path=explanation.path,
-                    flops=explanation.flops,
-                    extra_bytes=explanation.peak_extra_bytes,
-                )
+    windows = []
+    for i, n in enumerate(SIZES):
+        explanation = qkv.explain(*torch_inputs[i], mask)
+        windows.append(
+            WindowRow(
+                n=n,
+                visited=_visible_pairs(n, WINDOW_LEFT),
+                seconds=times[2 * count + i],
+                path=explanation.path,
+                flops=explanation.flops,
+                extra_bytes=explanation.peak_extra_bytes,
             )
-        explain_window = str(qkv.explain(*largest, mask))
-        q, k, v = numpy_inputs[SIZES.index(CHECK_N)]
-        out = qkv.attention(*torch_inputs[SIZES.index(CHECK_N)], mask)
-        assert isinstance(out, torch.Tensor)
-        expected = reference.attention(q, k, v, mask=mask.to_dense(CHECK_N, CHECK_N)[0, 0].numpy()).output  # (n, E)
-        window_difference = float(np.abs(out[0, 0].double().numpy() - expected).max())
+        )
+    q, k, v = numpy_inputs[SIZES.index(CHECK_N)]
+    out = qkv.attention(*torch_inputs[SIZES.index(CHECK_N)], mask)
+    assert isinstance(out, torch.Tensor)
+    expected = reference.attention(q, k, v, mask=mask.to_dense(CHECK_N, CHECK_N)[0, 0].numpy()).output  # (n, E)
+    window_difference = float(np.abs(out[0, 0].double().numpy() - expected).max())
     return Result(
         head_dim=HEAD_DIM,
         window_left=WINDOW_LEFT,
         sizes=sizes,
         windows=tuple(windows),
         explain_dense=str(qkv.explain(*largest, backend="math")),
-        explain_window=explain_window,
+        explain_window=str(qkv.explain(*largest, mask)),
         window_max_difference=window_difference,
     )
