@@ -18,6 +18,7 @@ def test_readme_has_the_two_commands() -> None:
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_python_block_runs(index: int) -> None:
+    # each block states what it shows with an assert, so running it checks the claim
+    assert "assert " in BLOCKS[index], f"README block {index} checks nothing"
     exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": f"readme_{index}"})
-    assert capsys.readouterr().out or "assert" in BLOCKS[index]
