@@ -31,7 +31,9 @@ USAGE_ERROR = 2
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
     # Text, not markup: the message quotes user input (paths, texts, names) that may hold "[".
-    err_console.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
+    err_console.print(
+        Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True
+    )
     raise typer.Exit(code)
 
 
