@@ -40,12 +40,31 @@ def test_same_outputs_and_weights_as_torch(bias, first, kdim, cross, train):
     x = torch.randn(B, L, D, dtype=torch.float64)
     c = torch.randn(B, S, Dc, dtype=torch.float64) if cross else x
     xt, ct = batch_first(x, theirs), batch_first(c, theirs)  # the same tensors in their layout
+    assert ours.config.batch_first == first
     expected, expected_weights = theirs(xt, ct, ct, average_attn_weights=False)
-    out, weights = ours(x, c if cross else None, return_weights=True)
-    torch.testing.assert_close(out, batch_first(expected, theirs), rtol=1e-10, atol=1e-10)
+    # both modules take and return the same layout: (L, B, D) when batch_first=False
+    out, weights = ours(xt, ct if cross else None, return_weights=True)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-10, atol=1e-10)
     fast, _ = theirs(xt, ct, ct, need_weights=False)
-    torch.testing.assert_close(ours(x, c if cross else None), batch_first(fast, theirs), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours(xt, ct if cross else None), fast, rtol=1e-10, atol=1e-10)
+
+
+def test_sequence_first_module_is_not_read_batch_first():
+    """batch_first=False with L != B: reading (L, B, D) as (B, L, D) would mix the batch rows."""
+    theirs = nn.MultiheadAttention(D, H, batch_first=False).double().eval()
+    ours = qkv.MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(L, B, D, dtype=torch.float64)  # (L, B, D)
+    with torch.no_grad():
+        expected, _ = theirs(x, x, x, need_weights=False)
+        out = ours(x)
+    assert out.shape == (L, B, D)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    # the same module read batch-first would be another computation entirely
+    batch_major = qkv.MultiHeadAttention(D, H, batch_first=True).double()
+    batch_major.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(batch_major(x), expected, atol=1e-3)
 
 
 def test_float32_inference_path():

@@ -9,6 +9,7 @@ these: its CPU path reads past memory when k and v have different lengths.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +47,11 @@ class AttentionProblem:
 
     @property
     def mask_kind(self) -> str:
+        """The mask as `qkv.explain` prints it: "none", "bool", "float" or the mask's own description."""
         if self.mask is None:
             return "none"
         if isinstance(self.mask, Mask):
-            return type(self.mask).__name__.lower()
+            return self.mask.describe()
         return "bool" if self.mask.dtype == torch.bool else "float"
 
 
@@ -58,6 +60,8 @@ def _check_tensor(x: object, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without data); attention needs tensors that hold values")
     if x.ndim < 3:
         raise ValueError(
             f"{name} must have shape (..., heads, length, dim) with at least 3 dimensions, "
@@ -105,10 +109,7 @@ def describe_problem(
         raise ValueError(f"empty inputs: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(E)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    scale = 1.0 / math.sqrt(E) if scale is None else _check_scale(scale)
     normalized = normalize_mask(mask, q, batch_shape, H, L, S)
     N = math.prod(batch_shape)
     return AttentionProblem(
@@ -121,6 +122,25 @@ def describe_problem(
         scale=float(scale),
         dropout=float(dropout),
     )
+
+
+def _check_scale(scale: object) -> float:
+    """A real number (Python, NumPy scalar, or a one-element tensor without gradient) as a float."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.is_complex() or scale.dtype == torch.bool or scale.is_meta:
+            raise ValueError(f"scale must be a real number; got a {scale.dtype} tensor of shape {tuple(scale.shape)}")
+        if scale.requires_grad:
+            raise ValueError(
+                "scale is a tensor that requires grad; qkv.attention takes scale as a number and passes "
+                "no gradient to it (multiply q by a learned factor instead)"
+            )
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale must be a finite real number, got {type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return value
 
 
 def normalize_mask(
@@ -140,6 +160,8 @@ def normalize_mask(
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"mask must be bool (True = may attend) or floating point (added to scores), got {mask.dtype}")
+    if mask.is_meta:
+        raise ValueError("mask is a meta tensor (a shape without data); pass a tensor that holds values")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     target = (*batch_shape, H, L, S)

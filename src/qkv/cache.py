@@ -136,6 +136,12 @@ class KVCache:
         self.length = stop
         return self.k[:, :, :stop], self.v[:, :, :stop]  # (B, G, S, E), (B, G, S, Ev)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions and forget the rest (e.g. rejected draft tokens)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"KVCache.truncate: length must be an int in [0, {self.length}], got {length!r}")
+        self.length = length
+
     def reset(self) -> None:
         """Forget every position; the storage is kept and overwritten by the next updates."""
         self.length = 0

@@ -476,8 +476,9 @@ def explain(
             extra += L * S * (q.element_size() if return_lse else 1)
         if return_weights:
             extra += NH * L * S * acc_bytes
+    batch = "x".join(str(b) for b in problem.batch_shape) or "()"
     shape = (
-        f"B={problem.batch_shape} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} "
+        f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} "
         f"{str(q.dtype).removeprefix('torch.')} on {q.device}"
     )
     return Explanation(
@@ -576,6 +577,12 @@ def _indices(
         return torch.arange(size, device=device)
     if isinstance(chosen, slice):
         chosen = range(size)[chosen]
+    if isinstance(chosen, (int, str, bytes)) or not isinstance(chosen, (Sequence, range, torch.Tensor)):
+        hint = f" (for the single index {chosen} pass [{chosen}])" if isinstance(chosen, int) and not isinstance(chosen, bool) else ""
+        raise TypeError(
+            f"{name} must be a sequence of ints, a range, a slice or a 1-D integer tensor, "
+            f"got {type(chosen).__name__} {chosen!r}{hint}"
+        )
     if isinstance(chosen, torch.Tensor):
         if chosen.dtype in (torch.bool,) or chosen.is_floating_point() or chosen.ndim != 1:
             raise TypeError(f"{name} must be a 1-D integer tensor, got dtype {chosen.dtype} shape {tuple(chosen.shape)}")

@@ -9,8 +9,9 @@
     theirs(x, c, c, need_weights=False)[0]  ==  ours(x, c)     (kdim == vdim == c's width)
 
 What differs and what is refused:
-- qkv modules are batch-first. For ``batch_first=False`` (PyTorch's default, (L, B, D)
-  tensors), transpose: ``ours(x.transpose(0, 1)).transpose(0, 1)``.
+- The layout follows ``batch_first``: a module with ``batch_first=False`` (PyTorch's
+  default) becomes a qkv module with ``batch_first=False`` that takes and returns (L, B, D)
+  tensors, as the original does.
 - qkv reads keys and values from one context, so ``kdim != vdim`` is refused, and calls with
   different ``key`` and ``value`` tensors have no equivalent.
 - ``add_bias_kv`` and ``add_zero_attn`` (extra learned / zero key positions) are refused.
@@ -65,7 +66,9 @@ def multi_head_from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     has_bias = module.in_proj_bias is not None
     if has_bias != (module.out_proj.bias is not None):
         raise ValueError("from_torch: in_proj_bias and out_proj.bias must both exist or both be None")
-    ours = MultiHeadAttention(D, H, d_context=module.kdim, bias=has_bias, dropout=float(module.dropout))
+    ours = MultiHeadAttention(
+        D, H, d_context=module.kdim, bias=has_bias, dropout=float(module.dropout), batch_first=bool(module.batch_first)
+    )
     ours.to(device=w_q.device, dtype=w_q.dtype)
     with torch.no_grad():
         ours.q_proj.weight.copy_(w_q)

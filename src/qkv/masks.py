@@ -77,6 +77,10 @@ DEFAULT_BLOCK = 128
 _DRAW_COLUMNS = 48
 # `predicate` and `dense` layouts evaluate this many points at most per step (bounded memory).
 _EVAL_POINTS = 1 << 22
+# Window sizes and prefix lengths are clamped to this many positions at construction: no
+# sequence is that long, so the mask is unchanged, and positions +- the size stay far inside
+# int64 (sys.maxsize would wrap around and hide every key).
+_FAR = 1 << 62
 
 
 class Mask(ABC):
@@ -154,9 +158,7 @@ class Mask(ABC):
     ) -> BlockLayout:
         """The mask's tiles at this size: which are empty (skipped), full or partial."""
         block_k = block_q if block_k is None else block_k
-        for name, value in (("L", L), ("S", S), ("block_q", block_q), ("block_k", block_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_sizes(L=L, S=S, block_q=block_q, block_k=block_k)
         self.check_size(L, S)
         states = self.block_states(L, S, block_q, block_k, device)
         return BlockLayout(states, L, S, block_q, block_k, name=self.describe())
@@ -167,6 +169,7 @@ class Mask(ABC):
         ``block`` defaults to the smallest power of two that keeps the drawing at most 48
         tiles wide, so small problems are drawn point by point.
         """
+        _check_sizes(L=L, S=S)
         if block is None:
             block = 1 << max(0, math.ceil(math.log2(max(L, S) / _DRAW_COLUMNS)))
         return self.layout(L, S, block, block).draw(batch, head)
@@ -176,6 +179,12 @@ class Mask(ABC):
 
     def __or__(self, other: Mask) -> Mask:
         return _combine("or", self, other)
+
+
+def _check_sizes(**sizes: object) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _grid(shape: tuple[int, int, int, int], device: Device) -> tuple[torch.Tensor, ...]:
@@ -388,9 +397,10 @@ class Documents(Mask):
         return compose_states(full, overlap)[:, None]  # (B | 1, 1, nQ, nK)
 
     def describe(self) -> str:
-        n_docs = int(torch.unique(self.ids[0]).numel())
-        shape = tuple(self.ids.shape)
-        return f"documents({n_docs} documents, ids {shape})"
+        rows = self.ids.sort(dim=1).values  # (B | 1, L): each row's ids in order
+        n_docs = int((rows[:, 1:] != rows[:, :-1]).sum()) + rows.shape[0]  # distinct ids, counted per row
+        where = f" in {rows.shape[0]} rows" if rows.shape[0] > 1 else ""
+        return f"documents({n_docs} documents{where}, ids {tuple(self.ids.shape)})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -502,6 +512,16 @@ class Predicate(Mask):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise TypeError(f"predicate fn(b, h, q_idx, kv_idx) must return a bool tensor, got {got}")
+        expected = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        try:
+            fits = torch.broadcast_shapes(out.shape, expected) == expected
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"predicate fn(b, h, q_idx, kv_idx) returned shape {tuple(out.shape)}; it must broadcast "
+                f"to the shape of its index arguments {tuple(expected)} (use elementwise operations on them)"
+            )
         return out
 
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
@@ -679,7 +699,8 @@ def sliding_window(left: int, right: int = 0, *, align: Align = "bottom-right") 
     """Local attention: the query at absolute position p sees keys p - left <= t <= p + right.
 
     ``sliding_window(w)`` is a causal window of the w previous tokens and the token itself;
-    ``sliding_window(w, w)`` is the symmetric window of Longformer.
+    ``sliding_window(w, w)`` is the symmetric window of Longformer. Sizes above 2**62 are
+    clamped to 2**62 (wider than any sequence: the same mask).
 
     >>> print(sliding_window(1).to_dense(4, 4).int()[0, 0])
     tensor([[1, 0, 0, 0],
@@ -688,7 +709,8 @@ def sliding_window(left: int, right: int = 0, *, align: Align = "bottom-right") 
             [0, 0, 1, 1]], dtype=torch.int32)
     """
     _check_align(align)
-    return SlidingWindow(_check_count(left, "left"), _check_count(right, "right"), align)
+    left, right = _check_count(left, "left"), _check_count(right, "right")
+    return SlidingWindow(min(left, _FAR), min(right, _FAR), align)
 
 
 def _check_ids(ids: object, name: str) -> torch.Tensor:
@@ -759,7 +781,7 @@ def prefix_lm(n: int, *, align: Align = "bottom-right") -> PrefixLM:
             [1, 1, 1, 1]], dtype=torch.int32)
     """
     _check_align(align)
-    return PrefixLM(_check_count(n, "n"), align)
+    return PrefixLM(min(_check_count(n, "n"), _FAR), align)
 
 
 def predicate(

@@ -51,6 +51,7 @@ class MultiHeadConfig:
     d_context: int  # Dc, width of the context in cross-attention (default D)
     bias: bool = True  # every projection has a bias
     dropout: float = 0.0  # probability of dropping an attention weight, training mode only
+    batch_first: bool = True  # x is (B, L, D); False: (L, B, D), nn.MultiheadAttention's default
 
 
 # Fuse the q, k, v projections of self-attention when B * L >= this times d_model. Measured on
@@ -75,6 +76,7 @@ def _resolve_config(
     d_context: int | None,
     bias: bool,
     dropout: float,
+    batch_first: bool = True,
 ) -> MultiHeadConfig:
     D = _positive(d_model, "d_model")
     H = _positive(num_heads, "num_heads")
@@ -95,7 +97,9 @@ def _resolve_config(
         raise TypeError(f"MultiHeadAttention: bias must be a bool, got {bias!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"MultiHeadAttention: dropout must be a probability in [0, 1), got {dropout!r}")
-    return MultiHeadConfig(D, H, E, Ev, G, Dc, bias, float(dropout))
+    if not isinstance(batch_first, bool):
+        raise TypeError(f"MultiHeadAttention: batch_first must be a bool, got {batch_first!r}")
+    return MultiHeadConfig(D, H, E, Ev, G, Dc, bias, float(dropout), batch_first)
 
 
 class MultiHeadAttention(nn.Module):
@@ -112,6 +116,13 @@ class MultiHeadAttention(nn.Module):
         dropout: attention-weight dropout, applied in training mode only.
         rope: a `qkv.positional.RotaryEmbedding` with head_dim == d_k, applied to queries and
             keys (self-attention only); None for none.
+        batch_first: True (default): x (B, L, D), context (B, S, Dc) and the output (B, L, D).
+            False: x (L, B, D), context (S, B, Dc), output (L, B, D), the layout of
+            ``nn.MultiheadAttention(batch_first=False)``. Masks, weights and caches keep their
+            (B, H, L, S) / (B, G, S, E) layout either way.
+
+    Inputs must have the dtype of the weights (``module.to(dtype)`` converts the layer);
+    another dtype is refused with a TypeError rather than cast silently.
 
     Parameters: ``q_proj`` (D -> H*E), ``k_proj`` (Dc -> G*E), ``v_proj`` (Dc -> G*Ev),
     ``out_proj`` (H*Ev -> D), all `nn.Linear`.
@@ -137,9 +148,10 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
+        batch_first: bool = True,
     ) -> None:
         super().__init__()
-        cfg = _resolve_config(d_model, num_heads, d_k, d_v, num_kv_heads, d_context, bias, dropout)
+        cfg = _resolve_config(d_model, num_heads, d_k, d_v, num_kv_heads, d_context, bias, dropout, batch_first)
         if rope is not None:
             if not isinstance(rope, RotaryEmbedding):
                 raise TypeError(f"MultiHeadAttention: rope must be a qkv.positional.RotaryEmbedding or None, got {type(rope).__name__}")
@@ -157,7 +169,8 @@ class MultiHeadAttention(nn.Module):
     def from_torch(cls, module: TorchMultiheadAttention) -> MultiHeadAttention:
         """Copy an `nn.MultiheadAttention` into a qkv module that computes the same outputs.
 
-        The result is batch-first, whatever ``module.batch_first``; see
+        The result has ``module.batch_first``: it takes and returns tensors in the same layout
+        ((L, B, D) for PyTorch's default batch_first=False); see
         `qkv.interop.multi_head_from_torch` for what is supported, and
         `qkv.interop.masks_from_torch` for its masks.
         """
@@ -178,6 +191,7 @@ class MultiHeadAttention(nn.Module):
         return (
             f"d_model={cfg.d_model}, num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
             f"d_k={cfg.d_k}, d_v={cfg.d_v}, d_context={cfg.d_context}, dropout={cfg.dropout}"
+            + ("" if cfg.batch_first else ", batch_first=False")
         )
 
     def _check_inputs(
@@ -194,6 +208,14 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"MultiHeadAttention: x must have shape (B, L, {cfg.d_model}), got {got}")
         if not x.is_floating_point():
             raise TypeError(f"MultiHeadAttention: x must be a floating-point tensor, got {x.dtype}")
+        weight = self.q_proj.weight
+        for name, t in (("x", x), ("context", context)):
+            if isinstance(t, torch.Tensor) and (t.dtype != weight.dtype or t.device != weight.device):
+                raise TypeError(
+                    f"MultiHeadAttention: {name} is {t.dtype} on {t.device} but the layer's weights are "
+                    f"{weight.dtype} on {weight.device}; convert one of them (module.to({t.dtype}) or "
+                    f"{name}.to({weight.dtype}))"
+                )
         B, L, _ = x.shape
         if context is None:
             if cfg.d_context != cfg.d_model:
@@ -225,7 +247,11 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             self.rope.check_positions(cache.length if cache is not None else 0, L)
         if isinstance(mask, torch.Tensor):
-            normalize_mask(mask, x, (B,), cfg.num_heads, L, S)  # raises on a bad shape or dtype
+            normalize_mask(mask, x, (B,), cfg.num_heads, L, S)  # raises on a bad shape, dtype or value
+        elif isinstance(mask, Mask):
+            mask.validate(B, cfg.num_heads, L, S)  # e.g. a key_padding mask of the wrong length
+        elif mask is not None:
+            normalize_mask(mask, x, (B,), cfg.num_heads, L, S)  # raises the TypeError of qkv.attention
 
     def _project(
         self, x: torch.Tensor, context: torch.Tensor | None
@@ -272,8 +298,15 @@ class MultiHeadAttention(nn.Module):
                 wider (after dropout in training mode, when dropout > 0).
 
         Returns:
-            out (B, L, D), or (out, weights) when return_weights.
+            out (B, L, D), or (out, weights) when return_weights. With batch_first=False, x
+            and context are (L, B, D) and (S, B, Dc) and out is (L, B, D).
+
+        A call that raises leaves the cache as it was (same length, same contents).
         """
+        if not self.config.batch_first:
+            x = x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.ndim == 3 else x  # (B, L, D)
+            if isinstance(context, torch.Tensor) and context.ndim == 3:
+                context = context.transpose(0, 1)  # (B, S, Dc)
         self._check_inputs(x, context, mask, cache)
         cfg = self.config
         H, G, E, Ev = cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
@@ -287,13 +320,22 @@ class MultiHeadAttention(nn.Module):
             offset = cache.length if cache is not None else 0
             q = self.rope(q, offset)  # (B, H, L, E)
             k = self.rope(k, offset)  # (B, G, S_new, E)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
         dropout = cfg.dropout if self.training else 0.0
-        result = attention(q, k, v, mask, dropout=dropout, return_weights=return_weights)
+        if cache is not None:
+            length = cache.length
+            k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
+            try:
+                result = attention(q, k, v, mask, dropout=dropout, return_weights=return_weights)
+            except BaseException:
+                cache.truncate(length)  # what attention refused never happened to the cache
+                raise
+        else:
+            result = attention(q, k, v, mask, dropout=dropout, return_weights=return_weights)
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
         out = self.out_proj(concat)  # (B, L, D)
+        if not cfg.batch_first:
+            out = out.transpose(0, 1)  # (L, B, D)
         if return_weights:
             assert weights is not None
             return out, weights
