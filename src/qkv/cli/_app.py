@@ -1,45 +1,192 @@
-"""The typer application that every `qkv` subcommand registers on, and the CLI's error rule.
+"""The typer application that every `qkv` subcommand registers on, and the CLI's error rules.
 
 Commands import their heavy dependencies (PyTorch, the model) inside the command body, so
 that `qkv --help` stays instant.
+
+Every way a command can end badly ends in one message on stderr, never a traceback, and no
+message is ever hard-wrapped at the terminal's width (a path in it stays copy-pasteable):
+- `fail`: the commands' own refusals, exit 2 (usage) or 1;
+- click's usage errors (an unknown option, a value that is not a number or not a choice):
+  printed plain, click's way, instead of typer's rich panels that wrap at the terminal width;
+- an argument that is not valid UTF-8 (``qkv inspect $'caf\\xe9'``): exit 2 before parsing;
+- output that cannot be written (``qkv examples > /dev/full``, a disk filling up): exit 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer._click import exceptions as click_errors  # typer vendors click (typer >= 0.29)
+from typer.core import TyperGroup
+
+__all__ = [
+    "USAGE_ERROR",
+    "app",
+    "check_output_file",
+    "console",
+    "err_console",
+    "fail",
+    "say",
+    "undecodable_argument",
+]
+
+USAGE_ERROR = 2
+OUTPUT_ERROR = 1  # the work was fine, its output could not be written
+
+
+def undecodable_argument(args: Sequence[str]) -> str | None:
+    """A description of the first argument that is not valid UTF-8, or None.
+
+    Python hands such bytes over as lone surrogates (PEP 383); they cannot be printed, matched
+    or tokenized, so they are refused up front. The description shows the bytes escaped.
+    """
+    for position, arg in enumerate(args, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                raw = arg.encode("utf-8", "surrogateescape")  # the bytes as the shell passed them
+            except UnicodeEncodeError:  # a surrogate that did not come from a byte
+                raw = arg.encode("utf-8", "backslashreplace")
+            return f"argument {position} ({raw!r}) is not valid UTF-8"
+    return None
+
+
+def _print_error(message: str) -> None:
+    # Text, not markup: the message quotes user input (paths, texts, names) that may hold "[".
+    err_console.print(
+        Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True
+    )
+
+
+def _show_click_error(error: click_errors.ClickException) -> None:
+    """Click's usage error output, unwrapped: the usage line, the help hint, the message."""
+    if isinstance(error, click_errors.NoArgsIsHelpError):
+        error.show()  # plain `qkv`: the help, as typer draws it
+        return
+    ctx = getattr(error, "ctx", None)
+    if ctx is not None:
+        usage = " ".join([ctx.command_path, *ctx.command.collect_usage_pieces(ctx)])
+        err_console.print(Text(f"Usage: {usage}"), highlight=False, soft_wrap=True)
+        err_console.print(
+            Text(f"Try '{ctx.command_path} --help' for help.\n"), highlight=False, soft_wrap=True
+        )
+    _print_error(error.format_message())
+
+
+def _silence_stdout() -> None:
+    """Point the stdout file descriptor at /dev/null, so that the interpreter's final flush of
+    what could not be written does not fail a second time (as Python's docs advise for EPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (a test runner)
+        return
+
+
+class QkvGroup(TyperGroup):
+    """The `qkv` command group, with the error rules of the module docstring."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        args = sys.argv[1:] if args is None else list(args)
+        try:
+            bad = undecodable_argument(args)
+            if bad is not None:
+                _print_error(f"{bad}; qkv reads texts, words and paths as UTF-8")
+                sys.exit(USAGE_ERROR)
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.stdout.flush()  # a full disk shows here, not in the interpreter's exit
+        except click_errors.ClickException as error:
+            _show_click_error(error)
+            code = error.exit_code
+        except typer.Abort:
+            _print_error("aborted")
+            code = 1
+        except OSError as error:
+            _silence_stdout()
+            if error.errno != errno.EPIPE:  # a closed pipe (`qkv examples | head`) is no error to report
+                where = f" ({error.filename})" if error.filename else ""
+                _print_error(f"could not write the output{where}: {error.strerror or error}")
+            code = OUTPUT_ERROR
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _package_version() -> str:
+    try:
+        return version("qkv")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"qkv {_package_version()}")
+        raise typer.Exit()
+
 
 app = typer.Typer(
     name="qkv",
+    cls=QkvGroup,
     help="Attention as the seed articles teach it: worked examples, a real model's attention, benchmarks.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def _root(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print qkv's version and exit."),
+    ] = False,
+) -> None:
+    # The group's own options; its help text is the Typer's above.
+    return None
+
+
 console = Console()
 err_console = Console(stderr=True)
-
-USAGE_ERROR = 2
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
-    # Text, not markup: the message quotes user input (paths, texts, names) that may hold "[".
-    err_console.print(
-        Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True
-    )
+    _print_error(message)
     raise typer.Exit(code)
+
+
+def say(message: str) -> None:
+    """Print one line to stdout as it is: no markup, never wrapped (it may hold a path)."""
+    console.print(Text(message), highlight=False, soft_wrap=True)
 
 
 def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...]) -> None:
     """Refuse an output file before any work (a model run, minutes of benchmarks): a wrong
-    suffix, a missing folder, a folder given as the file, or no permission to write."""
+    suffix, a missing folder, a folder given as the file, or a file that cannot be written.
+
+    Writability is tried for real, by opening the file for appending (which changes nothing in
+    a file that exists) and removing it again if this check created it: permission bits and
+    `os.access` say yes to root for /proc and /sys, where no file can be created.
+    """
     if path is None:
         return
     if path.suffix.lower() not in suffixes:
@@ -48,5 +195,12 @@ def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...])
         fail(f"{option} {path}: the folder {path.parent} does not exist")
     if path.is_dir():
         fail(f"{option} {path} is a folder; give a file name")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        fail(f"{option} {path} cannot be written (permission denied)")
+    existed = path.exists()
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as error:
+        fail(f"{option} {path} cannot be written: {error.strerror or error}")
+    if not existed:
+        with contextlib.suppress(OSError):  # if it stays, the command writes it later anyway
+            path.unlink()

@@ -19,7 +19,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qkv.cli._app import app, check_output_file, console, err_console, fail
+from qkv.cli._app import app, check_output_file, console, err_console, fail, say
 
 if TYPE_CHECKING:
     from qkv.cli._bench_suite import BenchReport
@@ -71,7 +71,7 @@ def bench_command(
         except OSError as error:
             fail(f"--plot: could not write {str(plot)!r}: {error}", code=1)
         if not as_json:
-            console.print(f"plot written to {plot}")
+            say(f"plot written to {plot}")
 
 
 def print_report(report: BenchReport) -> None:
