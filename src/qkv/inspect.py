@@ -93,11 +93,9 @@ class Inspection:
 
     # -- questions asked of an inspection ------------------------------------------------------
 
-    def find(self, word: str, occurrence: int = 0) -> list[int]:
-        """Token indices of ``word`` in the text (case-insensitive), e.g. [5, 6] for a word split
-        into two pieces. The match must cover whole words: "it" is not found inside "fits", nor
-        "unbel" in "unbelievable"; it may span several words ("New York"). ``occurrence`` picks
-        the n-th match (0 = first). Raises ValueError naming the word when it is not there."""
+    def occurrences(self, word: str) -> list[list[int]]:
+        """The token indices of every occurrence of ``word`` (case-insensitive), in text order;
+        [] when it does not occur. Matches cover whole words, as in `find`."""
         if not isinstance(word, str) or not word.strip():
             raise ValueError(f"word must be a non-empty str, got {word!r}")
         target = word.strip().lower()
@@ -110,11 +108,25 @@ class Inspection:
             end = start + len(target)
             if self.text[start:end].lower() == target and end in word_ends:
                 matches.append([j for j in real if start <= self.offsets[j][0] and self.offsets[j][1] <= end])
+        return matches
+
+    def find(self, word: str, occurrence: int = 0) -> list[int]:
+        """Token indices of ``word`` in the text (case-insensitive), e.g. [5, 6] for a word split
+        into two pieces. The match must cover whole words: "it" is not found inside "fits", nor
+        "unbel" in "unbelievable"; it may span several words ("New York"). ``occurrence`` picks
+        the n-th match (0 = first). Raises ValueError naming the word when it is not there."""
+        if isinstance(occurrence, bool) or not isinstance(occurrence, int):
+            raise TypeError(f"occurrence must be an int (0 = the first), got {occurrence!r}")
+        matches = self.occurrences(word)
         if not matches:
+            real_groups = [g for g in self.groups if self.word_ids[g[0]] is not None]
             words = [self.text[self.offsets[g[0]][0] : self.offsets[g[-1]][1]] for g in real_groups]
             raise ValueError(f"{word!r} is not a word of the text; its words are {words}")
         if not 0 <= occurrence < len(matches):
-            raise ValueError(f"{word!r} occurs {len(matches)} time(s) in the text; occurrence={occurrence} is out of range")
+            raise ValueError(
+                f"{word!r} occurs {len(matches)} time(s) in the text; occurrence={occurrence} is out of "
+                f"range (numbered from 0)"
+            )
         return matches[occurrence]
 
     def top_attended(
@@ -123,16 +135,21 @@ class Inspection:
         """The k keys that ``query`` attends to most in (layer, head), as (token index, weight),
         heaviest first. ``query`` is a token index, or a word's token indices (see `find`), whose
         rows are averaged (a word looks the way its pieces look on average)."""
-        rows = [query] if isinstance(query, int) else list(query)
         T = len(self.tokens)
-        if not rows or any(not isinstance(r, int) or not 0 <= r < T for r in rows):
+        rows = [query] if _is_index(query) else query
+        if not isinstance(rows, (list, tuple)) or not all(_is_index(r) for r in rows):
+            raise TypeError(f"query must be a token index (int) or a list of them, got {query!r}")
+        if not rows or not all(0 <= r < T for r in rows):
             raise ValueError(f"query must be token indices in [0, {T}), got {query!r}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        if not 0 <= head < self.num_heads:
-            raise ValueError(f"head must be in [0, {self.num_heads}), got {head}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        for name, value, count in (("layer", layer, self.num_layers), ("head", head, self.num_heads)):
+            if not _is_index(value):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if not 0 <= value < count:
+                raise ValueError(f"{name} must be in [0, {count}), got {value}")
+        if not _is_index(k):
+            raise TypeError(f"k must be an int, got {k!r}")
+        if k < 1:
+            raise ValueError(f"k must be a positive int, got {k}")
         weights = self.attentions[layer, head, rows].mean(dim=0)  # (T,)
         top = torch.topk(weights, min(k, T))
         return [(int(i), float(w)) for w, i in zip(top.values, top.indices, strict=True)]
@@ -140,6 +157,11 @@ class Inspection:
     def word_vectors(self, word: str, occurrence: int = 0) -> torch.Tensor:
         """``word``'s vector after every layer (layers + 1, D): the mean over its tokens."""
         return self.hidden_states[:, self.find(word, occurrence)].mean(dim=1)  # (layers + 1, D)
+
+
+def _is_index(value: object) -> bool:
+    """An int that is not a bool: True would silently mean token 1 (or select by mask)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def context_similarity(a: Inspection, b: Inspection, word: str) -> torch.Tensor:

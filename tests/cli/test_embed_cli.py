@@ -59,3 +59,29 @@ def test_embed_usage_errors_exit_2(runner: CliRunner, args: list[str], message: 
     result = runner.invoke(app, ["embed", *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_embed_file_splits_at_newlines_only(runner: CliRunner, tmp_path: Path) -> None:
+    file = tmp_path / "texts.txt"
+    texts = ["a form\x0cfeed stays inside", "so do U+0085\x85 and U+2028\u2028 and U+2029\u2029", "a Windows line"]
+    file.write_bytes(f"{texts[0]}\n{texts[1]}\n\n{texts[2]}\r\n".encode())
+    result = runner.invoke(app, ["embed", "--file", str(file), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["texts"] == texts
+    assert len(data["embeddings"]) == 3
+
+
+def test_embed_file_with_a_byte_order_mark(runner: CliRunner, tmp_path: Path) -> None:
+    file = tmp_path / "texts.txt"
+    file.write_bytes("\ufeffone\ntwo\n".encode())
+    result = runner.invoke(app, ["embed", "--file", str(file), "--json"])
+    assert json.loads(result.stdout)["texts"] == ["one", "two"]
+
+
+def test_embed_too_long_names_the_flag(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["embed", "short", "word " * 600, "word " * 700])
+    assert result.exit_code == 2
+    assert "text 1 has 602 tokens, more than the model's 512 positions" in result.stderr
+    assert "pass --truncate" in result.stderr and "(2 texts are too long)" in result.stderr
+    assert "truncate=True" not in result.stderr

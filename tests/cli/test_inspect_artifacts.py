@@ -53,3 +53,15 @@ def test_inspect_refuses_bad_output_paths_before_running(
     assert result.exit_code == 2
     assert message in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_written_paths_are_printed_whole_on_a_narrow_terminal(runner: CliRunner, tmp_path: Path) -> None:
+    from qkv.cli._app import console
+
+    folder = tmp_path / ("a-folder-name-wider-than-forty-columns-" * 2) / "and-deeper"
+    folder.mkdir(parents=True)
+    html = folder / "viewer.html"
+    console.width = 40  # the autouse fixture sets it back for the next test
+    result = runner.invoke(app, ["inspect", "a short text", "--html", str(html)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {html} (" in result.stdout

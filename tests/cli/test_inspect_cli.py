@@ -59,7 +59,7 @@ def test_inspect_json_matches_transformers(runner: CliRunner, reference) -> None
     tokens, attentions, _ = reference[TROPHY]
     assert [t["token"] for t in report["tokens"]] == tokens
     it = tokens.index("it")
-    assert report["query"] == {"word": "it", "indices": [it]}
+    assert report["query"] == {"word": "it", "occurrence": 0, "indices": [it]}
     assert len(report["heads"]) == 6 * 12
     for row in report["heads"]:
         expected = torch.topk(attentions[row["layer"], row["head"], it], 4)
@@ -109,9 +109,14 @@ def test_context_table(runner: CliRunner) -> None:
         (["inspect", TROPHY, "--token", "it", "--layer", "6"], "--layer 6 is out of range"),
         (["inspect", TROPHY, "--token", "it", "--head", "-1"], "--head -1 is out of range"),
         (["inspect", TROPHY, "--top", "0"], "--top must be at least 1"),
-        (["inspect", "word " * 600], "512 positions"),
+        (["inspect", "word " * 600], "the text has 602 tokens, more than the model's 512 positions"),
+        (["inspect", "word " * 600], "pass --truncate to keep the first 512"),
+        (["context", "word", "a word", "word " * 600], "TEXT2 has 602 tokens"),
+        (["inspect", TROPHY, "--token", "it", "--occurrence", "1"], "--token 'it' occurs 1 time(s) in the text, numbered 0 to 0; --occurrence 1 is out of range"),
+        (["inspect", TROPHY, "--token", "it", "--occurrence", "-1"], "--occurrence must be 0 or more"),
+        (["inspect", TROPHY, "--occurrence", "1"], "give --token WORD too"),
         (["context", "bank", "the bank", "no such word here"], "TEXT2: 'bank' is not a word"),
-        (["context", "bank", "", "the bank"], "text is empty"),
+        (["context", "bank", "", "the bank"], "TEXT1 is empty"),
         (["context", " ", "the bank", "the bank"], "WORD is empty"),
         (["context", "bank", "the bank", "the bank", "--model", "/no/such/model"], "cannot load model"),
     ],
@@ -120,8 +125,39 @@ def test_bad_inputs_exit_2_without_traceback(runner: CliRunner, args: list[str],
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "error:" in result.stderr
-    assert message in " ".join(result.stderr.split())  # rich may wrap long lines
+    assert message in result.stderr  # never wrapped, whatever the width
+    assert "truncate=True" not in result.stderr  # the library's words, not the CLI's
     assert "Traceback" not in result.output
+
+
+def test_truncate_flag_keeps_the_first_512_tokens(runner: CliRunner) -> None:
+    long_text = "word " * 600
+    report = json.loads(_ok(runner, ["inspect", long_text, "--truncate", "--json"]).stdout)
+    tokens = [t["token"] for t in report["tokens"]]
+    assert len(tokens) == 512 and tokens[0] == "[CLS]" and tokens[-1] == "[SEP]"
+    report = json.loads(_ok(runner, ["context", "word", "a word here", long_text, "--truncate", "--json"]).stdout)
+    assert len(report["similarity"]) == 7
+
+
+def test_occurrence_picks_the_nth_match_from_0(runner: CliRunner, reference) -> None:
+    text = "The bank by the river is not the bank that lends money."
+    first = json.loads(_ok(runner, ["inspect", text, "--token", "bank", "--json"]).stdout)
+    second = json.loads(_ok(runner, ["inspect", text, "--token", "bank", "--occurrence", "1", "--json"]).stdout)
+    tokens = [t["token"] for t in first["tokens"]]
+    banks = [i for i, token in enumerate(tokens) if token == "bank"]
+    assert len(banks) == 2
+    assert first["query"] == {"word": "bank", "occurrence": 0, "indices": [banks[0]]}
+    assert second["query"] == {"word": "bank", "occurrence": 1, "indices": [banks[1]]}
+    table = _ok(runner, ["inspect", text, "--token", "bank", "--occurrence", "1", "--layer", "0", "--head", "0"])
+    assert "occurrence 1 of 'bank'" in table.stdout
+
+
+def test_tables_state_that_layers_count_from_0(runner: CliRunner) -> None:
+    heads = _ok(runner, ["inspect", TROPHY, "--token", "it", "--layer", "5"]).stdout
+    assert "layer (0-5)" in heads and "head (0-11)" in heads
+    context = _ok(runner, ["context", "bank", "the bank of the river", "the bank raised rates"]).stdout
+    assert "after (layers from 0)" in context
+    assert "layer 6" not in context and "layer 5" in context
 
 
 def test_model_directory_with_pickle_only(runner: CliRunner, tmp_path: Path) -> None:

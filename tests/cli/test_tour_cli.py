@@ -103,3 +103,16 @@ def test_sections_extend() -> None:
     assert [s.name for s in SECTIONS] == ["examples", "model"]
     extra = Section("extra", "An extra section", lambda context: {"quiet": context.quiet})
     assert run_tour(TourContext(out=None, quiet=True), [extra]) == {"extra": {"quiet": True}}
+
+
+def test_context_table_numbers_layers_from_0() -> None:
+    from rich.console import Console
+
+    from qkv.cli.tour_model import _context_table
+
+    out = Console(width=300, record=True)
+    out.print(_context_table({"apple": [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4]}))
+    header = out.export_text().splitlines()[2]  # title, top border, header row
+    assert [cell.strip() for cell in header.split("┃")[2:-1]] == [
+        "embeddings", *(f"after layer {i}" for i in range(6))
+    ]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.models import Encoder, load_encoder, resolve_model_dir
+from qkv.models import Encoder, TextTooLongError, load_encoder, resolve_model_dir
 
 # Varied lengths (one token to ~240 tokens), subwords, punctuation, CJK, accents, digits and
 # an empty text, deliberately unsorted so that the length sort inside encode must be undone.
@@ -138,6 +138,31 @@ def test_bad_batch_size(encoder: Encoder, batch_size: object) -> None:
 def test_non_string_text_is_a_type_error(encoder: Encoder) -> None:
     with pytest.raises(TypeError, match=r"texts\[1\] must be a str"):
         encoder.encode(["fine", 3])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("texts", "message"),
+    [
+        (None, "texts must be a str or a sequence of str, got NoneType"),
+        (3, "texts must be a str or a sequence of str, got int"),
+        (b"abc", r"got bytes; decode bytes first"),  # not the three texts 97, 98, 99
+        (bytearray(b"abc"), "got bytearray"),
+        ({"a": 1}, "got dict"),
+    ],
+)
+def test_texts_of_the_wrong_type_are_named(encoder: Encoder, texts: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        encoder.encode(texts)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        encoder.tokenize(texts)  # type: ignore[arg-type]
+
+
+def test_too_long_error_carries_the_numbers(encoder: Encoder) -> None:
+    with pytest.raises(TextTooLongError) as raised:
+        encoder.encode(["short", "attention " * 600, "attention " * 700])
+    error = raised.value
+    assert (error.count, error.index, error.tokens, error.limit) == (2, 1, 602, 512)
+    assert isinstance(error, ValueError) and "truncate=True" in str(error)
 
 
 # -- inspect ---------------------------------------------------------------------------------

@@ -75,6 +75,33 @@ def test_top_attended_bad_arguments(args: tuple[object, int, int], message: str)
         _inspection().top_attended(*args)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((True, 0, 0), "query must be a token index"),  # True is not token 1
+        (([1, False], 0, 0), "query must be a token index"),
+        ((1.0, 0, 0), "query must be a token index"),
+        (("it", 0, 0), "query must be a token index"),
+        ((1, True, 0), "layer must be an int"),
+        ((1, 0, 1.5), "head must be an int"),
+    ],
+)
+def test_top_attended_refuses_wrong_types(args: tuple[object, object, object], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        _inspection().top_attended(*args)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="k must be an int"):
+        _inspection().top_attended(1, 0, 0, k=True)
+
+
+def test_occurrences_and_find_by_occurrence() -> None:
+    inspection = _inspection()
+    assert inspection.occurrences("it") == [[1], [7]]
+    assert inspection.occurrences("river") == []
+    assert inspection.find("it", 1) == [7]
+    with pytest.raises(TypeError, match="occurrence must be an int"):
+        inspection.find("it", True)  # type: ignore[arg-type]
+
+
 def test_word_vectors_average_the_pieces() -> None:
     hidden = torch.zeros(3, T, D)
     hidden[:, 4] = torch.tensor([1.0, 2.0])

@@ -17,9 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from qkv.cli._app import app, console, fail
-from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail
+from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail, too_long_message
 
-__all__ = ["embed_command"]
+__all__ = ["embed_command", "split_lines"]
 
 # Above this many texts a progress bar is drawn (on stderr, so --json output stays clean).
 PROGRESS_FROM = 64
@@ -27,14 +27,30 @@ PROGRESS_FROM = 64
 SIMILARITY_TABLE_UP_TO = 8
 
 
+def split_lines(content: str) -> list[str]:
+    r"""One text per line: split at "\n" only, dropping one "\r" before it (Windows line ends).
+
+    `str.splitlines` would also split at a form feed, U+0085, U+2028 and the other Unicode line
+    boundaries, cutting a text that holds one in two.
+
+        >>> split_lines("one\r\ntwo\x0cstill two\u2028and still\n")
+        ['one', 'two\x0cstill two\u2028and still', '']
+    """
+    return [line.removesuffix("\r") for line in content.split("\n")]
+
+
 def _read_texts(texts: list[str], file: Path | None) -> list[str]:
     if file is not None:
         if not file.is_file():
             fail(f"--file {file} does not exist or is not a file")
         try:
-            lines = file.read_text(encoding="utf-8").splitlines()
+            # bytes, then decode: reading as text would turn a lone "\r" into a line end too;
+            # utf-8-sig drops the byte-order mark that some editors write first
+            lines = split_lines(file.read_bytes().decode("utf-8-sig"))
         except UnicodeDecodeError as error:
             fail(f"--file {file} is not UTF-8 text: {error}")
+        except OSError as error:
+            fail(f"--file {file} cannot be read: {error.strerror or error}")
         texts = [*texts, *(line for line in lines if line.strip())]
     if not texts:
         fail("give at least one text (as arguments or with --file)")
@@ -58,10 +74,15 @@ def embed_command(
         fail(f"--batch-size must be at least 1, got {batch_size}")
     all_texts = _read_texts(list(texts or []), file)
     encoder = load_or_fail(model)
+    from qkv.models import TextTooLongError
+
     try:
         vectors = encoder.encode(
             all_texts, batch_size=batch_size, truncate=truncate, progress=len(all_texts) >= PROGRESS_FROM
         )
+    except TextTooLongError as error:
+        others = f" ({error.count} texts are too long)" if error.count > 1 else ""
+        fail(too_long_message(error, f"text {error.index}") + others)
     except ValueError as error:
         fail(str(error))
     if as_json:

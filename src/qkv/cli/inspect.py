@@ -17,11 +17,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, check_output_file, console, fail
+from qkv.cli._app import app, check_output_file, console, fail, say
 
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
-    from qkv.models import Encoder
+    from qkv.models import Encoder, TextTooLongError
 
 __all__ = ["context_command", "inspect_command"]
 
@@ -35,6 +35,9 @@ ModelOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+TruncateOption = Annotated[
+    bool, typer.Option("--truncate", help="Cut a text longer than the model's positions instead of refusing it.")
+]
 
 _encoders: dict[str, Encoder] = {}
 
@@ -51,12 +54,24 @@ def load_or_fail(model: str) -> Encoder:
     return _encoders[model]
 
 
-def inspect_or_fail(encoder: Encoder, text: str) -> Inspection:
+def too_long_message(error: TextTooLongError, what: str = "the text") -> str:
+    """The CLI's words for a text longer than the model's positions: it names --truncate."""
+    return (
+        f"{what} has {error.tokens} tokens, more than the model's {error.limit} positions "
+        f"([CLS] and [SEP] included); pass --truncate to keep the first {error.limit}"
+    )
+
+
+def inspect_or_fail(encoder: Encoder, text: str, *, truncate: bool = False, name: str = "the text") -> Inspection:
     """Run ``text`` through the encoder, or exit 2 (empty or too long text)."""
+    from qkv.models import TextTooLongError
+
     if not text.strip():
-        fail("the text is empty; give at least one word")
+        fail(f"{name} is empty; give at least one word")
     try:
-        return encoder.inspect(text)
+        return encoder.inspect(text, truncate=truncate)
+    except TextTooLongError as error:
+        fail(too_long_message(error, name))
     except ValueError as error:
         fail(str(error))
 
@@ -105,11 +120,14 @@ def _print_tokens(inspection: Inspection) -> None:
     console.print(table)
 
 
-def _print_heads(inspection: Inspection, token: str, query: list[int], rows: list[dict[str, Any]]) -> None:
+def _print_heads(
+    inspection: Inspection, token: str, occurrence: int, query: list[int], rows: list[dict[str, Any]]
+) -> None:
     pieces = " ".join(inspection.tokens[i] for i in query)
-    table = Table(title=Text(f"where each head looks from {token!r} (tokens {pieces}; weights sum to 1 per head)", "table.title"))
-    table.add_column("layer", justify="right")
-    table.add_column("head", justify="right")
+    which = f"occurrence {occurrence} of " if occurrence else ""
+    table = Table(title=Text(f"where each head looks from {which}{token!r} (tokens {pieces}; weights sum to 1 per head)", "table.title"))
+    table.add_column(f"layer (0-{inspection.num_layers - 1})", justify="right")
+    table.add_column(f"head (0-{inspection.num_heads - 1})", justify="right")
     table.add_column("most attended tokens")
     for row in rows:
         looks = Text(",  ").join(Text.assemble(f"{t['token']} ", (f"{t['weight']:.3f}", "bold")) for t in row["top"])
@@ -124,6 +142,10 @@ def inspect_command(
     token: Annotated[
         str | None, typer.Option("--token", help="Show where each head looks from this word (case-insensitive).")
     ] = None,
+    occurrence: Annotated[
+        int,
+        typer.Option("--occurrence", help="Which occurrence of --token, numbered from 0 (0 = the first)."),
+    ] = 0,
     layer: Annotated[int | None, typer.Option("--layer", help="Only this layer (from 0).")] = None,
     head: Annotated[int | None, typer.Option("--head", help="Only this head (from 0).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many attended tokens to list per head.")] = 3,
@@ -138,22 +160,27 @@ def inspect_command(
             help="Write a heatmap here (.png or .svg): all heads of --layer (default 0), or one head with --head.",
         ),
     ] = None,
+    truncate: TruncateOption = False,
 ) -> None:
-    """Run TEXT through the model: its tokens, and where every head looks from --token."""
+    """Run TEXT through the model: its tokens, and where every head looks from --token.
+
+    Layers, heads, tokens and occurrences are numbered from 0.
+    """
     if top < 1:
         fail(f"--top must be at least 1, got {top}")
+    if occurrence < 0:
+        fail(f"--occurrence must be 0 or more (0 = the first), got {occurrence}")
+    if occurrence and token is None:
+        fail("--occurrence picks an occurrence of --token; give --token WORD too")
     check_output_file(html, "--html", (".html", ".htm"))
     check_output_file(png, "--png", (".png", ".svg"))
     encoder = load_or_fail(model)
-    inspection = inspect_or_fail(encoder, text)
+    inspection = inspect_or_fail(encoder, text, truncate=truncate)
     layers = _check_index(layer, inspection.num_layers, "layer")
     heads = _check_index(head, inspection.num_heads, "head")
     query: list[int] | None = None
     if token is not None:
-        try:
-            query = inspection.find(token)
-        except ValueError as error:
-            fail(str(error))
+        query = _find_or_fail(inspection, token, occurrence)
     rows = head_report(inspection, query, layers, heads, top) if query is not None else None
     written = _write_artifacts(inspection, html, png, layer, head)
 
@@ -166,7 +193,7 @@ def inspect_command(
             "tokens": token_report(inspection),
         }
         if query is not None:
-            report["query"] = {"word": token, "indices": query}
+            report["query"] = {"word": token, "occurrence": occurrence, "indices": query}
             report["heads"] = rows
         report["files"] = [str(path) for path in written]
         typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
@@ -176,9 +203,25 @@ def inspect_command(
         console.print("Pass --token WORD to see where each head looks from that word.")
     else:
         assert token is not None and rows is not None
-        _print_heads(inspection, token, query, rows)
+        _print_heads(inspection, token, occurrence, query, rows)
     for path in written:
-        console.print(Text(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"))
+        say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+
+
+def _find_or_fail(inspection: Inspection, token: str, occurrence: int) -> list[int]:
+    """The token indices of the ``occurrence``-th ``token`` (from 0), or exit 2 saying how many there are."""
+    try:
+        matches = inspection.occurrences(token)
+        if not matches:
+            inspection.find(token)  # raises with the text's words listed
+    except ValueError as error:
+        fail(str(error))
+    if occurrence >= len(matches):
+        fail(
+            f"--token {token!r} occurs {len(matches)} time(s) in the text, numbered 0 to {len(matches) - 1}; "
+            f"--occurrence {occurrence} is out of range"
+        )
+    return matches[occurrence]
 
 
 def _write_artifacts(
@@ -204,17 +247,20 @@ def context_command(
     text2: Annotated[str, typer.Argument(help="A second text containing WORD.")],
     model: ModelOption = BUILTIN_MODEL,
     as_json: JsonOption = False,
+    truncate: TruncateOption = False,
 ) -> None:
     """How similar WORD's vectors are in two texts, layer by layer (cosine similarity).
 
-    Attention mixes each context into the word: the vectors start close and drift apart with depth.
+    Attention mixes each context into the word: the vectors start close and drift apart with
+    depth. Layers are numbered from 0: "layer 0" is the vector after layer 0.
     """
     if not word.strip():
         fail("WORD is empty")
     encoder = load_or_fail(model)
     from qkv.inspect import context_similarity
 
-    first, second = inspect_or_fail(encoder, text1), inspect_or_fail(encoder, text2)
+    first = inspect_or_fail(encoder, text1, truncate=truncate, name="TEXT1")
+    second = inspect_or_fail(encoder, text2, truncate=truncate, name="TEXT2")
     for name, inspection in (("TEXT1", first), ("TEXT2", second)):
         try:
             inspection.find(word)
@@ -231,7 +277,7 @@ def context_command(
         }, ensure_ascii=False, indent=2))
         return
     table = Table(title=Text(f"cosine similarity of {word!r} in the two texts", "table.title"))
-    table.add_column("after")
+    table.add_column("after (layers from 0)")
     table.add_column("cosine", justify="right")
     table.add_column("")
     for label, cosine in zip(labels, similarity, strict=True):

@@ -76,7 +76,7 @@ def _pronoun_heads(big: Inspection, small: Inspection) -> list[dict[str, Any]]:
 
 def _heads_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title='Where "it" looks: the heads that send it to "trophy" (weights summed over word pieces)')
-    for col in ("layer", "head", "too big: trophy", "too big: suitcase", "too small: trophy", "too small: suitcase"):
+    for col in ("layer (from 0)", "head (from 0)", "too big: trophy", "too big: suitcase", "too small: trophy", "too small: suitcase"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -90,9 +90,10 @@ def _heads_table(rows: list[dict[str, Any]]) -> Table:
 def _context_table(similarities: dict[str, list[float]]) -> Table:
     table = Table(title="The same word in two sentences: cosine similarity of its vectors, layer by layer")
     table.add_column("word")
-    layers = len(next(iter(similarities.values())))
-    for layer in range(layers):
-        table.add_column("embed" if layer == 0 else f"layer {layer}", justify="right")
+    states = len(next(iter(similarities.values())))  # the embeddings, then one per layer
+    for index in range(states):
+        # layers are numbered from 0, as everywhere in qkv: state 1 is the output of layer 0
+        table.add_column("embeddings" if index == 0 else f"after layer {index - 1}", justify="right")
     for word, values in similarities.items():
         table.add_row(word, *(f"{v:.3f}" for v in values))
     return table
@@ -133,7 +134,9 @@ def model_section(context: TourContext) -> dict[str, Any]:
 
     written = _write_artifacts(context.out_dir, inspections, best["layer"], best["head"])
     if out is not None:
-        table = Table(title=Text(f"Written to {context.out_dir}", "table.title"))  # Text: the folder is the user's
+        # the folder on a line of its own, never wrapped: a table title would wrap a long path
+        out.print(Text(f"Written to {context.out_dir}:"), highlight=False, soft_wrap=True)
+        table = Table()
         table.add_column("file")
         table.add_column("what")
         table.add_column("size", justify="right")
@@ -141,7 +144,10 @@ def model_section(context: TourContext) -> dict[str, Any]:
             table.add_row(path.name, what, f"{path.stat().st_size / 1024:.0f} KiB")
         out.print(table)
         viewer = context.out_dir / "trophy-big.html"
-        out.print(Text.assemble("Open ", (str(viewer), "bold"), " in a browser (no server needed) to explore every layer and head."))
+        out.print(
+            Text.assemble("Open ", (str(viewer), "bold"), " in a browser (no server needed) to explore every layer and head."),
+            soft_wrap=True,
+        )
     return {
         "model": encoder.name,
         "sentences": {s.slug: s.text for s in SENTENCES},

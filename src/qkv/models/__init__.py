@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from qkv.models.bert import BertEncoder, EncoderOutput
 from qkv.models.config import BertConfig
-from qkv.models.encoder import DEFAULT_MODEL, Encoder, load_encoder, mean_pool, resolve_model_dir
+from qkv.models.encoder import (
+    DEFAULT_MODEL,
+    Encoder,
+    TextTooLongError,
+    load_encoder,
+    mean_pool,
+    resolve_model_dir,
+)
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
 from qkv.models.weights import checkpoint_keys, load_bert_weights, read_header
 
@@ -21,6 +28,7 @@ __all__ = [
     "BertEncoder",
     "Encoder",
     "EncoderOutput",
+    "TextTooLongError",
     "TokenizedText",
     "WordPieceTokenizer",
     "checkpoint_keys",

