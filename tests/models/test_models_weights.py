@@ -199,7 +199,89 @@ def test_pickle_suffixes_are_refused(tmp_path: Path, config: BertConfig, name: s
 
 
 def test_config_mismatch_is_reported_per_key(tmp_path: Path, tiny_dir: tuple[Path, torch.nn.Module]) -> None:
-    # A config with one layer too many for the file: every key of layer 2 is missing.
-    config = BertConfig(**{**TINY, "num_hidden_layers": 3})
-    with pytest.raises(ValueError, match=r"missing keys \(16\): encoder\.layer\.2\."):
+    # A config with one layer too many for the file, and a wider feed-forward layer
+    config = BertConfig(**{**TINY, "num_hidden_layers": 3, "intermediate_size": 32})
+    with pytest.raises(ValueError, match="does not fit the BERT config") as error:
         load_bert_weights(BertEncoder(config), tiny_dir[0] / "model.safetensors", config)
+    message = str(error.value)
+    assert "num_hidden_layers=3 asks for layers 2..2, which the file does not hold (it has 2)" in message
+    assert "encoder.layer.1.intermediate.dense.weight: shape [16, 8], expected [32, 8] from the config" in message
+
+
+def _rewrite_header(source: Path, target: Path, edit) -> None:
+    """Copy a safetensors file with its JSON header changed by ``edit(header)``."""
+    raw = source.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    target.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + header_len :])
+
+
+def _first_two(header: dict) -> tuple[str, str]:
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    return names[0], names[1]
+
+
+def _overlap(header: dict) -> None:
+    # the second tensor starts 4 bytes inside the first (its size still agrees with its shape)
+    _, second = _first_two(header)
+    begin, end = header[second]["data_offsets"]
+    header[second]["data_offsets"] = [begin - 4, end - 4]
+
+
+def _hole(header: dict) -> None:
+    first, _ = _first_two(header)
+    header[first]["data_offsets"][0] += 4
+    header[first]["data_offsets"][1] += 4
+
+
+def _same_bytes(header: dict) -> None:
+    # two tensors of one shape pointed at the same bytes: each would read the other's values
+    names = [k for k in header if k.endswith("LayerNorm.bias")]
+    header[names[1]]["data_offsets"] = list(header[names[0]]["data_offsets"])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_same_bytes, "overlap"),
+        (_overlap, "overlap"),
+        (_hole, "belong to no tensor|cover"),
+        (lambda h: h[QUERY].update(data_offsets=[-4, 252]), "malformed shape .* or data offsets"),
+        (lambda h: h[QUERY].update(data_offsets=[0.0, 256.0]), "malformed shape .* or data offsets"),
+        (lambda h: h[QUERY].update(shape=[8, -8]), "malformed shape"),
+        (lambda h: h[QUERY].update(shape=[8, True]), "malformed shape"),
+    ],
+)
+def test_corrupt_offsets_are_refused_before_reading(
+    tmp_path: Path, tiny_dir: tuple[Path, torch.nn.Module], config: BertConfig, edit, message: str
+) -> None:
+    path = tmp_path / "model.safetensors"
+    _rewrite_header(tiny_dir[0] / "model.safetensors", path, edit)
+    with pytest.raises(ValueError, match=message):
+        read_header(path)
+    with pytest.raises(ValueError, match=message):
+        load_bert_weights(BertEncoder(config), path, config)
+
+
+def test_huge_config_is_refused_before_anything_is_allocated(
+    tmp_path: Path, tiny_dir: tuple[Path, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qkv.models.encoder as encoder_module
+
+    for name in ("model.safetensors", "tokenizer.json"):
+        shutil.copy(tiny_dir[0] / name, tmp_path / name)
+    raw = json.loads((tiny_dir[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1_000_000, "intermediate_size": 10**9}))
+
+    def no_model(config: BertConfig) -> None:
+        raise AssertionError("a model was built before the file was checked against the config")
+
+    monkeypatch.setattr(encoder_module, "BertEncoder", no_model)
+    with pytest.raises(ValueError, match="does not fit the BERT config") as error:
+        load_encoder(tmp_path)
+    message = str(error.value)
+    assert "num_hidden_layers=1000000 asks for layers 2..999999, which the file does not hold (it has 2)" in message
+    assert "expected [1000000000, 8] from the config" in message
+    assert len(message) < 10_000  # a summary, not a list of sixteen million keys

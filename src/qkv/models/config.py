@@ -9,6 +9,7 @@ is refused with a message that names it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,11 @@ __all__ = ["BertConfig"]
 SUPPORTED_MODEL_TYPES = ("bert",)
 # hidden_act values and the GELU they mean: BERT's "gelu" is the exact erf form.
 SUPPORTED_ACTIVATIONS = ("gelu",)
+
+
+def _is_int(value: object) -> bool:
+    # JSON's true/false arrive as bool, a subclass of int; 2.0 or "2" are not sizes either
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -41,15 +47,19 @@ class BertConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"config hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
-        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
-            raise ValueError(f"config layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise ValueError(f"config layer_norm_eps must be a positive finite number, got {eps!r}")
+        for name in ("hidden_act", "model_type"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"config {name} must be a string, got {getattr(self, name)!r}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"config hidden_act={self.hidden_act!r} is not supported; qkv runs {SUPPORTED_ACTIVATIONS}"
@@ -58,6 +68,8 @@ class BertConfig:
             raise ValueError(
                 f"config model_type={self.model_type!r} is not supported; qkv runs {SUPPORTED_MODEL_TYPES}"
             )
+        if not _is_int(self.pad_token_id):
+            raise ValueError(f"config pad_token_id must be an integer token id, got {self.pad_token_id!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"config pad_token_id={self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
 

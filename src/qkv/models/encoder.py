@@ -29,7 +29,7 @@ from qkv.inspect import Inspection, context_similarity
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
-from qkv.models.weights import PICKLE_SUFFIXES, load_bert_weights, refuse_pickle
+from qkv.models.weights import PICKLE_SUFFIXES, check_checkpoint, load_bert_weights, refuse_pickle
 
 __all__ = ["DEFAULT_MODEL", "Encoder", "TextTooLongError", "load_encoder", "mean_pool", "resolve_model_dir"]
 
@@ -122,6 +122,8 @@ def load_encoder(name_or_path: str | Path = DEFAULT_MODEL, *, device: str | torc
             f"{directory}: tokenizer.json has {tokenizer.vocab_size} tokens but the config only "
             f"{config.vocab_size} word embeddings"
         )
+    # the file against the config first: a config of absurd sizes is refused before it allocates
+    check_checkpoint(directory / "model.safetensors", config)
     model = BertEncoder(config)
     load_bert_weights(model, directory / "model.safetensors", config)
     model.eval()

@@ -17,13 +17,15 @@ https://github.com/huggingface/safetensors#format
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from qkv.models.config import BertConfig
@@ -31,7 +33,9 @@ from qkv.models.config import BertConfig
 __all__ = [
     "PICKLE_SUFFIXES",
     "TensorInfo",
+    "check_checkpoint",
     "checkpoint_keys",
+    "expected_shapes",
     "load_bert_weights",
     "read_header",
 ]
@@ -92,6 +96,94 @@ def checkpoint_keys(config: BertConfig) -> dict[str, str]:
     return keys
 
 
+def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """qkv parameter name -> shape, for every parameter of a `BertEncoder` of ``config``,
+    computed from the config alone: the file can be checked before anything is allocated."""
+    D, inner = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word.weight": (config.vocab_size, D),
+        "embeddings.position.weight": (config.max_position_embeddings, D),
+        "embeddings.token_type.weight": (config.type_vocab_size, D),
+        "embeddings.norm.weight": (D,),
+        "embeddings.norm.bias": (D,),
+    }
+    for i in range(config.num_hidden_layers):
+        layer = f"layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):  # all D -> D (H * E = D)
+            shapes[f"{layer}.attention.{proj}.weight"] = (D, D)
+            shapes[f"{layer}.attention.{proj}.bias"] = (D,)
+        for norm in ("attention_norm", "ffn_norm"):
+            shapes[f"{layer}.{norm}.weight"] = (D,)
+            shapes[f"{layer}.{norm}.bias"] = (D,)
+        shapes[f"{layer}.ffn_in.weight"] = (inner, D)
+        shapes[f"{layer}.ffn_in.bias"] = (inner,)
+        shapes[f"{layer}.ffn_out.weight"] = (D, inner)
+        shapes[f"{layer}.ffn_out.bias"] = (D,)
+    return shapes
+
+
+def check_checkpoint(path: str | Path, config: BertConfig) -> dict[str, str]:
+    """Check a safetensors file against ``config`` without reading a tensor or building a model.
+
+    Every problem is reported at once, in one ValueError naming each key: missing,
+    unexpected, wrong shape, non-float dtype. A config that asks for a million layers
+    therefore fails here, against the file, before a million layers are allocated.
+    Returns qkv parameter name -> checkpoint key.
+    """
+    path = Path(path)
+    infos = read_header(path)
+    prefix, skipped = _strip_nesting(list(infos))
+    problems: list[str] = []
+    held = _layers_held(infos, prefix)
+    if config.num_hidden_layers > held:
+        # Said once, not as one missing key per parameter of every absent layer (sixteen million
+        # names for a million layers); the layers the file does hold are checked key by key.
+        problems.append(
+            f"the config's num_hidden_layers={config.num_hidden_layers} asks for layers "
+            f"{held}..{config.num_hidden_layers - 1}, which the file does not hold (it has {held})"
+        )
+        config = dataclasses.replace(config, num_hidden_layers=max(held, 1))
+    mapping = checkpoint_keys(config)
+    shapes = expected_shapes(config)
+    wanted = {ours: prefix + theirs for ours, theirs in mapping.items()}
+
+    missing = [key for key in wanted.values() if key not in infos]
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    expected = set(wanted.values()) | skipped
+    unexpected = [key for key in infos if key not in expected]
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    for ours, theirs in wanted.items():
+        info = infos.get(theirs)
+        if info is None:
+            continue
+        if info.shape != shapes[ours]:
+            problems.append(f"{theirs}: shape {list(info.shape)}, expected {list(shapes[ours])} from the config")
+        if info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{theirs}: dtype {info.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    if problems:
+        raise ValueError(f"{path} does not fit the BERT config:\n  " + "\n  ".join(problems))
+    return wanted
+
+
+# Past this many keys, a listing shows the first ones and a count (a config with a million
+# layers would otherwise print sixteen million names).
+_LISTED_KEYS = 40
+
+
+def _layers_held(infos: dict[str, TensorInfo], prefix: str) -> int:
+    """1 + the highest encoder layer index among the file's keys (0 when it has none)."""
+    pattern = re.compile(rf"{re.escape(prefix)}encoder\.layer\.(\d+)\.")
+    indices = [int(match.group(1)) for key in infos if (match := pattern.match(key))]
+    return max(indices, default=-1) + 1
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_LISTED_KEYS])
+    return shown if len(keys) <= _LISTED_KEYS else f"{shown}, ... and {len(keys) - _LISTED_KEYS} more"
+
+
 def refuse_pickle(path: Path) -> None:
     """Raise for a pickle checkpoint path, before anything is opened."""
     if path.suffix.lower() in PICKLE_SUFFIXES:
@@ -139,6 +231,11 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: header entry {name!r} is malformed: {entry!r}") from None
+        if not all(_is_count(n) for n in (*shape, begin, end)) or begin > end:
+            raise ValueError(
+                f"{path}: tensor {name!r} has a malformed shape {list(shape)} or data offsets "
+                f"[{begin!r}, {end!r}] (non-negative integers, begin <= end)"
+            )
         if dtype not in _ITEMSIZE:
             raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if end > data_size:
@@ -152,7 +249,36 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
                 f"{math.prod(shape) * _ITEMSIZE[dtype]} bytes, the header gives {end - begin}"
             )
         infos[name] = TensorInfo(dtype, shape, begin, end)
+    _check_tiling(path, infos, data_size)
     return infos
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tiling(path: Path, infos: dict[str, TensorInfo], data_size: int) -> None:
+    """The tensors' byte ranges must tile the data section, in some order, with no overlap
+    and no hole, as the format requires: two tensors sharing bytes would alias each other."""
+    ranges = sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end))
+    position, previous = 0, None
+    for name, info in ranges:
+        if info.begin < position:
+            raise ValueError(
+                f"{path}: tensors {previous!r} and {name!r} overlap (data bytes {info.begin}..{position} "
+                "are claimed by both); the header is corrupt"
+            )
+        if info.begin > position:
+            raise ValueError(
+                f"{path}: data bytes {position}..{info.begin} belong to no tensor (a hole before "
+                f"{name!r}); the header is corrupt"
+            )
+        position, previous = info.end, name
+    if position != data_size:
+        raise ValueError(
+            f"{path}: the tensors cover {position} data bytes but the file holds {data_size}; "
+            "the header is corrupt"
+        )
 
 
 def _strip_nesting(names: list[str]) -> tuple[str, set[str]]:
@@ -171,47 +297,26 @@ def load_bert_weights(module: nn.Module, path: str | Path, config: BertConfig) -
     copied unless the whole file passes.
     """
     path = Path(path)
-    infos = read_header(path)
-    mapping = checkpoint_keys(config)
+    wanted = check_checkpoint(path, config)
     params = module.state_dict()
-    if set(params) != set(mapping):
-        # The module and this mapping are written together; a difference is a qkv bug.
-        raise RuntimeError(
-            f"qkv's BERT key mapping and module disagree: only in module {sorted(set(params) - set(mapping))}, "
-            f"only in mapping {sorted(set(mapping) - set(params))}"
-        )
-    prefix, skipped = _strip_nesting(list(infos))
-    wanted = {ours: prefix + theirs for ours, theirs in mapping.items()}
-
-    problems: list[str] = []
-    missing = [key for key in wanted.values() if key not in infos]
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-    expected = set(wanted.values()) | skipped
-    unexpected = [key for key in infos if key not in expected]
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-    for ours, theirs in wanted.items():
-        info = infos.get(theirs)
-        if info is None:
-            continue
-        if info.shape != tuple(params[ours].shape):
-            problems.append(
-                f"{theirs}: shape {list(info.shape)}, expected {list(params[ours].shape)} from the config"
-            )
-        if info.dtype not in FLOAT_DTYPES:
-            problems.append(f"{theirs}: dtype {info.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
-    if problems:
-        raise ValueError(f"{path} does not fit the BERT config:\n  " + "\n  ".join(problems))
+    actual = {name: tuple(p.shape) for name, p in params.items()}
+    expected = expected_shapes(config)
+    if actual != expected:
+        # The module, checkpoint_keys and expected_shapes are written together: a difference is a qkv bug.
+        differ = sorted(k for k in set(actual) | set(expected) if actual.get(k) != expected.get(k))
+        raise RuntimeError(f"qkv's BERT module and its checkpoint mapping disagree on {differ}")
 
     tensors: dict[str, torch.Tensor] = {}
     not_finite: list[str] = []
-    with safe_open(str(path), framework="pt") as f:
-        for ours, theirs in wanted.items():
-            tensor = f.get_tensor(theirs)
-            if not torch.isfinite(tensor).all():
-                not_finite.append(theirs)
-            tensors[ours] = tensor
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for ours, theirs in wanted.items():
+                tensor = f.get_tensor(theirs)
+                if not torch.isfinite(tensor).all():
+                    not_finite.append(theirs)
+                tensors[ours] = tensor
+    except SafetensorError as error:  # anything the header checks above did not foresee
+        raise ValueError(f"{path} cannot be read as safetensors: {error}") from None
     if not_finite:
         raise ValueError(f"{path} has NaN or infinite values in: {', '.join(not_finite)}")
     with torch.no_grad():
