@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from qkv import examples
 from qkv.cli import app
 
-DETERMINISTIC = ["address-book", "apple", "scaling", "permutation", "cross-attention", "multi-head", "context", "learned"]
+DETERMINISTIC = ["address-book", "agreement", "apple", "scaling", "permutation", "cross-attention", "multi-head", "context", "learned"]
 
 
 @pytest.fixture(scope="module")

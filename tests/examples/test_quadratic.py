@@ -41,7 +41,15 @@ def test_sliding_window_path(result: quadratic.Result) -> None:
 
     window = sliding_window(quadratic.WINDOW_LEFT)
     for row in result.windows:
-        assert row.visited == int(window.to_dense(row.n, row.n).sum())
-        assert row.visited < (quadratic.WINDOW_LEFT + 1) * row.n
+        assert row.inside == int(window.to_dense(row.n, row.n).sum())
+        assert row.inside < (quadratic.WINDOW_LEFT + 1) * row.n
+        # what the path computes covers the window, and is all n^2 only on a dense path
+        assert row.inside <= row.visited <= row.n**2
+        assert (row.visited == row.n**2) == (row.path in ("fused", "math"))
+        assert row.visited == row.flops // (4 * quadratic.HEAD_DIM)  # E = Ev: 4 E flops per score
+    blocks = [row for row in result.windows if row.path == "blocks"]
+    assert len(blocks) >= 2
+    for before, after in pairwise(blocks):  # the tiles computed grow like n, not n^2
+        assert after.visited / before.visited < 2.5 * after.n / before.n / 2
     assert result.window_max_difference < 1e-5
     assert result.explain_window

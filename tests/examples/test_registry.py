@@ -12,7 +12,7 @@ import pytest
 from qkv import examples
 from qkv.examples import jsonable
 
-ORDER = ["address-book", "apple", "scaling", "permutation", "cross-attention", "multi-head", "quadratic", "context", "learned"]
+ORDER = ["address-book", "agreement", "apple", "scaling", "permutation", "cross-attention", "multi-head", "quadratic", "context", "learned"]
 
 
 def test_names_in_order() -> None:
@@ -23,8 +23,8 @@ def test_names_in_order() -> None:
 
 
 def test_unknown_name_lists_the_names() -> None:
-    with pytest.raises(KeyError, match="address-book, apple"):
-        examples.get("nope")
+    with pytest.raises(KeyError, match="address-book, agreement, apple"):
+        examples.get("nope")  # the names, in order
 
 
 def test_jsonable() -> None:
@@ -42,19 +42,19 @@ def test_lazy_export() -> None:
     assert qkv.examples is examples
 
 
-@pytest.mark.parametrize("name", ["address-book", "apple", "permutation", "cross-attention", "multi-head", "context"])
+@pytest.mark.parametrize("name", ["address-book", "agreement", "apple", "permutation", "cross-attention", "multi-head", "context"])
 def test_json_round_trip(name: str) -> None:
     data = examples.get(name).run().to_json()
     assert json.loads(json.dumps(data, allow_nan=False)) == data
 
 
 def test_numpy_examples_run_without_torch() -> None:
-    # only quadratic and learned need PyTorch; the rest run on NumPy alone
+    # only agreement, quadratic and learned need PyTorch; the rest run on NumPy alone
     script = (
         "import sys\n"
         "from qkv import examples\n"
         "for name in examples.names():\n"
-        "    if name not in ('quadratic', 'learned'):\n"
+        "    if name not in ('agreement', 'quadratic', 'learned'):\n"
         "        examples.get(name).run().render()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -52,27 +52,17 @@ class Section:
 
 
 def examples_section(context: TourContext) -> dict[str, Any]:
-    """Every worked example in order; after the address book, its three-way agreement check."""
+    """Every worked example in order (the address book's three-way agreement comes second)."""
     from qkv import examples
-    from qkv.examples import agreement
 
     out = context.out
     results: dict[str, Any] = {}
-    check: dict[str, Any] = {}
     for example in examples.EXAMPLES.values():
         result = example.run()
         results[example.name] = example_json(example, result)
         if out is not None:
             render_example(out, example, result, quiet=context.quiet)
-        if example.name == "address-book":
-            agreed = agreement.run()
-            check = agreed.to_json() | {"max_difference": agreed.max_difference}
-            if out is not None:
-                if context.quiet:
-                    out.print(Text.assemble(("agreement: ", "bold"), agreed.headline()))
-                else:
-                    out.print(agreed.render())
-    return {"examples": results, "agreement": check}
+    return {"examples": results}
 
 
 SECTIONS: list[Section] = [

@@ -10,7 +10,7 @@ them in the order a reader meets them; `qkv examples [NAME]` runs them from the 
     >>> [round(float(w), 3) for w in result.lookups[0].trace.weights[0]]
     [0.691, 0.154, 0.154]
 
-Only `quadratic` and `learned` import PyTorch, inside their ``run()``.
+Only `agreement`, `quadratic` and `learned` import PyTorch, inside their ``run()``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from types import ModuleType
 
 from qkv.examples import (
     address_book,
+    agreement,
     apple,
     context,
     cross_attention,
@@ -53,7 +54,7 @@ EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in map(
         _example,
-        (address_book, apple, scaling, permutation, cross_attention, multi_head, quadratic, context, learned),
+        (address_book, agreement, apple, scaling, permutation, cross_attention, multi_head, quadratic, context, learned),
     )
 }
 

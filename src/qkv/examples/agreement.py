@@ -10,6 +10,7 @@ weights) to rounding error, about 1e-16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from rich.console import Group, RenderableType
@@ -21,6 +22,13 @@ from qkv.examples._tables import table, vector
 from qkv.reference import Array
 
 __all__ = ["Agreement", "PathOutput", "run"]
+
+NAME = "agreement"
+TITLE = "The address book through three implementations: qkv.reference, qkv.attention, PyTorch's SDPA"
+SUMMARY = (
+    "The book's two questions as one batch, in float64, through the NumPy reference, each of "
+    "qkv.attention's paths and torch's scaled_dot_product_attention: all give the same answer."
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ class Agreement(ExampleResult):
     @property
     def max_difference(self) -> float:
         return max(p.max_difference for p in self.paths)
+
+    def to_json(self) -> dict[str, Any]:
+        return super().to_json() | {"max_difference": self.max_difference}
 
     def headline(self) -> str:
         names = ", ".join(p.name for p in self.paths)
