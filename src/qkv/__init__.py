@@ -24,13 +24,15 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "qkv.functional",
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
+    "attention_varlen": "qkv.varlen",
 }
-_SUBMODULES = ("masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
+_SUBMODULES = ("bias", "masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:
     from qkv import (
+        bias,
         distributed,
         examples,
         functional,
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from qkv.cache import KVCache
     from qkv.functional import Explanation, attention, attention_weights, explain
     from qkv.modules import MultiHeadAttention
+    from qkv.varlen import attention_varlen
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,9 @@
 """Validation of attention inputs, done once, before any kernel runs.
 
-`describe_problem` checks q, k, v, mask, scale and dropout and returns an `AttentionProblem`:
-the sizes by their DESIGN.md letters and the inputs flattened to one batch axis. Every
+`describe_problem` checks q, k, v, mask, scale, dropout and the score terms (bias, softcap,
+score_mod) and returns an `AttentionProblem`: the sizes by their DESIGN.md letters and the
+inputs flattened to one batch axis. Keys and values with batch size 1 broadcast against
+queries with a larger batch (one shared context, or a prefix cache). Every
 error names the offending shapes or values. PyTorch's own kernels are not trusted to catch
 these: its CPU path reads past memory when k and v have different lengths.
 """
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv.bias import Bias, as_bias
+from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
 from qkv.masks import Mask
 
 __all__ = ["AttentionProblem", "describe_problem", "normalize_mask"]
@@ -40,6 +44,7 @@ class AttentionProblem:
     Ev: int
     scale: float
     dropout: float
+    terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
 
     @property
     def N(self) -> int:
@@ -77,6 +82,10 @@ def describe_problem(
     mask: torch.Tensor | Mask | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
+    *,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem."""
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
@@ -89,10 +98,12 @@ def describe_problem(
             f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
         )
     batch_shape = tuple(q.shape[:-3])
-    if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
+    if tuple(k.shape[:-3]) != tuple(v.shape[:-3]) or any(
+        n not in (1, m) for n, m in zip(k.shape[:-3], batch_shape, strict=True)
+    ):
         raise ValueError(
-            f"q, k and v must share their batch dimensions, got {tuple(q.shape[:-3])}, "
-            f"{tuple(k.shape[:-3])} and {tuple(v.shape[:-3])}"
+            f"q, k and v must share their batch dimensions (k and v may have size 1 there, "
+            f"broadcast to q's), got {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])} and {tuple(v.shape[:-3])}"
         )
     H, L, E = q.shape[-3:]
     G, S, E_k = k.shape[-3:]
@@ -111,7 +122,11 @@ def describe_problem(
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     scale = 1.0 / math.sqrt(E) if scale is None else _check_scale(scale)
     normalized = normalize_mask(mask, q, batch_shape, H, L, S)
+    terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
     N = math.prod(batch_shape)
+    if tuple(k.shape[:-3]) != batch_shape:
+        k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
+        v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
     return AttentionProblem(
         q=q.reshape(N, H, L, E),  # (N, H, L, E)
         k=k.reshape(N, G, S, E),  # (N, G, S, E)
@@ -121,6 +136,7 @@ def describe_problem(
         H=H, G=G, L=L, S=S, E=E, Ev=Ev,
         scale=float(scale),
         dropout=float(dropout),
+        terms=terms,
     )
 
 
@@ -141,6 +157,36 @@ def _check_scale(scale: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     return value
+
+
+def _score_terms(
+    mask: torch.Tensor | Mask | None,
+    bias: object,
+    softcap: object,
+    score_mod: object,
+    q: torch.Tensor,
+    batch_shape: tuple[int, ...],
+    H: int,
+    L: int,
+    S: int,
+) -> ScoreTerms:
+    """Check bias, softcap and score_mod and bind the bias to this problem."""
+    cap = check_softcap(softcap)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {type(score_mod).__name__}")
+    resolved = as_bias(bias)
+    if bias is not None and resolved is None:
+        raise TypeError(f"bias must be None, a qkv.bias object or a float tensor, got {type(bias).__name__}")
+    bound = None
+    if resolved is not None:
+        for t in resolved.tensors():
+            if t.device != q.device:
+                raise ValueError(f"{resolved.describe()} holds a tensor on {t.device} but q is on {q.device}")
+        bound = resolved.bind(batch_shape, H, L, S)
+    positions = None
+    if isinstance(mask, Mask) and (bound is not None or score_mod is not None):
+        positions = mask.query_positions(L, S, q.device)
+    return ScoreTerms(L, S, cap, bound, score_mod, positions)  # type: ignore[arg-type]
 
 
 def normalize_mask(

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from qkv._problem import AttentionProblem, describe_problem, normalize_mask
+from qkv.bias import Bias
 from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
 from qkv.kernels.dense import (
     attention_weights_dense,
@@ -34,6 +35,8 @@ from qkv.kernels.dense import (
 )
 from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_suits
 from qkv.kernels.layout import FULL, BlockLayout
+from qkv.kernels.scored import closes_over_grad, scored_tile_attention
+from qkv.kernels.scores import ScoreMod
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
 from qkv.masks import Causal, Mask
@@ -91,6 +94,8 @@ class Explanation:
     peak_extra_bytes: int
     blocks_visited: float | None = None  # blocks / flex: fraction of tiles not skipped
     tiles: str | None = None  # blocks / flex: tile size and counts
+    scores: str = ""  # the score terms beyond scale * q.k (softcap, bias, score_mod), '' for none
+    score_flops: int = 0  # their operations on the visited pairs, not included in flops
 
     def __str__(self) -> str:
         lines = [
@@ -99,6 +104,8 @@ class Explanation:
             f"problem: {self.shape}, mask: {self.mask}",
             f"work: {self.flops / 1e9:.3f} GFLOP forward ({self.visited_fraction:.1%} of the score matrix visited)",
         ]
+        if self.scores:
+            lines.append(f"scores: {self.scores}, {self.score_flops / 1e9:.3f} GFLOP on the visited pairs")
         if self.tiles is not None:
             lines.append(f"tiles: {self.tiles}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
@@ -130,10 +137,22 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         # SDPA's is_causal is top-left; it equals ours when the offset is zero.
         sdpa_causal = causal_offset == 0
 
+    terms = problem.terms
+    scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
     if backend == "math":
         return Plan("math", "backend='math' was requested", causal_offset=causal_offset)
     if backend in ("blocks", "flex"):
         return _sparse_plan(problem, backend, f"backend={backend!r} was requested")
+    if scored and backend == "fused":
+        raise ValueError(
+            "backend='fused' (PyTorch's SDPA) takes no softcap or score_mod; use 'auto', 'math' or 'blocks'"
+        )
+    if backend == "auto" and terms.active and problem.dropout == 0.0:
+        engine = _scored_engine(problem)
+        if engine is not None:
+            return engine
+    if scored:
+        return Plan("math", f"SDPA cannot apply {terms.describe()}; the explicit formula can", causal_offset=causal_offset)
     if return_weights and problem.dropout > 0.0:
         if backend == "fused":
             raise ValueError(
@@ -150,7 +169,12 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         if sparse is not None:
             return sparse
     reason = "backend='fused' was requested" if backend == "fused" else "PyTorch's SDPA applies"
-    if sdpa_causal:
+    if terms.bias is not None:
+        # the mask joins the rendered bias: SDPA gets one float tensor
+        sdpa_causal = False
+        masked = "" if mask is None else f" with {_mask_name(mask)} as -inf"
+        reason += f"; {terms.bias.describe()} is passed as a dense float mask{masked}"
+    elif sdpa_causal:
         reason += "; causal runs as SDPA is_causal (L == S or top-left alignment), no mask materialized"
     elif causal is not None and causal_offset is not None and causal_offset >= problem.S - 1:
         reason += "; the causal mask hides no key here (every query sees the whole cache), so none is passed"
@@ -159,6 +183,12 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     elif isinstance(mask, Mask):
         reason += f"; {mask.describe()} is passed as a dense bool mask"
     return Plan("fused", reason, sdpa_causal, causal_offset)
+
+
+def _mask_name(mask: torch.Tensor | Mask) -> str:
+    if isinstance(mask, Mask):
+        return mask.describe()
+    return f"a {str(mask.dtype).removeprefix('torch.')} tensor mask"
 
 
 def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
@@ -184,6 +214,16 @@ def _sparse_plan(
         )
     if problem.dropout > 0.0:
         raise ValueError(f"backend={path!r} has no dropout (got dropout={problem.dropout}); use 'fused' or 'math'")
+    terms = problem.terms
+    if path == "flex" and terms.active:
+        raise ValueError(
+            f"backend='flex' does not apply score terms ({terms.describe()}) yet; use 'auto', 'blocks' or 'math'"
+        )
+    if terms.score_mod is not None and _needs_grad(problem) and closes_over_grad(terms.score_mod):
+        raise ValueError(
+            f"backend={path!r} differentiates q, k, v and the qkv.bias tensors only, and this score_mod "
+            "reads tensors that require grad; use backend='math', or pass them as a qkv.bias"
+        )
     device = problem.q.device
     if path == "blocks":
         if device.type != "cpu":
@@ -213,19 +253,49 @@ def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayou
     # without a backward pass to come, calls can be larger (fewer kernel launches)
     need_grad = _needs_grad(problem)
     if intervals is not None:
-        return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, need_grad)
+        return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, need_grad, _mask_heads(problem))
     return plan_layout(layout, problem.N, problem.H, D, itemsize, config, _mask_heads(problem), need_grad)
 
 
 def _needs_grad(problem: AttentionProblem) -> bool:
     """Whether autograd will ask for a backward pass through this call."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v))
+    inputs = (problem.q, problem.k, problem.v, *problem.terms.tensors())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
 def _mask_heads(problem: AttentionProblem) -> int:
-    """Heads the mask's tiles carry: 1 unless the mask varies over heads."""
+    """Heads the mask's tiles carry: 1 unless the mask varies over heads. With score terms the
+    tiles carry every head, and the engine's own kernel holds scores and probabilities too."""
+    terms = problem.terms
+    if terms.softcap is not None or terms.score_mod is not None:
+        return 3 * problem.H
+    if terms.bias is not None:
+        return problem.H
     mask = problem.mask
     return mask.heads if isinstance(mask, Mask) and mask.heads else 1
+
+
+def _scored_engine(problem: AttentionProblem) -> Plan | None:
+    """'auto' with score terms on CPU: the tile engine whenever it can take the problem and it
+    is large enough. Its alternatives materialize L x S tensors: the math path its scores and
+    weights, SDPA a rendered bias (float mask)."""
+    terms = problem.terms
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor) or problem.q.device.type != "cpu" or not flash_kernel_available():
+        return None
+    if problem.L * problem.S < _SPARSE_MIN_PAIRS:
+        return None
+    if terms.score_mod is not None and _needs_grad(problem) and closes_over_grad(terms.score_mod):
+        return None
+    layout = _layout(problem, TILES.block_q, TILES.block_k)
+    tiles = _tile_plan(problem, TILES, layout)
+    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    what = "no mask" if mask is None else mask.describe()
+    reason = (
+        f"{terms.describe()} with {what}: the CPU tile engine computes {visited:.1%} of the score matrix "
+        "with the terms applied tile by tile, never an L x S tensor"
+    )
+    return Plan("blocks", reason, layout=layout, tiles=tiles)
 
 
 def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
@@ -262,7 +332,38 @@ def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
 
 
 def _dense_mask(problem: AttentionProblem, plan: Plan) -> torch.Tensor | None:
-    """The mask as a tensor (N | 1, H | 1, L, S), or None when no tensor is needed."""
+    """The mask as a tensor (N | 1, H | 1, L, S), or None when no tensor is needed. On the
+    fused path an additive bias joins it: a float tensor, -inf where the mask hides a pair."""
+    mask = _plain_dense_mask(problem, plan)
+    bias = problem.terms.bias
+    if bias is None or plan.path != "fused":
+        return mask
+    rendered = _render_bias(problem)  # (N | 1, H | 1, L, S)
+    if mask is None:
+        return rendered
+    if mask.dtype == torch.bool:
+        return rendered.masked_fill(~mask, float("-inf"))
+    return rendered + mask.to(rendered.dtype)
+
+
+def _render_bias(problem: AttentionProblem) -> torch.Tensor:
+    """The bound bias as a float tensor (N | 1, H | 1, L, S) in the accumulation dtype, differentiable."""
+    terms = problem.terms
+    bias = terms.bias
+    assert bias is not None
+    device = problem.q.device
+    n = problem.N if terms.batch_varies else 1
+    heads = problem.H if bias.heads is not None else 1
+    b = torch.arange(n, device=device).view(n, 1, 1, 1)  # (N | 1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)  # (1, H, 1, 1)
+    i = torch.arange(problem.L, device=device).view(1, 1, -1, 1)  # (1, 1, L, 1)
+    j = torch.arange(problem.S, device=device).view(1, 1, 1, -1)  # (1, 1, 1, S)
+    values = bias.terms(b, h, i, j, terms.q_pos(b, i)).to(accumulation_dtype(problem.q.dtype))
+    return torch.broadcast_to(values, (n, heads, problem.L, problem.S))
+
+
+def _plain_dense_mask(problem: AttentionProblem, plan: Plan) -> torch.Tensor | None:
+    """The mask alone as a tensor (N | 1, H | 1, L, S), or None when no tensor is needed."""
     mask = problem.mask
     if mask is None or isinstance(mask, Causal):
         if isinstance(mask, Causal) and plan.path == "fused" and not plan.sdpa_causal:
@@ -286,13 +387,20 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | Mask | None = None,
     *,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``.
+    """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``, with score terms.
+
+    Per (b, h, i, j) the score is s = scale * q_i . k_j; then softcap * tanh(s / softcap)
+    when ``softcap`` is set; then + bias[b, h, i, j]; then score_mod(s, b, h, i, j); then the
+    mask removes pairs and each row is softmaxed (DESIGN.md).
 
     Args:
         q: (..., H, L, E) queries.
@@ -301,6 +409,12 @@ def attention(
         v: (..., G, S, Ev) values.
         mask: None; a bool tensor broadcastable to (..., H, L, S), True = may attend; a float
             tensor broadcastable to it, added to the scaled scores; or a `qkv.masks` object.
+        bias: a `qkv.bias` object (``alibi()``, ``relative(table)``, ``dense(t)``, or a sum of
+            them), or a float tensor broadcastable to (..., H, L, S) meaning ``dense(tensor)``.
+            Its tensors may require grad.
+        softcap: cap the scores smoothly at +-softcap (Gemma 2 uses 50 for attention).
+        score_mod: a vectorized fn(score, b, h, q_idx, kv_idx) -> score on broadcasting
+            tensors (FlexAttention's contract; b is the flattened batch row, h the query head).
         scale: factor applied to q k^T; default 1 / sqrt(E).
         dropout: probability of dropping an attention weight (applied whenever > 0; modules
             pass 0 in eval mode).
@@ -322,7 +436,7 @@ def attention(
         >>> qkv.attention(q, k, v, qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    problem = _describe(q, k, v, mask, scale, dropout)
+    problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
     if plan.path in ("blocks", "flex"):
         out, weights, lse = _sparse_attention(problem, plan, return_weights, return_lse)
@@ -332,13 +446,15 @@ def attention(
     if plan.path == "math":
         out, weights, lse = math_attention(
             problem.q, problem.k, problem.v, dense_mask, problem.scale,
-            causal_offset=plan.causal_offset, dropout=problem.dropout,
+            causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms,
         )
     else:
         out, lse = fused_attention(
             problem.q, problem.k, problem.v, dense_mask, problem.scale,
             is_causal=plan.sdpa_causal, dropout=problem.dropout,
-            need_lse=return_lse and fused_lse_available(problem.q, problem.v),
+            # the CPU flash kernel returns the lse but does not differentiate its mask (a learnable bias)
+            need_lse=return_lse and fused_lse_available(problem.q, problem.v)
+            and not (dense_mask is not None and dense_mask.requires_grad),
         )
         causal_offset = plan.causal_offset if plan.sdpa_causal else None
         if return_weights:
@@ -356,9 +472,12 @@ def _describe(
     mask: torch.Tensor | Mask | None,
     scale: float | None,
     dropout: float,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> AttentionProblem:
     """`describe_problem`, plus the checks a structured mask makes against the sizes."""
-    problem = describe_problem(q, k, v, mask, scale, dropout)
+    problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
     if isinstance(problem.mask, Mask):
         problem.mask.validate(problem.N, problem.H, problem.L, problem.S)
     return problem
@@ -378,7 +497,10 @@ def _sparse_attention(
     q, k, v = problem.q, problem.k, problem.v
     if plan.path == "blocks":
         assert plan.tiles is not None
-        out, lse = tile_attention(q, k, v, mask, plan.tiles, problem.scale)
+        if problem.terms.active:
+            out, lse = scored_tile_attention(q, k, v, mask, plan.tiles, problem.scale, problem.terms)
+        else:
+            out, lse = tile_attention(q, k, v, mask, plan.tiles, problem.scale)
         tiles = plan.tiles
     else:
         assert plan.layout is not None
@@ -391,11 +513,11 @@ def _sparse_attention(
             config = TileConfig(block_q=plan.layout.block_q, block_k=plan.layout.block_k)
             tiles = _tile_plan(problem, config, plan.layout)
         if lse is None:
-            lse = tile_lse(q, k, mask, tiles, problem.scale)
+            lse = tile_lse(q, k, mask, tiles, problem.scale, problem.terms)
         if return_weights:
             heads = torch.arange(problem.H, device=q.device)
             rows = torch.arange(problem.L, device=q.device)
-            weights = tile_weights(q, k, mask, tiles, problem.scale, heads, rows, lse)
+            weights = tile_weights(q, k, mask, tiles, problem.scale, heads, rows, lse, problem.terms)
     return out, weights, lse
 
 
@@ -437,6 +559,9 @@ def explain(
     v: torch.Tensor,
     mask: torch.Tensor | Mask | None = None,
     *,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
@@ -445,9 +570,10 @@ def explain(
 ) -> Explanation:
     """Say which path `qkv.attention` would take for these arguments, why, and its cost.
 
-    Nothing is computed: the inputs are validated exactly as `attention` does.
+    Nothing is computed: the inputs are validated exactly as `attention` does. The score
+    terms (bias, softcap, score_mod) are named and their work counted apart.
     """
-    problem = _describe(q, k, v, mask, scale, dropout)
+    problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
     NH = problem.N * problem.H
     L, S, E, Ev = problem.L, problem.S, problem.E, problem.Ev
@@ -476,6 +602,8 @@ def explain(
             extra += L * S * (q.element_size() if return_lse else 1)
         if return_weights:
             extra += NH * L * S * acc_bytes
+        if problem.terms.bias is not None:
+            extra += (problem.N if problem.terms.batch_varies else 1) * problem.H * L * S * acc_bytes  # rendered bias
     batch = "x".join(str(b) for b in problem.batch_shape) or "()"
     shape = (
         f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} "
@@ -491,6 +619,8 @@ def explain(
         peak_extra_bytes=int(extra),
         blocks_visited=blocks_visited,
         tiles=tiles,
+        scores=problem.terms.describe(),
+        score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
     )
 
 
@@ -521,6 +651,9 @@ def attention_weights(
     *,
     heads: Sequence[int] | torch.Tensor | None = None,
     rows: Sequence[int] | slice | range | torch.Tensor | None = None,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """The exact attention probabilities of chosen heads and query rows, and nothing more.
@@ -532,7 +665,8 @@ def attention_weights(
     backend="math", return_weights=True)`` to differentiate the weights).
 
     Args:
-        q, k, v, mask, scale: as `qkv.attention` (v is validated and otherwise unused).
+        q, k, v, mask, bias, softcap, score_mod, scale: as `qkv.attention` (v is validated
+            and otherwise unused).
         heads: query head indices, default every head.
         rows: query row indices (a sequence, range, slice or 1-D integer tensor), default
             every row.
@@ -548,14 +682,16 @@ def attention_weights(
         >>> w.shape, int((w[0, 0, 1] > 0).sum())
         (torch.Size([1, 1, 2, 1000]), 9)
     """
-    problem = _describe(q, k, v, mask, scale, 0.0)
+    problem = _describe(q, k, v, mask, scale, 0.0, bias, softcap, score_mod)
     head_idx = _indices(heads, problem.H, "heads", q.device)
     row_idx = _indices(rows, problem.L, "rows", q.device)
     batch = problem.batch_shape
     structured = problem.mask is None or isinstance(problem.mask, Mask)
     if structured:
         tiles = _tile_plan(problem, TILES, _layout(problem, TILES.block_q, TILES.block_k))
-        weights = tile_weights(problem.q, problem.k, _structured(problem), tiles, problem.scale, head_idx, row_idx)
+        weights = tile_weights(
+            problem.q, problem.k, _structured(problem), tiles, problem.scale, head_idx, row_idx, terms=problem.terms
+        )
     else:
         tensor_mask = problem.mask
         assert isinstance(tensor_mask, torch.Tensor)
@@ -565,7 +701,9 @@ def attention_weights(
         q_sel = problem.q[:, head_idx][:, :, row_idx]  # (N, h, r, E)
         k_sel = problem.k[:, head_idx // (H // G)]  # (N, h, S, E)
         with torch.no_grad():
-            weights, _ = attention_weights_dense(q_sel, k_sel, picked, problem.scale)
+            weights, _ = attention_weights_dense(
+                q_sel, k_sel, picked, problem.scale, terms=problem.terms, heads=head_idx, rows=row_idx
+            )
     return weights.reshape(*batch, len(head_idx), len(row_idx), problem.S)  # (..., h, r, S)
 
 

@@ -10,6 +10,9 @@ Every function here is one step of the articles, in the order they teach it:
 
 Together: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
 
+Score terms beyond the articles, between steps 3 and 4 (DESIGN.md's order): a softcap
+c * tanh(x / c), then an additive bias, then any score_mod(x, b, h, i, j), then the mask.
+
 This module depends on NumPy alone, computes in float64, and is the oracle that every fast
 path in qkv is tested against. It is written to be read, not to be fast: every intermediate
 is materialized and returned in a `Trace`.
@@ -21,7 +24,7 @@ output (never NaN).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +38,15 @@ __all__ = [
     "attention",
     "attention_grads",
     "cross_attention",
+    "logit_grads",
     "mix",
+    "modify_scores",
     "multi_head_attention",
     "project",
     "scale_scores",
     "scores",
     "self_attention",
+    "softcap_scores",
     "softmax",
 ]
 
@@ -65,6 +71,10 @@ class Trace:
     lse: Array
     scale: float
     kv_heads: int | None = None  # G when the caller's k and v had fewer heads than q
+    # the scores that enter the softmax: scaled, soft-capped, biased, modified (..., L, S)
+    logits: Array | None = None
+    softcap: float | None = None
+    score_mod: bool = False  # a score_mod was applied (its gradient is not known here)
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,25 @@ def mix(weights: ArrayLike, v: ArrayLike) -> Array:
     return np.asarray(weights, dtype=np.float64) @ np.asarray(v, dtype=np.float64)
 
 
+def softcap_scores(scaled: ArrayLike, softcap: float) -> Array:
+    """Soft cap: ``softcap * tanh(x / softcap)``, about x for |x| << softcap, never beyond +-softcap."""
+    return float(softcap) * np.tanh(np.asarray(scaled, dtype=np.float64) / float(softcap))
+
+
+def modify_scores(scaled: Array, score_mod: Callable[..., ArrayLike]) -> Array:
+    """``score_mod(x, b, h, i, j)`` on broadcasting index arrays over the last four axes
+    (b: batch, h: head, i: query, j: key), FlexAttention's contract written for NumPy."""
+    shape = scaled.shape
+    x = scaled.reshape((1,) * max(0, 4 - scaled.ndim) + shape)  # (..., B | 1, H | 1, L, S)
+    lead = (1,) * (x.ndim - 4)
+    b, h, i, j = (
+        np.arange(n).reshape(lead + tuple(n if a == axis else 1 for a in range(4)))
+        for axis, n in enumerate(x.shape[-4:])
+    )
+    modified = np.broadcast_to(np.asarray(score_mod(x, b, h, i, j), dtype=np.float64), x.shape)
+    return modified.reshape(shape).copy()
+
+
 def _repeat_kv_heads(q: Array, kv: Array) -> Array:
     """Grouped-query attention: query head h reads key/value head h // (H // G)."""
     if q.ndim < 3 or kv.ndim < 3 or q.shape[-3] == kv.shape[-3]:
@@ -158,12 +187,20 @@ def attention(
     v: ArrayLike,
     mask: ArrayLike | None = None,
     scale: float | None = None,
+    *,
+    bias: ArrayLike | None = None,
+    softcap: float | None = None,
+    score_mod: Callable[..., ArrayLike] | None = None,
 ) -> Trace:
     """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d_k) + mask) V``, every step kept.
 
     q (..., L, E), k (..., S, E), v (..., S, Ev); with head axes (..., H, L, E) and
     (..., G, S, E), H a multiple of G (grouped-query attention). ``mask`` is broadcastable
     to (..., L, S): bool True = may attend, or float added to the scaled scores.
+
+    Score terms, in this order after scaling: ``softcap`` (x -> c tanh(x / c)), ``bias``
+    (an array broadcastable to (..., L, S), added), ``score_mod`` (x, b, h, i, j) -> x on
+    NumPy index arrays (`modify_scores`).
     """
     q = _as_float64(q, "q")
     k = _as_float64(k, "k")
@@ -177,12 +214,17 @@ def attention(
     d_k = q.shape[-1]
     raw = scores(q, k)  # (..., L, S)
     scaled = scale_scores(raw, d_k, scale)  # (..., L, S)
-    weights, lse = softmax(scaled, mask)  # (..., L, S), (..., L)
+    logits = scaled if softcap is None else softcap_scores(scaled, softcap)  # (..., L, S)
+    if bias is not None:
+        logits = logits + np.asarray(bias, dtype=np.float64)
+    if score_mod is not None:
+        logits = modify_scores(logits, score_mod)
+    weights, lse = softmax(logits, mask)  # (..., L, S), (..., L)
     output = mix(weights, v)  # (..., L, Ev)
     used_scale = 1.0 / np.sqrt(d_k) if scale is None else float(scale)
     return Trace(
         q=q, k=k, v=v, scores=raw, scaled=scaled, weights=weights, output=output, lse=lse,
-        scale=used_scale, kv_heads=kv_heads,
+        scale=used_scale, kv_heads=kv_heads, logits=logits, softcap=softcap, score_mod=score_mod is not None,
     )
 
 
@@ -193,7 +235,8 @@ def attention_grads(trace: Trace, d_output: ArrayLike) -> tuple[Array, Array, Ar
 
     dV = P^T dO                                  (mix)
     dP = dO V^T
-    dX = P * (dP - rowsum(dP * P))               (softmax; X are the scaled scores)
+    dX = P * (dP - rowsum(dP * P))               (softmax; X are the logits: also d bias)
+    dX <- dX * (1 - tanh(x / c)^2)               (softcap, when set; x the scaled scores)
     dQ = scale * dX K,   dK = scale * dX^T Q     (scale, then score)
 
     Masked entries have P = 0 and so receive no gradient; a fully masked row contributes
@@ -201,14 +244,26 @@ def attention_grads(trace: Trace, d_output: ArrayLike) -> tuple[Array, Array, Ar
     several query heads are summed over those heads. Shapes: dq like trace.q, dk and dv like
     the k and v passed to `attention` (before heads were repeated).
     """
+    if trace.score_mod:
+        raise ValueError("the reference cannot differentiate a score_mod (an opaque function)")
     d_out = np.asarray(d_output, dtype=np.float64)
     p = trace.weights
     dv = np.swapaxes(p, -1, -2) @ d_out  # (..., S, Ev)
-    dp = d_out @ np.swapaxes(trace.v, -1, -2)  # (..., L, S)
-    dx = p * (dp - (dp * p).sum(axis=-1, keepdims=True))  # (..., L, S)
+    dx = logit_grads(trace, d_out)  # (..., L, S)
+    if trace.softcap is not None:
+        dx = dx * (1.0 - np.tanh(trace.scaled / trace.softcap) ** 2)
     dq = trace.scale * dx @ trace.k  # (..., L, E)
     dk = trace.scale * np.swapaxes(dx, -1, -2) @ trace.q  # (..., S, E)
     return dq, _sum_repeated_heads(dk, trace.kv_heads), _sum_repeated_heads(dv, trace.kv_heads)
+
+
+def logit_grads(trace: Trace, d_output: ArrayLike) -> Array:
+    """dloss/dlogits (..., L, S) = P * (dP - rowsum(dP * P)), dP = dO V^T: the gradient of
+    an additive bias (sum it over the axes the bias broadcasts on)."""
+    d_out = np.asarray(d_output, dtype=np.float64)
+    p = trace.weights
+    dp = d_out @ np.swapaxes(trace.v, -1, -2)  # (..., L, S)
+    return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
 def _sum_repeated_heads(grad: Array, kv_heads: int | None) -> Array:

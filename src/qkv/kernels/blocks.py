@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
@@ -304,9 +305,11 @@ def _piece_scores(
     scale: float,
     heads: torch.Tensor,
     rows: torch.Tensor,
+    terms: ScoreTerms | None = None,
 ) -> Iterator[tuple[int, torch.Tensor, list[tuple[Piece, torch.Tensor]]]]:
     """For each batch row and row group holding chosen rows: (n, positions of those rows in
-    ``rows``, [(piece, scores (h, r, width) with -inf where masked)]), visited pieces only."""
+    ``rows``, [(piece, scores (h, r, width) with the score terms applied and -inf where
+    masked)]), visited pieces only."""
     N, H, L, _ = q.shape
     G, S = k.shape[1], k.shape[2]
     device = q.device
@@ -326,6 +329,10 @@ def _piece_scores(
             for p in pieces:
                 k_n = k[n][kv_heads][:, p.k0 : p.k1].to(acc)  # (h, width, E)
                 s = torch.matmul(q_n, k_n.transpose(-1, -2)) * scale  # (h, r, width)
+                if terms is not None and terms.active:
+                    keys = torch.arange(p.k0, p.k1, device=device).view(1, 1, -1)  # (1, 1, width)
+                    b = torch.full((1, 1, 1), n, device=device)
+                    s = terms.apply(s, b, heads.view(-1, 1, 1), q_rows.view(1, -1, 1), keys)
                 if p.masked:
                     assert mask is not None  # masked pieces come from a mask
                     b = torch.full((1, 1, 1), n if mask.batch is not None else 0, device=device)
@@ -337,14 +344,21 @@ def _piece_scores(
             yield n, where, scored
 
 
-def tile_lse(q: torch.Tensor, k: torch.Tensor, mask: Mask | None, plan: TilePlan, scale: float) -> torch.Tensor:
+def tile_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: Mask | None,
+    plan: TilePlan,
+    scale: float,
+    terms: ScoreTerms | None = None,
+) -> torch.Tensor:
     """log sum_j exp(s_ij) (N, H, L) over the non-empty tiles, block by block (no gradient)."""
     N, H, L, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     lse = torch.full((N, H, L), _NEG_INF, dtype=acc, device=q.device)
     heads, rows = torch.arange(H, device=q.device), torch.arange(L, device=q.device)
     with torch.no_grad():
-        for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows):
+        for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows, terms):
             if scored:
                 lse[n][:, rows[where]] = torch.logsumexp(torch.cat([s for _, s in scored], dim=-1), dim=-1)
     return lse
@@ -359,6 +373,7 @@ def tile_weights(
     heads: torch.Tensor,
     rows: torch.Tensor,
     lse: torch.Tensor | None = None,
+    terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
     """Exact probabilities (N, len(heads), len(rows), S) of chosen heads and query rows.
 
@@ -370,7 +385,7 @@ def tile_weights(
     acc = accumulation_dtype(q.dtype)
     weights = torch.zeros(N, len(heads), len(rows), S, dtype=acc, device=q.device)
     with torch.no_grad():
-        for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows):
+        for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows, terms):
             if not scored:
                 continue
             if lse is None:

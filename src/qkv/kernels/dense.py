@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype, masked_softmax
 
 __all__ = [
@@ -32,15 +33,33 @@ _NEG_INF = float("-inf")
 
 
 def _scores_with_mask(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, causal_offset: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal_offset: int | None,
+    terms: ScoreTerms | None = None,
+    heads: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled scores (N, G, r, L, S) with masked entries at -inf, in the accumulation dtype."""
+    """Scaled scores (N, G, r, L, S), then the score terms, then masked entries at -inf, in
+    the accumulation dtype. For the terms, ``heads`` are the query head ids of q's heads and
+    ``rows`` the query row ids of its L rows (default: all of them, in order)."""
     N, H, L, E = q.shape
     G, S = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.dtype)
     q5 = q.to(acc).reshape(N, G, H // G, L, E)  # (N, G, r, L, E): query heads grouped by kv head
     k5 = k.to(acc).unsqueeze(2)  # (N, G, 1, S, E)
     scores = torch.matmul(q5, k5.transpose(-1, -2)) * scale  # (N, G, r, L, S)
+    if terms is not None and terms.active:
+        device = q.device
+        head_ids = torch.arange(H, device=device) if heads is None else heads
+        row_ids = torch.arange(L, device=device) if rows is None else rows
+        b = torch.arange(N, device=device).view(N, 1, 1, 1, 1)  # (N, 1, 1, 1, 1)
+        h = head_ids.view(1, G, H // G, 1, 1)  # (1, G, r, 1, 1)
+        i = row_ids.view(1, 1, 1, L, 1)  # (1, 1, 1, L, 1)
+        j = torch.arange(S, device=device).view(1, 1, 1, 1, S)  # (1, 1, 1, 1, S)
+        scores = terms.apply(scores, b, h, i, j)
     if causal_offset is not None:
         # query i may see key j when j <= i + offset (offset S - L is bottom-right, 0 top-left)
         visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)  # (L, S)
@@ -68,11 +87,15 @@ def attention_weights_dense(
     mask: torch.Tensor | None,
     scale: float,
     causal_offset: int | None = None,
+    terms: ScoreTerms | None = None,
+    heads: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact probabilities (N, H, L, S) and lse (N, H, L), in the accumulation dtype."""
     N, H, L, _ = q.shape
     S = k.shape[2]
-    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset))  # (N, G, r, L, S)
+    scores = _scores_with_mask(q, k, mask, scale, causal_offset, terms, heads, rows)  # (N, G, r, L, S)
+    weights, lse = masked_softmax(scores)
     return weights.reshape(N, H, L, S), lse.reshape(N, H, L)  # (N, H, L, S), (N, H, L)
 
 
@@ -86,6 +109,7 @@ def math_attention(
     causal_offset: int | None = None,
     dropout: float = 0.0,
     generator: torch.Generator | None = None,
+    terms: ScoreTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask) v, every intermediate materialized.
 
@@ -95,7 +119,7 @@ def math_attention(
     N, H, L, _ = q.shape
     S, Ev = v.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
-    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset))  # (N, G, r, L, S)
+    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset, terms))  # (N, G, r, L, S)
     if dropout > 0.0:
         keep = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=acc) >= dropout
         weights = weights * keep / (1.0 - dropout)
@@ -122,7 +146,12 @@ _LSE_CHUNK = 256
 
 
 def dense_lse(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, causal_offset: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal_offset: int | None = None,
+    terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
     """log sum_j exp(score_ij) (N, H, L) without holding the whole score matrix (no gradient)."""
     N, H, L, _ = q.shape
@@ -132,7 +161,8 @@ def dense_lse(
             stop = min(L, start + _LSE_CHUNK)
             rows = mask[..., start:stop, :] if mask is not None else None
             offset = None if causal_offset is None else causal_offset + start
-            scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset)  # (N, G, r, l, S)
+            row_ids = torch.arange(start, stop, device=q.device)
+            scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset, terms, rows=row_ids)  # (N, G, r, l, S)
             parts.append(torch.logsumexp(scores, dim=-1).reshape(N, H, stop - start))  # (N, H, l)
     return torch.cat(parts, dim=-1)  # (N, H, L)
 

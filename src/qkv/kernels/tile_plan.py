@@ -195,10 +195,12 @@ def plan_intervals(
     itemsize: int,
     config: TileConfig,
     need_grad: bool = True,
+    mask_heads: int = 1,
 ) -> TilePlan:
     """Plan from the per-query key intervals (B | 1, L) of `Mask.row_intervals`.
 
-    Without ``need_grad`` the calls are sized for the forward pass alone (fewer, larger)."""
+    Without ``need_grad`` the calls are sized for the forward pass alone (fewer, larger).
+    ``mask_heads``: heads (or head-sized tensors) each masked or scored tile carries."""
     lo, hi = lo.clamp(min=0).cpu(), hi.clamp(max=S - 1).cpu()
     rows = []
     for a, b in zip(lo.numpy(), hi.numpy(), strict=True):
@@ -208,7 +210,7 @@ def plan_intervals(
             rows.append(_monotone_pieces(a, b, config))
         else:
             rows.append(_interval_pieces(a.tolist(), b.tolist(), config))
-    plan = _plan(rows, L, S, N, H, D, itemsize, config, 1, need_grad)
+    plan = _plan(rows, L, S, N, H, D, itemsize, config, mask_heads, need_grad)
     return dataclasses.replace(plan, intervals=(lo, hi))
 
 
@@ -304,7 +306,9 @@ def _item_bytes(H: int, D: int, shape: _Shape, mask_heads: int, itemsize: int, n
     """Temporaries of one item: output and lse, its mask tile, and for the backward pass the
     gradients of its queries, keys and values."""
     out = H * shape.q_len * (D * itemsize + 4)
-    mask = mask_heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked else 0
+    # a masked tile carries its mask; with score terms (mask_heads > 1) every tile carries
+    # per-head biases or scores, masked or not
+    mask = mask_heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked or mask_heads > 1 else 0
     grads = (2 * H * shape.width * D * itemsize + H * shape.q_len * D * itemsize) if need_grad else 0
     return out + mask + grads
 

@@ -1,0 +1,331 @@
+"""The CPU tile engine with score terms: bias, softcap and score_mod on the visible tiles only.
+
+The plan, the strided views of the items, the placement of results and the exact lse merge are
+those of `qkv.kernels.blocks`; what changes is how one call's scores are made:
+
+- an additive bias alone: PyTorch's CPU flash kernel with a *bias tile* as its float mask
+  (the bias of the call's pairs, -inf where the mask hides a pair), float32 or wider whatever
+  the input dtype. A bias that depends only on the diagonal (ALiBi, relative) on a
+  shift-invariant plan is built once per tile shape and reused by every item and call.
+- softcap or score_mod: a tile kernel of qkv's own, FlashAttention's algorithm on one tile in
+  the accumulation dtype: s = scale * q k^T, the terms (`ScoreTerms.apply`), -inf where
+  masked, lse = logsumexp(s), o = exp(s - lse) v; partial results merge by lse as in blocks.
+
+Backward (FlashAttention-2's recomputation with the final lse): for each call the tile's
+scores are recomputed *with autograd*, from detached copies of its queries, keys and bias
+tensors, and given the gradient
+
+    dS = P * (dP - delta + dlse),   P = exp(s - lse),  dP = dO V^T,  delta = rowsum(dO * O)
+
+so torch.autograd.grad carries it through score_mod, the bias and the softcap to q, k and the
+bias tensors, whatever the terms are; dV = P^T dO. The dlse term is the gradient of a returned
+lse (zero when the caller does not use it). Calls run in a fixed order and add their shares
+in place: two runs give bitwise equal gradients. Bias-only calls without a bias gradient or
+dlse use the flash kernel's backward with the same bias tile.
+
+Tensors a score_mod closes over receive no gradient here (FlexAttention's captured buffers
+do); `qkv.functional` sends such a problem to the math path instead (`closes_over_grad`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from qkv.kernels.blocks import (
+    _add_keys,
+    _add_rows,
+    _as_slab,
+    _items,
+    _merge,
+    _row_slab,
+    _rows,
+    _Run,
+    _tile,
+)
+from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.scores import ScoreMod, ScoreTerms
+from qkv.kernels.softmax import accumulation_dtype
+from qkv.kernels.tile_plan import Call, TilePlan
+from qkv.masks import Mask
+
+__all__ = ["closes_over_grad", "scored_tile_attention"]
+
+_NEG_INF = float("-inf")
+
+
+def closes_over_grad(score_mod: ScoreMod) -> bool:
+    """Whether score_mod mixes in tensors that require grad (probed on one score): the engine
+    would not differentiate them."""
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        with torch.enable_grad():
+            out = score_mod(torch.zeros(()), zero, zero, zero, zero)
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and out.requires_grad
+
+
+@dataclass(frozen=True, eq=False)
+class _ScoredRun:
+    """The plan, the mask's tiles (`blocks._Run`), the terms and the bias tiles built so far."""
+
+    masks: _Run
+    terms: ScoreTerms
+    bias_tiles: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> TilePlan:
+        return self.masks.plan
+
+    @property
+    def flash(self) -> bool:
+        """Whether calls run on the flash kernel (a bias alone) instead of the own tile kernel."""
+        return self.terms.softcap is None and self.terms.score_mod is None
+
+
+def _indices(call: Call, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch row b (items | 1, 1, 1, 1), query rows (items | 1, 1, q_len, 1) and keys
+    (items | 1, 1, 1, width) of the call's items."""
+    j = torch.arange(call.items, device=device).view(-1, 1, 1, 1)  # (items, 1, 1, 1)
+    rows = torch.arange(call.q_len, device=device).view(1, 1, -1, 1)  # (1, 1, q_len, 1)
+    keys = torch.arange(call.width, device=device).view(1, 1, 1, -1)  # (1, 1, 1, width)
+    if call.over_batch:
+        return call.n + j, call.q0 + rows, call.k0 + keys
+    b = torch.full((1, 1, 1, 1), call.n, device=device)
+    return b, call.q0 + j * call.q_len + rows, call.k0 + j * call.k_step + keys
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, call: Call, run: _ScoredRun, terms: ScoreTerms, acc: torch.dtype
+) -> torch.Tensor:
+    """The call's scores (items, H, q_len, width) with the terms applied, before the mask."""
+    H = q.shape[1]
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * run.masks.scale  # (items, H, q_len, width)
+    b, rows, keys = _indices(call, q.device)
+    h = torch.arange(H, device=q.device).view(1, H, 1, 1)  # (1, H, 1, 1)
+    return terms.apply(s, b, h, rows, keys)
+
+
+def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The flash kernel's float mask of a call: bias (items | 1, H, q_len, width), -inf where
+    hidden, in the accumulation dtype; and the rows with no visible key (or None).
+
+    A bias that depends on the diagonal only is the same for every item whose keys move with
+    its rows (or that are batch rows of the same rows): it is built once per tile shape.
+    """
+    terms = run.terms
+    assert terms.bias is not None
+    shared = terms.shift_invariant and (call.items == 1 or call.over_batch or call.k_step == call.q_len)
+    key = (call.q0 - call.k0, call.q_len, call.width)
+    values = run.bias_tiles.get(key) if shared else None
+    if values is None:
+        b, rows, keys = _indices(call, torch.device("cpu"))
+        if shared:
+            b, rows, keys = b[:1], rows[:1], keys[:1]  # the first item's tile serves every item
+        h = torch.arange(H).view(1, H, 1, 1)  # (1, H, 1, 1)
+        with torch.no_grad():
+            values = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
+        values = values.expand(values.shape[0], H, call.q_len, call.width)
+        if shared:
+            run.bias_tiles[key] = values
+    if not call.masked:
+        return values, None
+    mask_bias, empty = _tile(run.masks, call, L, S, acc)
+    return values + mask_bias, empty
+
+
+def _own_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, L: int, S: int, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call on qkv's tile kernel: (o (items, H, q_len, D), lse (items, H, q_len)) in acc."""
+    s = _scores(_items(q, call, keys=False), _items(k, call, keys=True), call, run, run.terms, acc)
+    if call.masked:
+        mask_bias, _ = _tile(run.masks, call, L, S, acc)
+        s = s + mask_bias
+    lse = torch.logsumexp(s, dim=-1)  # (items, H, q_len): -inf for a row with no visible key
+    safe = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+    o = torch.matmul(torch.exp(s - safe), _items(v, call, keys=True).to(acc))  # (items, H, q_len, D)
+    return o, lse
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (N, H, L, D) in q's dtype and lse (N, H, L) float32 or wider (as `blocks._forward`)."""
+    N, H, L, D = q.shape
+    S = k.shape[2]
+    plan = run.plan
+    acc = accumulation_dtype(q.dtype)
+    out = torch.empty(N, L, H, D, dtype=acc)
+    lse = torch.empty(N, L, H, dtype=acc)
+    per_batch = len(plan.uncovered) > 1
+    for n in range(N):
+        for first, stop in plan.uncovered[n if per_batch else 0]:
+            out[n, first:stop] = 0.0
+            lse[n, first:stop] = _NEG_INF
+    for call in plan.calls:
+        if call.merge:
+            _row_slab(out, call).zero_()
+            _row_slab(lse, call).fill_(_NEG_INF)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    for call in plan.calls:
+        if run.flash:
+            tile, empty_rows = _bias_tile(run, call, H, L, S, acc)
+            o, lse_o = flash(
+                _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
+                0.0, False, attn_mask=tile, scale=run.masks.scale,
+            )[:2]  # (items, H, q_len, D), (items, H, q_len)
+            if empty_rows is not None:
+                lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
+        else:
+            o, lse_o = _own_forward(q, k, v, call, run, L, S, acc)
+        out_slab, lse_slab = _row_slab(out, call), _row_slab(lse, call)
+        if call.merge:
+            _merge(out_slab, lse_slab, _as_slab(o, call).to(acc), _as_slab(lse_o, call).to(acc))
+        else:
+            out_slab.copy_(_as_slab(o, call))
+            lse_slab.copy_(_as_slab(lse_o, call))
+    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)  # (N, H, L, D), (N, H, L)
+
+
+def _own_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    call: Call,
+    run: _ScoredRun,
+    bias_tensors: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """One call's gradients: dq (items, H, q_len, D), dk, dv (items, H, width, D), d bias tensors."""
+    _N, _H, L, _D = q.shape
+    S = k.shape[2]
+    acc = lse.dtype
+    q_t = _items(q, call, keys=False).detach().to(acc).requires_grad_(True)
+    k_t = _items(k, call, keys=True).detach().to(acc).requires_grad_(True)
+    leaves = tuple(t.detach().requires_grad_(True) for t in bias_tensors)
+    terms = run.terms
+    if leaves:
+        assert terms.bias is not None
+        terms = dataclasses.replace(terms, bias=terms.bias.with_tensors(leaves))
+    with torch.enable_grad():
+        s = _scores(q_t, k_t, call, run, terms, acc)  # (items, H, q_len, width)
+    hidden = s.detach()
+    if call.masked:
+        hidden = hidden + _tile(run.masks, call, L, S, acc)[0]
+    row_lse = _rows(lse, call).unsqueeze(-1)  # (items, H, q_len, 1): finite (empty rows set to 0)
+    p = torch.exp(hidden - row_lse)  # (items, H, q_len, width): 0 where masked
+    d_o = _items(grad_out, call, keys=False).to(acc)  # (items, H, q_len, D)
+    dv = torch.matmul(p.transpose(-1, -2), d_o)  # (items, H, width, D)
+    dp = torch.matmul(d_o, _items(v, call, keys=True).to(acc).transpose(-1, -2))  # (items, H, q_len, width)
+    row_term = _rows(delta, call)
+    if grad_lse is not None:
+        row_term = row_term - _rows(grad_lse, call)
+    ds = p * (dp - row_term.unsqueeze(-1))
+    grads = torch.autograd.grad(s, (q_t, k_t, *leaves), ds, allow_unused=True)
+    dq_t, dk_t = grads[0], grads[1]
+    assert dq_t is not None and dk_t is not None
+    return dq_t, dk_t, dv, tuple(grads[2:])
+
+
+def _backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    run: _ScoredRun,
+    bias_tensors: tuple[torch.Tensor, ...],
+    bias_needs_grad: bool,
+) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv (N, H, *, D) and the gradients of the bias tensors."""
+    N, H, L, D = q.shape
+    S = k.shape[2]
+    acc = accumulation_dtype(q.dtype)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    finite_lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # exp(-inf - 0) = 0 on rows with no key
+    dq = torch.zeros(N, H, L, D, dtype=acc)
+    dk = torch.zeros(N, H, S, D, dtype=acc)
+    dv = torch.zeros(N, H, S, D, dtype=acc)
+    d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
+    own = not run.flash or bias_needs_grad or grad_lse is not None
+    delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1) if own else None  # (N, H, L)
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    for call in run.plan.calls:
+        if own:
+            assert delta is not None
+            gq, gk, gv, gb = _own_backward(
+                grad_out, q, k, v, finite_lse, delta, grad_lse, call, run, bias_tensors if bias_needs_grad else ()
+            )
+            for total, g in zip(d_bias, gb, strict=False):
+                if g is not None:
+                    total += g
+        else:
+            tile, _ = _bias_tile(run, call, H, L, S, acc)
+            gq, gk, gv = flash_backward(
+                _items(grad_out, call, keys=False), _items(q, call, keys=False),
+                _items(k, call, keys=True), _items(v, call, keys=True),
+                _items(out, call, keys=False), _rows(finite_lse, call), 0.0, False, attn_mask=tile, scale=run.masks.scale,
+            )  # (items, H, q_len, D), (items, H, width, D) x 2
+        _add_rows(dq, call, gq)
+        _add_keys(dk, call, gk)
+        _add_keys(dv, call, gv)
+    grads_bias = tuple(g.to(t.dtype) if bias_needs_grad else None for g, t in zip(d_bias, bias_tensors, strict=True))
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads_bias)
+
+
+class _ScoredTileAttention(torch.autograd.Function):
+    """Forward and backward of the engine with score terms; lse is differentiable."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, *bias_tensors: torch.Tensor):  # type: ignore[override]
+        out, lse = _forward(q, k, v, run)
+        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
+        ctx.run = run
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse, *bias_tensors = ctx.saved_tensors
+        if grad_lse is not None and not bool(grad_lse.any()):
+            grad_lse = None
+        needs = ctx.needs_input_grad[4:]
+        grads = _backward(grad_out, grad_lse, q, k, v, out, lse, ctx.run, tuple(bias_tensors), any(needs))
+        dq, dk, dv, *d_bias = grads
+        return (dq, dk, dv, None, *(g if need else None for g, need in zip(d_bias, needs, strict=True)))
+
+
+def scored_tile_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask | None,
+    plan: TilePlan,
+    scale: float,
+    terms: ScoreTerms,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with score terms over the tiles of ``plan``: (output (N, H, L, Ev) in q's
+    dtype, lse (N, H, L) float32 or wider, differentiable).
+
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; gradients reach q, k, v and the
+    tensors of ``terms.bias``.
+    """
+    H, E, Ev = q.shape[1], q.shape[3], v.shape[3]
+    D = max(E, Ev)
+    # one head size for q, k and v: zero columns change no score and no output
+    q_, k_ = (F.pad(q, (0, D - E)), F.pad(k, (0, D - E))) if E < D else (q, k)
+    v_ = F.pad(v, (0, D - Ev)) if Ev < D else v
+    k_, v_ = expand_kv_heads(k_, H), expand_kv_heads(v_, H)
+    q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_, k_, v_))
+    bias_tensors = terms.tensors()
+    run = _ScoredRun(_Run(plan, mask, scale), terms)
+    out, lse = _ScoredTileAttention.apply(q_, k_, v_, run, *bias_tensors)
+    return out[..., :Ev], lse
