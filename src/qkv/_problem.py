@@ -183,6 +183,8 @@ def _score_terms(
             if t.device != q.device:
                 raise ValueError(f"{resolved.describe()} holds a tensor on {t.device} but q is on {q.device}")
         bound = resolved.bind(batch_shape, H, L, S)
+        # defaults made by bind (ALiBi's slopes) live on q's device too; user tensors already do
+        bound = bound.with_tensors(tuple(t.to(q.device) for t in bound.tensors()))
     positions = None
     if isinstance(mask, Mask) and (bound is not None or score_mod is not None):
         positions = mask.query_positions(L, S, q.device)

@@ -215,10 +215,6 @@ def _sparse_plan(
     if problem.dropout > 0.0:
         raise ValueError(f"backend={path!r} has no dropout (got dropout={problem.dropout}); use 'fused' or 'math'")
     terms = problem.terms
-    if path == "flex" and terms.active:
-        raise ValueError(
-            f"backend='flex' does not apply score terms ({terms.describe()}) yet; use 'auto', 'blocks' or 'math'"
-        )
     if terms.score_mod is not None and _needs_grad(problem) and closes_over_grad(terms.score_mod):
         raise ValueError(
             f"backend={path!r} differentiates q, k, v and the qkv.bias tensors only, and this score_mod "
@@ -281,11 +277,15 @@ def _scored_engine(problem: AttentionProblem) -> Plan | None:
     weights, SDPA a rendered bias (float mask)."""
     terms = problem.terms
     mask = problem.mask
-    if isinstance(mask, torch.Tensor) or problem.q.device.type != "cpu" or not flash_kernel_available():
-        return None
-    if problem.L * problem.S < _SPARSE_MIN_PAIRS:
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
         return None
     if terms.score_mod is not None and _needs_grad(problem) and closes_over_grad(terms.score_mod):
+        return None
+    device = problem.q.device
+    if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        what = "no mask" if mask is None else mask.describe()
+        return _sparse_plan(problem, "flex", f"{terms.describe()} with {what}: FlexAttention applies them as its score_mod")
+    if device.type != "cpu" or not flash_kernel_available():
         return None
     layout = _layout(problem, TILES.block_q, TILES.block_k)
     tiles = _tile_plan(problem, TILES, layout)
@@ -504,7 +504,9 @@ def _sparse_attention(
         tiles = plan.tiles
     else:
         assert plan.layout is not None
-        out, lse = flex_attention_layout(q, k, v, mask, plan.layout, problem.scale, need_lse=q.device.type != "cpu")
+        out, lse = flex_attention_layout(
+            q, k, v, mask, plan.layout, problem.scale, need_lse=q.device.type != "cpu", terms=problem.terms
+        )
         tiles = None
     weights = None
     if return_weights or (return_lse and lse is None):

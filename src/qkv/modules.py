@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv._problem import normalize_mask
+from qkv.bias import Bias
 from qkv.cache import KVCache
 from qkv.functional import attention
+from qkv.kernels.scores import check_softcap
 from qkv.masks import Mask
 from qkv.positional import RotaryEmbedding
 
@@ -102,6 +104,30 @@ def _resolve_config(
     return MultiHeadConfig(D, H, E, Ev, G, Dc, bias, float(dropout), batch_first)
 
 
+def _own_position_bias(module: nn.Module, position_bias: object, H: int) -> Bias | None:
+    """Check the position bias and register its tensors on ``module`` (parameters stay
+    parameters, other tensors become buffers) as position_bias_0, position_bias_1, ..."""
+    names: list[str] = []
+    module._position_bias_names = names  # type: ignore[assignment]
+    if position_bias is None:
+        return None
+    if not isinstance(position_bias, Bias):
+        raise TypeError(
+            f"MultiHeadAttention: position_bias must be a qkv.bias object (alibi(), relative(table)), "
+            f"got {type(position_bias).__name__}"
+        )
+    if position_bias.heads not in (None, H):
+        raise ValueError(f"MultiHeadAttention: {position_bias.describe()} does not fit num_heads={H}")
+    for i, tensor in enumerate(position_bias.tensors()):
+        name = f"position_bias_{i}"
+        if isinstance(tensor, nn.Parameter):
+            module.register_parameter(name, tensor)
+        else:
+            module.register_buffer(name, tensor)
+        names.append(name)
+    return position_bias
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention with GQA, RoPE and a KV cache.
 
@@ -120,6 +146,13 @@ class MultiHeadAttention(nn.Module):
             False: x (L, B, D), context (S, B, Dc), output (L, B, D), the layout of
             ``nn.MultiheadAttention(batch_first=False)``. Masks, weights and caches keep their
             (B, H, L, S) / (B, G, S, E) layout either way.
+        position_bias: a `qkv.bias` object added to every score: ``qkv.bias.alibi()`` (the
+            paper's slopes for num_heads) or ``alibi(slopes)``, ``qkv.bias.relative(table)``
+            (T5). Its tensors become the module's: an ``nn.Parameter`` (a learnable table)
+            is registered as a parameter, any other tensor as a buffer, so they follow
+            ``.to()`` and ``state_dict()``. Positions are bottom-right, so with a KV cache a
+            step's queries continue from the cached length.
+        softcap: cap the scores at +-softcap (Gemma 2's attention softcap); None for none.
 
     Inputs must have the dtype of the weights (``module.to(dtype)`` converts the layer);
     another dtype is refused with a TypeError rather than cast silently.
@@ -134,6 +167,14 @@ class MultiHeadAttention(nn.Module):
         >>> out, weights = mha(x, mask=qkv.masks.causal(), return_weights=True)
         >>> tuple(out.shape), tuple(weights.shape)
         ((2, 5, 16), (2, 4, 5, 5))
+
+    With ALiBi, or a learnable T5 table (32 buckets per head):
+
+        >>> alibi_layer = qkv.MultiHeadAttention(16, 4, position_bias=qkv.bias.alibi())
+        >>> table = torch.nn.Parameter(torch.zeros(4, 32))
+        >>> t5_layer = qkv.MultiHeadAttention(16, 4, position_bias=qkv.bias.relative(table))
+        >>> [name for name, _ in t5_layer.named_parameters()][0], tuple(t5_layer(x).shape)
+        ('position_bias_0', (2, 5, 16))
     """
 
     def __init__(
@@ -149,6 +190,8 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
         batch_first: bool = True,
+        position_bias: Bias | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         cfg = _resolve_config(d_model, num_heads, d_k, d_v, num_kv_heads, d_context, bias, dropout, batch_first)
@@ -164,6 +207,15 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_context, G * Ev, bias=cfg.bias)
         self.out_proj = nn.Linear(H * Ev, cfg.d_model, bias=cfg.bias)
         self.rope = rope
+        self.softcap = check_softcap(softcap)
+        self.position_bias = _own_position_bias(self, position_bias, H)
+
+    def _position_bias(self) -> Bias | None:
+        """The position bias reading the module's current tensors (they may have been moved)."""
+        if self.position_bias is None:
+            return None
+        names = self._position_bias_names
+        return self.position_bias.with_tensors(tuple(getattr(self, name) for name in names))
 
     @classmethod
     def from_torch(cls, module: TorchMultiheadAttention) -> MultiHeadAttention:
@@ -192,6 +244,8 @@ class MultiHeadAttention(nn.Module):
             f"d_model={cfg.d_model}, num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
             f"d_k={cfg.d_k}, d_v={cfg.d_v}, d_context={cfg.d_context}, dropout={cfg.dropout}"
             + ("" if cfg.batch_first else ", batch_first=False")
+            + ("" if self.position_bias is None else f", position_bias={self.position_bias.describe()}")
+            + ("" if self.softcap is None else f", softcap={self.softcap:g}")
         )
 
     def _check_inputs(
@@ -321,16 +375,17 @@ class MultiHeadAttention(nn.Module):
             q = self.rope(q, offset)  # (B, H, L, E)
             k = self.rope(k, offset)  # (B, G, S_new, E)
         dropout = cfg.dropout if self.training else 0.0
+        scores = {"bias": self._position_bias(), "softcap": self.softcap}
         if cache is not None:
             length = cache.length
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
-                result = attention(q, k, v, mask, dropout=dropout, return_weights=return_weights)
+                result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
                 raise
         else:
-            result = attention(q, k, v, mask, dropout=dropout, return_weights=return_weights)
+            result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
         out = self.out_proj(concat)  # (B, L, D)

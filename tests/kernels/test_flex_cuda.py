@@ -134,3 +134,63 @@ def test_auto_sends_flex_only_what_its_gpu_kernels_are_built_for() -> None:
     assert not flex_suits(torch.float64, (64, 64))  # no float64 GPU kernels: SDPA keeps it
     assert not flex_suits(torch.float16, (59, 59))  # head dim 59 is not a power of two
     assert not flex_suits(torch.float16, (8, 8))  # below the smallest tested head dim
+
+
+def _terms_cases(H: int, S: int) -> dict[str, dict]:
+    gen = torch.Generator().manual_seed(4)
+    return {
+        "alibi+softcap": {"bias": qkv.bias.alibi(), "softcap": 2.0},
+        "relative": {"bias": qkv.bias.relative(torch.randn(H, 32, generator=gen, dtype=torch.float64))},
+        "score_mod": {"score_mod": lambda s, b, h, i, j: s - 0.01 * (h + 1) * (i - j).abs().to(s.dtype)},
+    }
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+@pytest.mark.parametrize("terms_name", ["alibi+softcap", "relative", "score_mod"])
+@pytest.mark.parametrize("mask_name", ["sliding", "varlen"])
+def test_eager_flex_applies_the_score_terms_like_the_math_path(terms_name: str, mask_name: str) -> None:
+    from qkv._problem import describe_problem
+
+    N, H, L, S, E = 1, 4, 150, 200, 8
+    mask = M.sliding_window(30, 5) if mask_name == "sliding" else M.varlen([50, 100], [120, 80], causal=True)
+    kwargs = _terms_cases(H, S)[terms_name]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    k = torch.randn(N, 2, S, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(N, 2, S, E, generator=gen, dtype=torch.float64)
+    terms = describe_problem(q, k, v, mask, 0.3, **kwargs).terms
+    layout = mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK)
+    out, lse = flex_attention_layout(q, k, v, mask, layout, 0.3, compiled=False, terms=terms)
+    want, want_lse = qkv.attention(q, k, v, mask, scale=0.3, backend="math", return_lse=True, **kwargs)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    assert lse is not None
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite].double(), want_lse[finite], atol=1e-5, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("terms_name", ["alibi+softcap", "relative", "score_mod"])
+def test_cuda_flex_with_score_terms_forward_and_backward(terms_name: str) -> None:
+    N, H, L, S, E = 1, 4, 384, 384, 64
+    mask = M.sliding_window(100) & M.causal()
+    kwargs = _terms_cases(H, S)[terms_name]
+    gen = torch.Generator().manual_seed(3)
+    q64 = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    k64 = torch.randn(N, 2, S, E, generator=gen, dtype=torch.float64)
+    v64 = torch.randn(N, 2, S, E, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    ref = [t.clone().requires_grad_(True) for t in (q64, k64, v64)]
+    want = qkv.attention(*ref, mask, backend="math", **kwargs)
+    want_grads = torch.autograd.grad(want, ref, d_out)
+    cuda_kwargs = {
+        name: (value.cuda() if isinstance(value, torch.Tensor) else value) for name, value in kwargs.items()
+    }
+    if "bias" in kwargs and isinstance(kwargs["bias"], qkv.bias.Relative):
+        cuda_kwargs["bias"] = qkv.bias.relative(kwargs["bias"].table.float().cuda())
+    got_in = [t.to("cuda", torch.float32).requires_grad_(True) for t in (q64, k64, v64)]
+    assert qkv.explain(*got_in, mask, **cuda_kwargs).path == "flex"
+    got = qkv.attention(*got_in, mask, **cuda_kwargs)
+    got_grads = torch.autograd.grad(got, got_in, d_out.to("cuda", torch.float32))
+    torch.testing.assert_close(got.double().cpu(), want.detach(), atol=2e-4, rtol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, atol=2e-3, rtol=0)

@@ -12,6 +12,10 @@ with ``BlockMask.from_kv_blocks``:
 - full_kv_num_blocks / full_kv_indices: the FULL ones;
 - mask_mod(b, h, q_idx, kv_idx) = ``mask.visible(b, h, q_idx, kv_idx, L, S)``.
 
+Score terms (softcap, a `qkv.bias`, a score_mod) become FlexAttention's own ``score_mod``:
+`ScoreTerms.apply` on the scalar indices FlexAttention passes, in DESIGN.md's order. The bias
+tensors are captured by that function; FlexAttention differentiates captured tensors on CUDA.
+
 A query row with no visible key gets output 0 and lse = -inf here as everywhere in qkv.
 
 References: PyTorch, "FlexAttention: the flexibility of PyTorch with the performance of
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from qkv.kernels.layout import FULL, PARTIAL, BlockLayout
+from qkv.kernels.scores import ScoreTerms
 from qkv.masks import Mask
 
 __all__ = ["FLEX_BLOCK", "block_mask_from_layout", "flex_attention_layout", "flex_available"]
@@ -105,25 +110,35 @@ def flex_attention_layout(
     *,
     need_lse: bool = True,
     compiled: bool = True,
+    terms: ScoreTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention on q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) with qkv's layout.
 
     Returns (output (N, H, L, Ev), lse (N, H, L) float32 with -inf on rows with no visible
     key, or None without ``need_lse``: compiled FlexAttention on CPU returns no lse).
     ``compiled=False`` runs FlexAttention's eager reference (for checks on small sizes).
+    ``terms``: the score terms, applied as FlexAttention's score_mod.
     """
     from torch.nn.attention import flex_attention as fa
 
     block_mask = block_mask_from_layout(layout, mask, q.device)
     run = _compiled_flex() if compiled else fa.flex_attention
     gqa = k.shape[1] != q.shape[1]
+    score_mod = None
+    if terms is not None and terms.active:
+        active = terms
+
+        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return active.apply(score, b, h, q_idx, kv_idx)
+
+    kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": gqa, "score_mod": score_mod}
     if not need_lse:
-        return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
+        return run(q, k, v, **kwargs), None
     if hasattr(fa, "AuxRequest"):
-        out, aux = run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=fa.AuxRequest(lse=True))
+        out, aux = run(q, k, v, return_aux=fa.AuxRequest(lse=True), **kwargs)
         lse = aux.lse
     else:
-        out, lse = run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        out, lse = run(q, k, v, return_lse=True, **kwargs)
     empty = lse == _NEG_INF  # (N, H, L)
     out = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
     return out, lse.float()
