@@ -55,6 +55,10 @@ from qkv.masks import Mask
 __all__ = ["closes_over_grad", "scored_tile_attention"]
 
 _NEG_INF = float("-inf")
+# Bias tiles kept for reuse (by later items, calls and the backward pass), at most this many
+# bytes: a window's few diagonals fit many times over, while a problem without a mask, whose
+# every row group is a diagonal of its own, would otherwise keep an L x S bias.
+_BIAS_CACHE_BYTES = 64 * 2**20
 
 
 def closes_over_grad(score_mod: ScoreMod) -> bool:
@@ -130,7 +134,8 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.d
         with torch.no_grad():
             values = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
         values = values.expand(values.shape[0], H, call.q_len, call.width)
-        if shared:
+        held = sum(t.shape[0] * t.shape[2] * t.shape[3] * t.element_size() * H for t in run.bias_tiles.values())
+        if shared and held + values.shape[0] * H * call.q_len * call.width * values.element_size() <= _BIAS_CACHE_BYTES:
             run.bias_tiles[key] = values
     if not call.masked:
         return values, None

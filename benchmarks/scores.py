@@ -1,0 +1,234 @@
+"""Score terms and variable-length sequences: qkv's CPU tile engine against its peers, one run.
+
+B = 1, H = 8, E = 64, float32 and bfloat16. Each comparison times qkv and its peer in the same
+process, interleaved, and prints peer time / qkv time (above 1: qkv is faster), with qkv's
+GFLOP/s next to the matmul rate of the same dtype measured in the same run.
+
+- ALiBi + causal + sliding_window(256), n = 16,384: vs SDPA given the equivalent dense float
+  mask (ALiBi, -inf outside the window), forward and forward + backward; vs FlexAttention
+  (CPU, compiled, inference) with the same score_mod and mask_mod, steady state and first call
+  including create_block_mask and compilation.
+- softcap 50 + sliding_window(256, 256), n = 16,384: vs FlexAttention as above; vs the math
+  path at n = 4,096 (at 16,384 the math path's three (H, n, n) float32 tensors are 25 GiB).
+- varlen causal, 64 documents, n = 16,384: vs SDPA with the dense bool mask, forward and
+  forward + backward; peak resident memory of a forward + backward at 65,536 tokens (a fresh
+  process, VmHWM).
+
+FLOPs: 4 * H * E * (visited pairs) forward (`qkv.explain`), 3.5x that for forward + backward.
+
+Run: ``uv run python benchmarks/scores.py`` (many minutes on 2 cores: SDPA's dense masks cost
+n^2 work), ``--n 4096`` for a shorter run, ``--no-flex`` to skip FlexAttention's compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from _timing import matmul_gflops, time_interleaved
+
+import qkv
+
+H, E = 8, 64
+WINDOW = 256
+
+
+def _inputs(n: int, dtype: torch.dtype, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, H, n, E, generator=gen).to(dtype).requires_grad_(grad) for _ in range(3))
+
+
+def _row(name: str, ours: float, peer: str, theirs: float, gflop: float, rate: float, goal: float | None = None, err: float | None = None) -> dict:
+    ratio = theirs / ours
+    achieved = gflop / ours
+    verdict = "" if goal is None else f" (goal >= {goal:g}x: {'met' if ratio >= goal else 'NOT met'})"
+    extra = "" if err is None else f", max |diff| {err:.2e}"
+    print(
+        f"  {name}: qkv {ours * 1e3:.0f} ms, {peer} {theirs * 1e3:.0f} ms -> {ratio:.1f}x{verdict}; "
+        f"qkv {achieved:.0f} GFLOP/s = {achieved / rate:.0%} of matmul{extra}",
+        flush=True,
+    )
+    return {"case": name, "qkv_s": ours, "peer": peer, "peer_s": theirs, "ratio": ratio, "goal": goal,
+            "qkv_gflops": achieved, "matmul_gflops": rate, "max_abs_diff": err}
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        fn().backward(grad)
+
+    return run
+
+
+def alibi_window(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dict]:
+    mask = qkv.masks.causal() & qkv.masks.sliding_window(WINDOW)
+    bias = qkv.bias.alibi()
+    dense = bias.to_dense(n, n, H=H).masked_fill(~mask.to_dense(n, n), float("-inf"))  # (1, H, n, n) float32
+    q, k, v = _inputs(n, dtype)
+    explained = qkv.explain(q, k, v, mask, bias=bias)
+    gflop = explained.flops / 1e9
+    rows = []
+    with torch.no_grad():
+        ours = qkv.attention(q, k, v, mask, bias=bias)
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        err = float((ours.float() - theirs.float()).abs().max())
+        t = time_interleaved(
+            {"qkv": lambda: qkv.attention(q, k, v, mask, bias=bias),
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}, reps)
+    rows.append(_row(f"ALiBi + causal + window({WINDOW}) forward, n={n}", t["qkv"], "SDPA dense float mask", t["sdpa"], gflop, rate, 15, err))
+    qg, kg, vg = _inputs(n, dtype, grad=True)
+    grad = torch.randn(qg.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    t = time_interleaved(
+        {"qkv": _fwd_bwd(lambda: qkv.attention(qg, kg, vg, mask, bias=bias), grad),
+         "sdpa": _fwd_bwd(lambda: F.scaled_dot_product_attention(qg, kg, vg, attn_mask=dense), grad)}, reps)
+    rows.append(_row(f"ALiBi + causal + window({WINDOW}) fwd+bwd, n={n}", t["qkv"], "SDPA dense float mask", t["sdpa"], 3.5 * gflop, rate, 8))
+    return rows
+
+
+def alibi_window_flex(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dict]:
+    mask = qkv.masks.causal() & qkv.masks.sliding_window(WINDOW)
+    bias = qkv.bias.alibi()
+    slopes = qkv.bias.alibi_slopes(H).float()
+    q, k, v = _inputs(n, dtype)
+    gflop = qkv.explain(q, k, v, mask, bias=bias).flops / 1e9
+    return _flex(n, dtype, rate, reps, "ALiBi + causal + window", lambda s, b, h, i, j: s - slopes[h] * (i - j),
+                 lambda b, h, i, j: (j <= i) & (i - j <= WINDOW), mask, {"bias": bias}, gflop)
+
+
+def _flex(n: int, dtype: torch.dtype, rate: float, reps: int, name: str, score_mod, mask_mod, mask, kwargs, gflop) -> list[dict]:
+    """FlexAttention on CPU, compiled: first call (create_block_mask + compile) and steady state."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = _inputs(n, dtype)
+    with torch.no_grad():
+        start = time.perf_counter()
+        ours = qkv.attention(q, k, v, mask, **kwargs)
+        ours_first = time.perf_counter() - start
+        try:
+            compiled = torch.compile(flex_attention, dynamic=False)
+            start = time.perf_counter()
+            block_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+            theirs = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+            flex_first = time.perf_counter() - start
+        except Exception as error:  # report what FlexAttention cannot do here
+            print(f"  FlexAttention {name} {dtype}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
+            return []
+        err = float((ours.float() - theirs.float()).abs().max())
+        t = time_interleaved(
+            {"qkv": lambda: qkv.attention(q, k, v, mask, **kwargs),
+             "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)}, reps)
+    return [
+        _row(f"{name} forward, n={n}", t["qkv"], "FlexAttention compiled (steady)", t["flex"], gflop, rate, None, err),
+        _row(f"{name} first call, n={n}", ours_first, "FlexAttention incl. block mask + compile", flex_first, gflop, rate),
+    ]
+
+
+def softcap_window(n: int, dtype: torch.dtype, rate: float, reps: int, flex: bool, math_n: int) -> list[dict]:
+    mask = qkv.masks.sliding_window(WINDOW, WINDOW)
+    rows = []
+    q, k, v = _inputs(math_n, dtype)
+    gflop = qkv.explain(q, k, v, mask, softcap=50.0).flops / 1e9
+    with torch.no_grad():
+        ours = qkv.attention(q, k, v, mask, softcap=50.0)
+        theirs = qkv.attention(q, k, v, mask, softcap=50.0, backend="math")
+        err = float((ours.float() - theirs.float()).abs().max())
+        t = time_interleaved(
+            {"qkv": lambda: qkv.attention(q, k, v, mask, softcap=50.0),
+             "math": lambda: qkv.attention(q, k, v, mask, softcap=50.0, backend="math")}, reps)
+    rows.append(_row(f"softcap 50 + window({WINDOW}, {WINDOW}) forward, n={math_n}", t["qkv"], "math path", t["math"], gflop, rate, None, err))
+    if flex:
+        q, k, v = _inputs(n, dtype)
+        gflop = qkv.explain(q, k, v, mask, softcap=50.0).flops / 1e9
+        rows += _flex(n, dtype, rate, reps, "softcap 50 + window", lambda s, b, h, i, j: torch.tanh(s / 50.0) * 50.0,
+                      lambda b, h, i, j: (i - j <= WINDOW) & (j - i <= WINDOW), mask, {"softcap": 50.0}, gflop)
+    return rows
+
+
+def varlen_docs(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(2)
+    cuts = torch.randperm(n - 1, generator=gen)[:63].sort().values + 1
+    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))  # 64 documents
+    mask = qkv.masks.varlen(lengths, causal=True)
+    dense = mask.to_dense(n, n)  # (1, 1, n, n) bool
+    q, k, v = _inputs(n, dtype)
+    gflop = qkv.explain(q, k, v, mask).flops / 1e9
+    with torch.no_grad():
+        err = float((qkv.attention(q, k, v, mask).float() - F.scaled_dot_product_attention(q, k, v, attn_mask=dense).float()).abs().max())
+        t = time_interleaved(
+            {"qkv": lambda: qkv.attention(q, k, v, mask),
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}, reps)
+    rows = [_row(f"varlen causal, 64 docs, forward, n={n}", t["qkv"], "SDPA dense bool mask", t["sdpa"], gflop, rate, 20, err)]
+    qg, kg, vg = _inputs(n, dtype, grad=True)
+    grad = torch.randn(qg.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    t = time_interleaved(
+        {"qkv": _fwd_bwd(lambda: qkv.attention(qg, kg, vg, mask), grad),
+         "sdpa": _fwd_bwd(lambda: F.scaled_dot_product_attention(qg, kg, vg, attn_mask=dense), grad)}, reps)
+    rows.append(_row(f"varlen causal, 64 docs, fwd+bwd, n={n}", t["qkv"], "SDPA dense bool mask", t["sdpa"], 3.5 * gflop, rate))
+    return rows
+
+
+_PEAK = """
+import os, sys, torch, qkv
+n, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+gen = torch.Generator().manual_seed(2)
+cuts = torch.randperm(n - 1, generator=gen)[:63].sort().values + 1
+lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+q, k, v = (torch.randn(1, 8, n, 64).to(dtype).requires_grad_(True) for _ in range(3))
+qkv.attention(q, k, v, qkv.masks.varlen(lengths, causal=True), bias=qkv.bias.alibi()).sum().backward()
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print(int(line.split()[1]) * 1024)
+"""
+
+
+def peak_memory(n: int, dtype: torch.dtype) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(n), str(dtype).removeprefix("torch.")],
+                         capture_output=True, text=True, check=True)
+    peak = int(out.stdout.split()[-1])
+    inputs = 3 * H * n * E * torch.empty((), dtype=dtype).element_size()
+    print(f"  varlen causal + ALiBi fwd+bwd, 64 docs, n={n}: peak RSS {peak / 2**30:.2f} GiB "
+          f"(goal < 1.5 GB: {'met' if peak < 1.5e9 else 'NOT met'}; q, k, v themselves {inputs / 2**20:.0f} MiB)", flush=True)
+    return {"case": f"peak RSS varlen fwd+bwd n={n}", "dtype": str(dtype), "peak_bytes": peak}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=16384, help="sequence length (default 16,384)")
+    parser.add_argument("--math-n", type=int, default=4096, help="length of the softcap comparison with the math path")
+    parser.add_argument("--peak-n", type=int, default=65536, help="tokens of the peak-memory run")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median kept)")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-bench-inductor-"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}", flush=True)
+    rows: list[dict] = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        rate = matmul_gflops(2048, dtype=dtype)
+        print(f"{name}: matmul {rate:.0f} GFLOP/s", flush=True)
+        warm = _inputs(512, dtype, grad=True)
+        qkv.attention(*warm, qkv.masks.causal(), bias=qkv.bias.alibi(), softcap=50.0).sum().backward()
+        rows += alibi_window(args.n, dtype, rate, args.reps)
+        if not args.no_flex:
+            rows += alibi_window_flex(args.n, dtype, rate, args.reps)
+        rows += softcap_window(args.n, dtype, rate, args.reps, not args.no_flex, args.math_n)
+        rows += varlen_docs(args.n, dtype, rate, args.reps)
+        rows.append(peak_memory(args.peak_n, dtype))
+    print(f"load average at the end {os.getloadavg()}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
