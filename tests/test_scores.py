@@ -303,3 +303,26 @@ def test_keys_and_values_with_batch_one_broadcast() -> None:
         assert k.grad is not None and k.grad.shape == (1, 2, 9, 8)
     with pytest.raises(ValueError, match="batch dimensions"):
         qkv.attention(q, torch.randn(2, 2, 9, 8, dtype=torch.float64), torch.randn(2, 2, 9, 5, dtype=torch.float64))
+
+
+def test_a_long_awkward_problem_on_the_engine_matches_the_reference() -> None:
+    # 1025 rows: the tile grid's last row group and key block are partial
+    case = Case(1, 2, 1, 1025, 1025, 16, 12)
+    q, k, v = case.tensors()
+    mask = M.sliding_window(300, 40) & M.causal()
+    slopes = torch.tensor([0.3, 0.05], dtype=torch.float64)
+    p = np.arange(1025)
+    alibi = -slopes.numpy()[:, None, None] * np.abs(p[:, None] - p[None, :])[None]
+    d_out = torch.randn(1, 2, 1025, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), mask.to_dense(1025, 1025).numpy(), bias=alibi, softcap=2.5)
+    dq, dk, dv = R.attention_grads(trace, d_out.numpy())
+    d_slopes = -(R.logit_grads(trace, d_out.numpy()) * np.abs(p[:, None] - p[None, :])).sum(axis=(0, 2, 3))
+    slopes.requires_grad_(True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    assert qkv.explain(q, k, v, mask, bias=Bi.alibi(slopes), softcap=2.5).path == "blocks"
+    out = qkv.attention(q, k, v, mask, bias=Bi.alibi(slopes), softcap=2.5)
+    (out * d_out).sum().backward()
+    np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
+    for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv), (slopes.grad, d_slopes)):
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-8)
