@@ -5,6 +5,14 @@ layer and head, and the hidden state after every layer. The viewers (`qkv.viz`) 
 CLI read this object; `Inspection.find`, `Inspection.top_attended` and `context_similarity`
 answer the seeds' questions (where does "it" look? does "bank" change with its context?); nothing is stashed inside the model (attention maps are returned,
 never kept as side state).
+
+Three more questions are answered here, each in its own module:
+- `Inspection.steps`: the seeds' four steps (q.k, scale, softmax, mix) on one query row of
+  one head, from the per-head projections the Inspection keeps (`qkv.inspect_steps`);
+- `Inspection.head_roles`: how much each head looks at the previous / next token, itself,
+  [CLS], [SEP] and punctuation, after Clark et al. 2019 (`qkv.inspect_roles`);
+- `Inspection.rollout`: attention rollout through the layers, after Abnar & Zuidema 2020
+  (`qkv.inspect_rollout`).
 """
 
 from __future__ import annotations
@@ -13,7 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Inspection", "context_similarity", "word_groups"]
+from qkv.inspect_roles import HeadRoles, head_roles
+from qkv.inspect_rollout import rollout
+from qkv.inspect_steps import Projections, StepTrace, steps
+
+__all__ = ["HeadRoles", "Inspection", "Projections", "StepTrace", "context_similarity", "word_groups"]
 
 
 def word_groups(word_ids: list[int | None]) -> list[list[int]]:
@@ -40,6 +52,8 @@ class Inspection:
     - word_ids: T word indices, None for special tokens.
     - attentions: (layers, heads, T, T) float32, exact probabilities; row = query, column = key.
     - hidden_states: (layers + 1, T, D) float32; index 0 is the embedding output.
+    - projections: every layer's per-head q, k, v (see `Projections`), which `steps` needs;
+      None when the model that made the Inspection did not provide them.
     """
 
     text: str
@@ -49,6 +63,7 @@ class Inspection:
     attentions: torch.Tensor
     hidden_states: torch.Tensor
     model_name: str = ""
+    projections: Projections | None = None
 
     @property
     def num_layers(self) -> int:
@@ -84,6 +99,38 @@ class Inspection:
         keys_summed = self.attentions @ assign  # (layers, heads, T, W)
         mean_over_pieces = assign / assign.sum(dim=0, keepdim=True)  # (T, W), columns sum to 1
         return mean_over_pieces.T @ keys_summed  # (layers, heads, W, W)
+
+    def steps(self, layer: int, head: int, query: int) -> StepTrace:
+        """The seeds' four steps for token ``query`` in (layer, head), in float64: q, k, v,
+        scores = k q, scaled, exponentials and their total, weights, output = weights @ v and
+        each key's contribution (see `qkv.inspect_steps.StepTrace`). The weights are checked
+        against ``attentions[layer, head, query]``.
+
+            >>> import qkv
+            >>> inspection = qkv.models.load_encoder().inspect("The cat sat.")
+            >>> trace = inspection.steps(layer=0, head=0, query=2)
+            >>> trace.q.shape, trace.k.shape, trace.weights.shape
+            ((32,), (6, 32), (6,))
+            >>> bool(abs(trace.weights - inspection.attentions[0, 0, 2].numpy()).max() < 1e-5)
+            True
+        """
+        if self.projections is None:
+            raise ValueError(
+                "this Inspection holds no per-head projections (q, k, v), so its steps cannot be "
+                f"shown; the model that made it ({self.model_name or 'unnamed'}) did not provide them"
+            )
+        return steps(self.projections, self.attentions, layer, head, query)
+
+    def head_roles(self) -> HeadRoles:
+        """How much attention every head gives to the previous token, the next token, itself,
+        [CLS], [SEP], punctuation and the rest, plus its row entropy (`qkv.inspect_roles`)."""
+        return head_roles(self)
+
+    def rollout(self, through: int | None = None) -> torch.Tensor:
+        """Attention rollout (T, T) float64 from the embeddings through layer ``through``
+        (default: all layers); row i is what top-layer token i draws from each input token
+        (`qkv.inspect_rollout`)."""
+        return rollout(self.attentions, through)
 
     def _repr_html_(self) -> str:
         """Jupyter shows the attention viewer, isolated in a sandboxed iframe."""

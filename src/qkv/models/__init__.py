@@ -4,6 +4,8 @@
   or `load_encoder(directory)` for any BERT checkpoint with config.json, tokenizer.json and
   model.safetensors.
 - `Encoder.encode(texts)` -> (N, D) sentence embeddings; `Encoder.inspect(text)` -> `Inspection`.
+- `head_roles(encoder, texts)` -> `HeadRoles` of every head averaged over texts
+  (default: `ROLE_SENTENCES`, written for qkv).
 - `BertConfig`, `BertEncoder`, `WordPieceTokenizer`, `load_bert_weights` for building blocks.
 """
 
@@ -19,11 +21,13 @@ from qkv.models.encoder import (
     mean_pool,
     resolve_model_dir,
 )
+from qkv.models.roles import ROLE_SENTENCES, head_roles
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
 from qkv.models.weights import checkpoint_keys, load_bert_weights, read_header
 
 __all__ = [
     "DEFAULT_MODEL",
+    "ROLE_SENTENCES",
     "BertConfig",
     "BertEncoder",
     "Encoder",
@@ -32,6 +36,7 @@ __all__ = [
     "TokenizedText",
     "WordPieceTokenizer",
     "checkpoint_keys",
+    "head_roles",
     "load_bert_weights",
     "load_encoder",
     "mean_pool",

@@ -18,6 +18,7 @@ this model), `Encoder.encode` raises past the model's 512 positions unless
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qkv.inspect import Inspection, context_similarity
+from qkv.inspect import Inspection, Projections, context_similarity
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
@@ -280,6 +281,8 @@ class Encoder:
             output = self.model(ids, return_weights=True, return_hidden=True)
         attentions = torch.stack([w[0] for w in output.attentions])  # (layers, H, T, T)
         hidden_states = torch.stack([h[0] for h in output.hidden_states])  # (layers + 1, T, D)
+        with torch.no_grad():
+            projections = self._projections(output.hidden_states)
         return Inspection(
             text=text,
             tokens=tokenized.tokens,
@@ -288,7 +291,28 @@ class Encoder:
             attentions=attentions.float().cpu(),
             hidden_states=hidden_states.float().cpu(),
             model_name=self.name,
+            projections=projections,
         )
+
+    def _projections(self, hidden_states: tuple[torch.Tensor, ...]) -> Projections:
+        """Every layer's per-head q, k, v, recomputed from that layer's input (the hidden state
+        before it) with the layer's own projection weights; what `Inspection.steps` reads."""
+        qs, ks, vs = [], [], []
+        for layer, x in zip(self.model.layers, hidden_states, strict=False):  # x (1, T, D): layer's input
+            attention = layer.attention
+            cfg = attention.config
+            T = x.shape[1]
+            q = attention.q_proj(x[0]).view(T, cfg.num_heads, cfg.d_k).transpose(0, 1)  # (H, T, E)
+            k = attention.k_proj(x[0]).view(T, cfg.num_kv_heads, cfg.d_k).transpose(0, 1)  # (G, T, E)
+            v = attention.v_proj(x[0]).view(T, cfg.num_kv_heads, cfg.d_v).transpose(0, 1)  # (G, T, Ev)
+            if attention.rope is not None:
+                q, k = attention.rope(q[None], 0)[0], attention.rope(k[None], 0)[0]  # (H, T, E), (G, T, E)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+        stack = lambda xs: torch.stack(xs).float().cpu()  # noqa: E731  (layers, heads, T, width)
+        d_k = self.model.layers[0].attention.config.d_k
+        return Projections(q=stack(qs), k=stack(ks), v=stack(vs), scale=1.0 / math.sqrt(d_k))  # qkv.attention's default scale
 
     def context(self, word: str, text_a: str, text_b: str) -> torch.Tensor:
         """Cosine similarity (layers + 1,) of ``word``'s vectors in two texts, layer by layer
