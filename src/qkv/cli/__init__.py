@@ -5,6 +5,7 @@ from __future__ import annotations
 import qkv.cli.bench  # registers `qkv bench`
 import qkv.cli.embed  # registers `qkv embed`
 import qkv.cli.examples  # registers `qkv examples`
+import qkv.cli.heads  # registers `qkv heads`
 import qkv.cli.inspect  # registers `qkv inspect` and `qkv context`
 import qkv.cli.tour  # registers `qkv tour`
 from qkv.cli._app import app

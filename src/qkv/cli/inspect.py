@@ -150,6 +150,13 @@ def inspect_command(
     head: Annotated[int | None, typer.Option("--head", help="Only this head (from 0).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many attended tokens to list per head.")] = 3,
     as_json: JsonOption = False,
+    steps: Annotated[
+        bool,
+        typer.Option(
+            "--steps",
+            help="With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for the word's first token.",
+        ),
+    ] = False,
     html: Annotated[
         Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
     ] = None,
@@ -181,7 +188,16 @@ def inspect_command(
     query: list[int] | None = None
     if token is not None:
         query = _find_or_fail(inspection, token, occurrence)
+    if steps and query is None:
+        fail("--steps needs --token WORD: the word whose query row is traced")
     rows = head_report(inspection, query, layers, heads, top) if query is not None else None
+    trace = None
+    if steps:
+        assert query is not None
+        try:
+            trace = inspection.steps(layers[0] if layer is not None else 0, heads[0] if head is not None else 0, query[0])
+        except ValueError as error:
+            fail(str(error))
     written = _write_artifacts(inspection, html, png, layer, head)
 
     if as_json:
@@ -195,6 +211,10 @@ def inspect_command(
         if query is not None:
             report["query"] = {"word": token, "occurrence": occurrence, "indices": query}
             report["heads"] = rows
+        if trace is not None:
+            from qkv.cli.steps import steps_json
+
+            report["steps"] = steps_json(inspection, trace)
         report["files"] = [str(path) for path in written]
         typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
         return
@@ -204,6 +224,11 @@ def inspect_command(
     else:
         assert token is not None and rows is not None
         _print_heads(inspection, token, occurrence, query, rows)
+    if trace is not None:
+        from qkv.cli.steps import render_steps
+
+        assert token is not None
+        console.print(render_steps(inspection, trace, token))
     for path in written:
         say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
