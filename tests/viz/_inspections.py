@@ -44,3 +44,26 @@ def make_inspection(
     attentions = torch.softmax(scores, dim=-1)  # (layers, heads, T, T)
     hidden = torch.randn(layers + 1, T, 8, generator=generator)
     return Inspection(text, tokens, offsets, word_ids, attentions, hidden, model_name="handmade")
+
+
+def make_projected_inspection(
+    words: list[list[str]], *, layers: int = 2, heads: int = 4, kv_heads: int = 2, E: int = 6, seed: int = 0
+) -> Inspection:
+    """Like `make_inspection`, but the attention comes from random per-head q, k, v kept as
+    `Projections` (grouped-query: head h reads key/value head h // (heads // kv_heads)), so
+    that the steps of every row can be shown."""
+    from qkv.inspect import Projections
+
+    base = make_inspection(words, layers=layers, heads=heads, seed=seed)
+    T = len(base.tokens)
+    generator = torch.Generator().manual_seed(seed + 1)
+    q = 2 * torch.randn(layers, heads, T, E, generator=generator)
+    k = 2 * torch.randn(layers, kv_heads, T, E, generator=generator)
+    v = torch.randn(layers, kv_heads, T, E + 1, generator=generator)
+    scale = E**-0.5
+    scores = scale * q.double() @ k.double().repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2)  # (layers, H, T, T)
+    attentions = torch.softmax(scores, dim=-1).float()
+    return Inspection(
+        base.text, base.tokens, base.offsets, base.word_ids, attentions, base.hidden_states,
+        model_name="handmade", projections=Projections(q=q, k=k, v=v, scale=scale),
+    )

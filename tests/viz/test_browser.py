@@ -8,12 +8,12 @@ CI installs /usr/bin/chromium (.ci/run); without it these tests fail, they never
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser
+from tests.viz._browser import TOLERANCE, Viewer, assert_lines, open_viewer
 from tests.viz._inspections import HOSTILE, HOSTILE_TOKENS, make_inspection
 
 from qkv.inspect import Inspection
@@ -21,83 +21,6 @@ from qkv.viz import html
 from qkv.viz.viewer import QUANT_LEVELS
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    # No background traffic from the browser itself, so every request seen is the page's.
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-# A drawn weight is the stored byte / 255 (off by at most half a step) printed to 4 decimals.
-TOLERANCE = 0.5 / QUANT_LEVELS + 5e-5 + 1e-7
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing; install Debian's Chromium (apt-get install -y chromium, as "
-            ".ci/run does). The browser tests must run, so they fail instead of skipping."
-        )
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
-@dataclass
-class Viewer:
-    """An open viewer page and everything it did: console messages, requests, dialogs."""
-
-    page: Page
-    url: str
-    console: list[str] = field(default_factory=list)
-    requests: list[str] = field(default_factory=list)
-    dialogs: list[str] = field(default_factory=list)
-
-    def hover(self, side: str, index: int) -> None:
-        column = "#queries" if side == "query" else "#keys"
-        self.page.hover(f'{column} .token[data-index="{index}"]')
-
-    def lines(self) -> list[tuple[int, int, float, float]]:
-        """(query, key, data-weight, opacity) of every focus line drawn."""
-        rows = self.page.eval_on_selector_all(
-            "#focus-lines line",
-            "lines => lines.map(l => [l.dataset.query, l.dataset.key, l.dataset.weight, l.getAttribute('opacity')])",
-        )
-        return [(int(q), int(k), float(w), float(o)) for q, k, w, o in rows]
-
-    def column(self, side: str) -> list[str]:
-        column = "#queries" if side == "query" else "#keys"
-        return self.page.eval_on_selector_all(
-            f"{column} .token", "ts => ts.map(t => t.textContent)"
-        )
-
-    def view(self, name: str) -> str:
-        return self.page.get_attribute("#head-view", f"data-{name}")
-
-
-def open_viewer(browser: Browser, path: Path) -> Viewer:
-    page = browser.new_page(viewport={"width": 1200, "height": 1000})
-    viewer = Viewer(page, path.resolve().as_uri())
-    page.on(
-        "console",
-        lambda m: (
-            viewer.console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None
-        ),
-    )
-    page.on("pageerror", lambda error: viewer.console.append(f"pageerror: {error}"))
-    page.on("request", lambda request: viewer.requests.append(request.url))
-    page.on("dialog", lambda dialog: (viewer.dialogs.append(dialog.message), dialog.dismiss()))
-    page.goto(viewer.url)
-    page.wait_for_selector("body[data-ready=true]", timeout=20_000)
-    return viewer
-
 
 @pytest.fixture(scope="module")
 def small_file(small: Inspection, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -109,23 +32,6 @@ def viewer(browser: Browser, small_file: Path) -> Iterator[Viewer]:
     opened = open_viewer(browser, small_file)
     yield opened
     opened.page.close()
-
-
-def assert_lines(
-    lines: list[tuple[int, int, float, float]],
-    expected: np.ndarray,
-    *,
-    query: int | None = None,
-    key: int | None = None,
-    tolerance: float = TOLERANCE,
-) -> None:
-    """The lines are one per pair of the focused row (query=...) or column (key=...), weighted as expected."""
-    n = len(expected)
-    pairs = [(query, j) for j in range(n)] if query is not None else [(i, key) for i in range(n)]
-    assert [(q, k) for q, k, _, _ in lines] == pairs
-    drawn = np.array([w for _, _, w, _ in lines])
-    np.testing.assert_allclose(drawn, expected, atol=tolerance, rtol=0)
-    assert [o for _, _, _, o in lines] == [w for _, _, w, _ in lines]  # opacity is the weight
 
 
 def test_page_loads_with_no_error_and_no_other_request(viewer: Viewer, small: Inspection) -> None:

@@ -18,11 +18,29 @@ What goes into the file, and why it is safe and small:
   zlib-compressed and base64-encoded; the page inflates them with the browser's
   DecompressionStream. Word-level maps and head means are computed in the page from the token
   maps, the way `Inspection.word_attentions` defines them.
+
+Since issue 16 the page also
+- opens a steps panel when a line is clicked (or a key while a query is pinned): q.k, the
+  scaled score, its exponential, its share of the row's total (the weight) and the length of
+  what the key's value brings (weight x v). It reads each head's q and k (float32) and the
+  lengths of v, stored when the Inspection holds `Projections`; the page computes the row in
+  float64 from them, so its numbers are those of `Inspection.steps` to float32 rounding;
+- colours the model view by each head's dominant role (`Inspection.head_roles`) on demand;
+- shows attention rollout (`Inspection.rollout`, through the selected layer) as a view;
+- compares two texts (``compare=other``): both head views side by side under one layer/head
+  selection, and a difference view over the words that the two texts share, aligned in order
+  (difflib's longest matching blocks over lower-cased words).
+
+Long inputs: past `DENSE_LIMIT` stored weights (layers x heads x T x T), the file keeps, for
+every query row, only the `top_k` largest weights exactly (float32, with their key indices),
+k chosen so that the weights fit `SPARSE_BUDGET` bytes; the page says so. Projections and
+rollout are left out when they would not fit either (the page says that too).
 """
 
 from __future__ import annotations
 
 import base64
+import difflib
 import hashlib
 import html as html_text
 import json
@@ -35,26 +53,36 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
 
-__all__ = ["QUANT_LEVELS", "html", "payload", "render", "render_inline"]
+__all__ = ["DENSE_LIMIT", "QUANT_LEVELS", "SPARSE_BUDGET", "align_words", "html", "payload", "render", "render_inline"]
 
 QUANT_LEVELS = 255  # a weight w is stored as round(w * 255) in one byte
 ZLIB_LEVEL = 6  # level 9 is ~10x slower on 512 tokens for ~10 % less
 _JSON_ESCAPES = str.maketrans(
     {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 )
+# Up to this many stored weights (layers x heads x T x T, one byte each) the file holds every
+# weight; MiniLM at 512 tokens is 18.9 M. Past it, each row keeps its top-k weights exactly.
+DENSE_LIMIT = 40_000_000
+SPARSE_BUDGET = 30_000_000  # bytes of top-k weights and indices; base64 adds a third: < 50 MB
+PROJECTION_BUDGET = 24_000_000  # bytes of float32 q and k (and v lengths) for the steps panel
 _SLOT = re.compile(r"\{\{(csp|css|js|data)\}\}")
 
 
-def html(inspection: Inspection, path: str | Path) -> Path:
-    """Write the viewer for ``inspection`` to ``path`` (one self-contained .html file); return it."""
+def html(inspection: Inspection, path: str | Path, *, compare: Inspection | None = None) -> Path:
+    """Write the viewer for ``inspection`` to ``path`` (one self-contained .html file); return it.
+
+    ``compare``: a second Inspection from the same model (same layers and heads), shown next
+    to the first with a difference view over the words they share.
+    """
+    page = render(inspection, compare=compare)  # every check before the file is touched
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(inspection), encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path
 
 
-def render(inspection: Inspection) -> str:
-    """The viewer page as one HTML string."""
+def render(inspection: Inspection, *, compare: Inspection | None = None) -> str:
+    """The viewer page as one HTML string (see `html`)."""
     css, js = _asset("viewer.css"), _asset("viewer.js")
     csp = "; ".join(
         [
@@ -63,7 +91,16 @@ def render(inspection: Inspection) -> str:
             f"style-src '{_sha256(css)}'",
         ]
     )
-    data = json.dumps(payload(inspection), ensure_ascii=False, separators=(",", ":"))
+    content = payload(inspection)
+    if compare is not None:
+        if (compare.num_layers, compare.num_heads) != (inspection.num_layers, inspection.num_heads):
+            raise ValueError(
+                f"compare needs two inspections of the same model: {inspection.num_layers} layers x "
+                f"{inspection.num_heads} heads against {compare.num_layers} x {compare.num_heads}"
+            )
+        content["compare"] = payload(compare)
+        content["alignment"] = align_words(inspection.words, compare.words)
+    data = json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     slots = {"csp": csp, "css": css, "js": js, "data": data.translate(_JSON_ESCAPES)}
     # One pass over the template: text put into a slot is never scanned for further slots.
     return _SLOT.sub(lambda match: slots[match.group(1)], _asset("viewer.html"))
@@ -81,11 +118,24 @@ def render_inline(inspection: Inspection, *, height: int = 760) -> str:
     )
 
 
+def align_words(a: list[str], b: list[str]) -> list[list[int]]:
+    """[[i, j], ...]: word i of ``a`` matches word j of ``b`` (case-insensitive), in order."""
+    matcher = difflib.SequenceMatcher(a=[w.lower() for w in a], b=[w.lower() for w in b], autojunk=False)
+    return [[block.a + n, block.b + n] for block in matcher.get_matching_blocks() for n in range(block.size)]
+
+
 def payload(inspection: Inspection) -> dict[str, Any]:
-    """What the page receives: tokens, words, groups and the quantized weights.
+    """What the page receives: tokens, words, groups, the weights and what the panels need.
 
     ``weights`` is base64(zlib(uint8 bytes)) of shape (layers, heads, T, T), row-major,
-    row = query; a stored byte b means weight b / ``scale``.
+    row = query; a stored byte b means weight b / ``scale``. For long inputs ``weights`` is
+    None and ``sparse`` holds ``k``, ``indices`` (base64 zlib uint32, (layers, heads, T, k))
+    and ``values`` (float32, same shape): each row's k largest weights, exactly.
+    ``projections``: base64 float32 ``q`` and ``k`` (layers, heads, T, E), key heads repeated
+    per query head, ``vnorm`` (layers, heads, T) the length of each value, and ``scale``;
+    None when the Inspection has none or they would not fit. ``rollout``: base64 zlib uint8
+    (layers, T, T), the rollout through each layer quantized like the weights, or None.
+    ``roles``: the dominant role of each head and its share.
     """
     import torch  # only here: the package imports without torch until a viewer is written
 
@@ -96,8 +146,25 @@ def payload(inspection: Inspection) -> dict[str, Any]:
             f"attentions must have shape (layers, heads, {T}, {T}) for {T} tokens; "
             f"got {tuple(attentions.shape)}"
         )
-    quantized = torch.round(attentions.nan_to_num(0.0).clamp(0.0, 1.0) * QUANT_LEVELS)
-    raw = quantized.to(torch.uint8).contiguous().numpy().tobytes()
+    layers, H = int(attentions.shape[0]), int(attentions.shape[1])
+    dense = layers * H * T * T <= DENSE_LIMIT
+    weights, sparse, rollout = None, None, None
+    if dense:
+        weights = _pack(_quantize(attentions))
+        flow = torch.stack([inspection.rollout(layer) for layer in range(layers)])  # (layers, T, T)
+        rollout = _pack(_quantize(flow))
+    else:
+        k = max(1, min(T, SPARSE_BUDGET // (layers * H * T * 8)))
+        top = torch.topk(attentions, k, dim=-1)  # values, indices (layers, H, T, k)
+        sparse = {
+            "k": k,
+            "indices": _pack(top.indices.to(torch.int32).contiguous().numpy().tobytes()),
+            "values": _pack(top.values.contiguous().numpy().tobytes()),
+        }
+    from qkv.inspect_roles import ROLES
+
+    roles = inspection.head_roles()
+    dominant = roles.dominant()  # (layers, H)
     return {
         "model": inspection.model_name,
         "text": inspection.text,
@@ -107,7 +174,50 @@ def payload(inspection: Inspection) -> dict[str, Any]:
         "layers": inspection.num_layers,
         "heads": inspection.num_heads,
         "scale": QUANT_LEVELS,
-        "weights": base64.b64encode(zlib.compress(raw, ZLIB_LEVEL)).decode("ascii"),
+        "weights": weights,
+        "sparse": sparse,
+        "rollout": rollout,
+        "projections": _projections(inspection),
+        "roles": {
+            "names": list(ROLES),
+            "dominant": [[ROLES[int(r)] for r in row] for row in dominant],
+            "share": [[round(float(roles.shares[layer, h, dominant[layer, h]]), 4) for h in range(H)] for layer in range(layers)],
+        },
+    }
+
+
+def _quantize(weights: Any) -> bytes:
+    """Weights in [0, 1] as bytes round(w * QUANT_LEVELS)."""
+    import torch
+
+    quantized = torch.round(weights.nan_to_num(0.0).clamp(0.0, 1.0) * QUANT_LEVELS)
+    return quantized.to(torch.uint8).contiguous().numpy().tobytes()
+
+
+def _pack(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, ZLIB_LEVEL)).decode("ascii")
+
+
+def _projections(inspection: Inspection) -> dict[str, Any] | None:
+    """float32 q, k per query head and value lengths for the steps panel, or None."""
+    import torch
+
+    p = inspection.projections
+    if p is None or p.allowed is not None:  # a masked model's panel would need its mask too
+        return None
+    layers, H, T, E = p.q.shape
+    if layers * H * T * (2 * E + 1) * 4 > PROJECTION_BUDGET:
+        return None
+    repeat = H // int(p.k.shape[1])
+    keys = p.k.repeat_interleave(repeat, dim=1)  # (layers, H, T, E): query head h reads key head h // repeat
+    values = p.v.repeat_interleave(repeat, dim=1)  # (layers, H, T, Ev)
+    as_bytes = lambda x: base64.b64encode(x.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).decode("ascii")  # noqa: E731
+    return {
+        "E": int(E),
+        "scale": float(p.scale),
+        "q": as_bytes(p.q),
+        "k": as_bytes(keys),
+        "vnorm": as_bytes(torch.linalg.vector_norm(values.double(), dim=-1)),
     }
 
 
