@@ -85,3 +85,26 @@ def test_steps_usage_errors_exit_2(runner: CliRunner, args: list[str], message: 
     result = runner.invoke(app, ["inspect", TROPHY, *args])
     assert result.exit_code == 2
     assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_compare_writes_one_viewer_with_both_texts(runner: CliRunner, tmp_path: Path) -> None:
+    import re
+
+    small = TROPHY.replace("big", "small")
+    path = tmp_path / "compare.html"
+    args = ["inspect", TROPHY, "--compare", small, "--html", str(path), "--layer", "2", "--head", "7"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    block = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', path.read_text(encoding="utf-8"), re.S)
+    data = json.loads(block.group(1))
+    assert data["text"] == TROPHY and data["compare"]["text"] == small
+    assert data["start"] == {"layer": 2, "head": 7}
+    assert data["compare"]["tokens"][13] == "small" and data["tokens"][13] == "big"
+    pairs = data["alignment"]
+    assert [13, 13] not in pairs and [12, 12] in pairs and [14, 14] in pairs  # every word but big / small
+
+
+def test_compare_needs_html(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["inspect", TROPHY, "--compare", "another text"])
+    assert result.exit_code == 2
+    assert "--compare needs --html FILE" in result.stderr

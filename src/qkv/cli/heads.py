@@ -23,8 +23,15 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, check_output_file, console, fail
-from qkv.cli.inspect import BUILTIN_MODEL, JsonOption, ModelOption, load_or_fail
+from qkv.cli._app import app, check_output_file, console, fail, say
+from qkv.cli.inspect import (
+    BUILTIN_MODEL,
+    JsonOption,
+    ModelOption,
+    TruncateOption,
+    load_or_fail,
+    too_long_message,
+)
 
 if TYPE_CHECKING:
     from qkv.inspect import HeadRoles
@@ -92,7 +99,7 @@ def heads_command(
         typer.Option("--texts", help="A UTF-8 file with one text per line (default: qkv's built-in sentences)."),
     ] = None,
     model: ModelOption = BUILTIN_MODEL,
-    truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than the model's positions.")] = False,
+    truncate: TruncateOption = False,
     as_json: JsonOption = False,
     png: Annotated[
         Path | None, typer.Option("--png", help="Write the layers x heads grid coloured by dominant role here (.png or .svg).")
@@ -102,14 +109,15 @@ def heads_command(
     check_output_file(png, "--png", (".png", ".svg"))
     texts = read_text_lines(texts_file, "--texts") if texts_file is not None else None
     encoder = load_or_fail(model)
-    from qkv.models import ROLE_SENTENCES, head_roles
+    from qkv.models import ROLE_SENTENCES, TextTooLongError, head_roles
 
     texts = list(ROLE_SENTENCES) if texts is None else texts
     try:
         roles = head_roles(encoder, texts, truncate=truncate)
+    except TextTooLongError as error:
+        fail(too_long_message(error, f"text {error.index} of --texts"))
     except ValueError as error:
-        message = str(error).replace("pass truncate=True", "pass --truncate")
-        fail(message)
+        fail(str(error))
     strongest = strongest_report(roles)
     written = []
     if png is not None:
@@ -128,7 +136,7 @@ def heads_command(
         }, ensure_ascii=False, allow_nan=False))
         return
     source = "qkv's built-in sentences" if texts_file is None else str(texts_file)
-    console.print(Text(f"{encoder.name}: attention of every head, averaged over {len(texts)} texts ({source})"))
+    say(f"{encoder.name}: attention of every head, averaged over {len(texts)} texts ({source})")
     best = Table(title=Text("the strongest head of each role", "table.title"))
     for column in ("role", "layer", "head", "share"):
         best.add_column(column, justify="left" if column == "role" else "right")
@@ -136,8 +144,8 @@ def heads_command(
         best.add_row(row["role"], str(row["layer"]), str(row["head"]), f"{100 * row['share']:.1f}%")
     console.print(best)
     for row in strongest:
-        console.print(Text(role_sentence(row["role"], row["layer"], row["head"], row["share"])))
-    console.print(Text("dominant role of each head and its % of the head's attention (rows: layers, columns: heads)"))
+        say(role_sentence(row["role"], row["layer"], row["head"], row["share"]))
+    say("dominant role of each head and its % of the head's attention (rows: layers, columns: heads)")
     console.print(_grid_table(roles))
     for path in written:
-        console.print(Text(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"))
+        say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")

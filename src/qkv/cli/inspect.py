@@ -160,6 +160,10 @@ def inspect_command(
     html: Annotated[
         Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
     ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option("--compare", help="With --html: a second text shown next to TEXT in the viewer, with a difference view."),
+    ] = None,
     png: Annotated[
         Path | None,
         typer.Option(
@@ -179,10 +183,13 @@ def inspect_command(
         fail(f"--occurrence must be 0 or more (0 = the first), got {occurrence}")
     if occurrence and token is None:
         fail("--occurrence picks an occurrence of --token; give --token WORD too")
+    if compare is not None and html is None:
+        fail("--compare needs --html FILE: the comparison is drawn in the viewer")
     check_output_file(html, "--html", (".html", ".htm"))
     check_output_file(png, "--png", (".png", ".svg"))
     encoder = load_or_fail(model)
     inspection = inspect_or_fail(encoder, text, truncate=truncate)
+    other = None if compare is None else inspect_or_fail(encoder, compare, truncate=truncate, name="the --compare text")
     layers = _check_index(layer, inspection.num_layers, "layer")
     heads = _check_index(head, inspection.num_heads, "head")
     query: list[int] | None = None
@@ -198,7 +205,7 @@ def inspect_command(
             trace = inspection.steps(layers[0] if layer is not None else 0, heads[0] if head is not None else 0, query[0])
         except ValueError as error:
             fail(str(error))
-    written = _write_artifacts(inspection, html, png, layer, head)
+    written = _write_artifacts(inspection, html, png, layer, head, compare=other)
 
     if as_json:
         report: dict[str, Any] = {
@@ -250,14 +257,22 @@ def _find_or_fail(inspection: Inspection, token: str, occurrence: int) -> list[i
 
 
 def _write_artifacts(
-    inspection: Inspection, html: Path | None, png: Path | None, layer: int | None, head: int | None
+    inspection: Inspection,
+    html: Path | None,
+    png: Path | None,
+    layer: int | None,
+    head: int | None,
+    *,
+    compare: Inspection | None = None,
 ) -> list[Path]:
-    """The viewer and the heatmap that --html and --png ask for."""
+    """The viewer (opened at --layer/--head, comparing with --compare) and the heatmap that
+    --html and --png ask for."""
     written = []
     if html is not None:
         from qkv.viz import html as write_html
 
-        written.append(write_html(inspection, html))
+        start = {"layer": layer or 0, "head": head or 0}
+        written.append(write_html(inspection, html, compare=compare, **start))
     if png is not None:
         from qkv.viz import save_heatmap
 

@@ -68,21 +68,27 @@ PROJECTION_BUDGET = 24_000_000  # bytes of float32 q and k (and v lengths) for t
 _SLOT = re.compile(r"\{\{(csp|css|js|data)\}\}")
 
 
-def html(inspection: Inspection, path: str | Path, *, compare: Inspection | None = None) -> Path:
+def html(
+    inspection: Inspection, path: str | Path, *, compare: Inspection | None = None, layer: int = 0, head: int = 0
+) -> Path:
     """Write the viewer for ``inspection`` to ``path`` (one self-contained .html file); return it.
 
     ``compare``: a second Inspection from the same model (same layers and heads), shown next
-    to the first with a difference view over the words they share.
+    to the first with a difference view over the words they share. ``layer`` and ``head``:
+    the selection the page opens with.
     """
-    page = render(inspection, compare=compare)  # every check before the file is touched
+    page = render(inspection, compare=compare, layer=layer, head=head)  # every check before the file is touched
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def render(inspection: Inspection, *, compare: Inspection | None = None) -> str:
+def render(inspection: Inspection, *, compare: Inspection | None = None, layer: int = 0, head: int = 0) -> str:
     """The viewer page as one HTML string (see `html`)."""
+    for name, value, count in (("layer", layer, inspection.num_layers), ("head", head, inspection.num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ValueError(f"{name} must be an int in [0, {count}), got {value!r}")
     css, js = _asset("viewer.css"), _asset("viewer.js")
     csp = "; ".join(
         [
@@ -92,6 +98,7 @@ def render(inspection: Inspection, *, compare: Inspection | None = None) -> str:
         ]
     )
     content = payload(inspection)
+    content["start"] = {"layer": layer, "head": head}
     if compare is not None:
         if (compare.num_layers, compare.num_heads) != (inspection.num_layers, inspection.num_heads):
             raise ValueError(

@@ -22,7 +22,8 @@
     sep: "[SEP]", punctuation: "punctuation", rest: "the other tokens",
   };
 
-  const state = { layer: 0, head: 0, average: false, words: false, mode: "attention", roles: false };
+  const start = DATA.start || { layer: 0, head: 0 };
+  const state = { layer: start.layer, head: start.head, average: false, words: false, mode: "attention", roles: false };
   const $ = (id) => document.getElementById(id);
   const view = $("head-view");
 
