@@ -118,3 +118,21 @@ def test_context_table_numbers_layers_from_0() -> None:
     assert [cell.strip() for cell in header.split("┃")[2:-1]] == [
         "embeddings", *(f"after layer {i}" for i in range(6))
     ]
+
+
+def test_tour_answers_the_head_claim_and_writes_compare_viewers(tour_json: tuple[dict[str, Any], Path]) -> None:
+    import re
+
+    data, out = tour_json
+    roles = data["sections"]["model"]["head_roles"]
+    assert roles["texts"] == 48
+    assert [row["role"] for row in roles["strongest"]] == ["previous", "next", "self", "cls", "sep", "punctuation"]
+    for row in roles["strongest"]:
+        assert row["sentence"].startswith(f"layer {row['layer']} head {row['head']} sends {100 * row['share']:.0f}% of its attention to ")
+    for slug, a, b in (("trophy-compare", "trophy-big", "trophy-small"), ("apple-compare", "apple-fruit", "apple-company")):
+        page = (out / f"{slug}.html").read_text(encoding="utf-8")
+        block = json.loads(re.search(r'id="qkv-data">(.*?)</script>', page, re.S).group(1))
+        sentences = data["sections"]["model"]["sentences"]
+        assert (block["text"], block["compare"]["text"]) == (sentences[a], sentences[b])
+        best = data["sections"]["model"]["pronoun_heads"][0]
+        assert block["start"] == {"layer": best["layer"], "head": best["head"]}

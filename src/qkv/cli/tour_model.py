@@ -8,8 +8,12 @@ all-MiniLM-L6-v2 (6 layers x 12 heads, shipped in a PyPI package, run on qkv's m
    which of them move to "suitcase" when the adjective changes;
 2. context: the same word ("apple", "bank") in two sentences, cosine similarity layer by
    layer, identical tokens drifting apart with depth;
-3. artifacts: heatmaps (PNG) of the most telling layer and head, and a standalone HTML
-   viewer per sentence.
+3. head roles: for each of Clark et al.'s categories (previous / next token, itself, [CLS],
+   [SEP], punctuation), the head that sends the largest share there, measured over qkv's
+   built-in sentences: the seeds' claim that heads specialize, answered with the model's numbers;
+4. artifacts: heatmaps (PNG) of the most telling layer and head, a standalone HTML viewer per
+   sentence, and two compare viewers (trophy big / small, apple fruit / company) that show
+   both sentences under one layer/head selection with a difference view.
 
 The model is English-only, so the seeds' Chinese apple sentences (我爱吃苹果 / 苹果发布了新手机)
 are given in English here; the worked `apple` example keeps the Chinese.
@@ -56,6 +60,11 @@ CONTEXT_PAIRS: tuple[tuple[str, str, str], ...] = (
     ("bank", "bank-river", "bank-money"),
 )
 TOP_HEADS = 5
+# The pairs drawn side by side in one viewer: (file slug, sentence a, sentence b).
+COMPARE_PAIRS: tuple[tuple[str, str, str], ...] = (
+    ("trophy-compare", "trophy-big", "trophy-small"),
+    ("apple-compare", "apple-fruit", "apple-company"),
+)
 
 
 def _pronoun_heads(big: Inspection, small: Inspection) -> list[dict[str, Any]]:
@@ -117,6 +126,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
 
     heads = _pronoun_heads(inspections["trophy-big"], inspections["trophy-small"])
     best = heads[0]
+    roles = _head_roles(encoder)
     similarities = {
         word: [float(x) for x in context_similarity(inspections[a], inspections[b], word)]
         for word, a, b in CONTEXT_PAIRS
@@ -125,6 +135,9 @@ def model_section(context: TourContext) -> dict[str, Any]:
         if verbose:
             out.print(_heads_table(heads[:TOP_HEADS]))
             out.print(_context_table(similarities))
+            out.print(Text(f"What the heads do, over {roles['texts']} built-in sentences (qkv heads for the whole table):"))
+            for row in roles["strongest"]:
+                out.print(Text("  " + row["sentence"]), highlight=False, soft_wrap=True)
         else:
             out.print(
                 f'"it" -> "trophy": strongest in layer {best["layer"]} head {best["head"]} '
@@ -153,6 +166,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
         "sentences": {s.slug: s.text for s in SENTENCES},
         "pronoun_heads": heads[:TOP_HEADS],
         "context_similarity": similarities,
+        "head_roles": roles,
         "files": [str(path) for path, _ in written],
     }
 
@@ -177,4 +191,22 @@ def _write_artifacts(
     for slug, insp in inspections.items():
         path = viz.html(insp, out_dir / f"{slug}.html")
         written.append((path, f"attention viewer: {insp.text}"))
+    for slug, a, b in COMPARE_PAIRS:
+        path = viz.html(inspections[a], out_dir / f"{slug}.html", compare=inspections[b], layer=layer, head=head)
+        written.append((path, f"compare viewer: {a} and {b} side by side, with their difference"))
     return written
+
+
+def _head_roles(encoder: Any) -> dict[str, Any]:
+    """The strongest head of each role over the built-in sentences, as JSON-able rows with the
+    sentence the tour prints ("layer 0 head 2 sends 86% of its attention to the previous token")."""
+    from qkv.cli.heads import role_sentence, strongest_report
+    from qkv.models import ROLE_SENTENCES, head_roles
+
+    roles = head_roles(encoder, ROLE_SENTENCES)
+    rows = [
+        row | {"sentence": role_sentence(row["role"], row["layer"], row["head"], row["share"])}
+        for row in strongest_report(roles)
+        if row["role"] != "rest"  # "the other tokens" is what is left, not a role
+    ]
+    return {"texts": roles.texts, "strongest": rows}
