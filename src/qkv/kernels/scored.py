@@ -79,7 +79,7 @@ class _ScoredRun:
 
     masks: _Run
     terms: ScoreTerms
-    bias_tiles: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
     def plan(self) -> TilePlan:
@@ -104,14 +104,14 @@ def _indices(call: Call, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, call: Call, run: _ScoredRun, terms: ScoreTerms, acc: torch.dtype
+    q: torch.Tensor, k: torch.Tensor, call: Call, run: _ScoredRun, terms: ScoreTerms, acc: torch.dtype, inplace: bool = False
 ) -> torch.Tensor:
     """The call's scores (items, H, q_len, width) with the terms applied, before the mask."""
     H = q.shape[1]
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * run.masks.scale  # (items, H, q_len, width)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(run.masks.scale)  # (items, H, q_len, width)
     b, rows, keys = _indices(call, q.device)
     h = torch.arange(H, device=q.device).view(1, H, 1, 1)  # (1, H, 1, 1)
-    return terms.apply(s, b, h, rows, keys)
+    return terms.apply(s, b, h, rows, keys, inplace=inplace)
 
 
 def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -119,41 +119,51 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.d
     hidden, in the accumulation dtype; and the rows with no visible key (or None).
 
     A bias that depends on the diagonal only is the same for every item whose keys move with
-    its rows (or that are batch rows of the same rows): it is built once per tile shape.
+    its rows (or that are batch rows of the same rows); with a shift-invariant mask (or none)
+    the finished tile is built once per diagonal and shape, and kept for the later calls and
+    the backward pass (up to _BIAS_CACHE_BYTES).
     """
     terms = run.terms
     assert terms.bias is not None
+    mask = run.masks.mask
     shared = terms.shift_invariant and (call.items == 1 or call.over_batch or call.k_step == call.q_len)
-    key = (call.q0 - call.k0, call.q_len, call.width)
-    values = run.bias_tiles.get(key) if shared else None
-    if values is None:
-        b, rows, keys = _indices(call, torch.device("cpu"))
-        if shared:
-            b, rows, keys = b[:1], rows[:1], keys[:1]  # the first item's tile serves every item
-        h = torch.arange(H).view(1, H, 1, 1)  # (1, H, 1, 1)
-        with torch.no_grad():
-            values = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
-        values = values.expand(values.shape[0], H, call.q_len, call.width)
-        held = sum(t.shape[0] * t.shape[2] * t.shape[3] * t.element_size() * H for t in run.bias_tiles.values())
-        if shared and held + values.shape[0] * H * call.q_len * call.width * values.element_size() <= _BIAS_CACHE_BYTES:
-            run.bias_tiles[key] = values
-    if not call.masked:
-        return values, None
-    mask_bias, empty = _tile(run.masks, call, L, S, acc)
-    return values + mask_bias, empty
+    reusable = shared and (not call.masked or (mask is not None and mask.shift_invariant))
+    key = (call.q0 - call.k0, call.q_len, call.width, call.masked)
+    if reusable and key in run.bias_tiles:
+        return run.bias_tiles[key]
+    b, rows, keys = _indices(call, torch.device("cpu"))
+    if shared:
+        b, rows, keys = b[:1], rows[:1], keys[:1]  # the first item's tile serves every item
+    h = torch.arange(H).view(1, H, 1, 1)  # (1, H, 1, 1)
+    with torch.no_grad():
+        tile = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
+    empty = None
+    if call.masked:
+        mask_bias, empty = _tile(run.masks, call, L, S, acc)
+        tile = tile + mask_bias
+    tile = tile.expand(tile.shape[0], H, call.q_len, call.width)
+    if reusable:
+        held = sum(t.shape[0] * H * t.shape[2] * t.shape[3] * t.element_size() for t, _ in run.bias_tiles.values())
+        if held + tile.shape[0] * H * call.q_len * call.width * tile.element_size() <= _BIAS_CACHE_BYTES:
+            run.bias_tiles[key] = (tile, empty)
+    return tile, empty
 
 
 def _own_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, L: int, S: int, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call on qkv's tile kernel: (o (items, H, q_len, D), lse (items, H, q_len)) in acc."""
-    s = _scores(_items(q, call, keys=False), _items(k, call, keys=True), call, run, run.terms, acc)
+    s = _scores(_items(q, call, keys=False), _items(k, call, keys=True), call, run, run.terms, acc, inplace=True)
     if call.masked:
-        mask_bias, _ = _tile(run.masks, call, L, S, acc)
-        s = s + mask_bias
-    lse = torch.logsumexp(s, dim=-1)  # (items, H, q_len): -inf for a row with no visible key
-    safe = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
-    o = torch.matmul(torch.exp(s - safe), _items(v, call, keys=True).to(acc))  # (items, H, q_len, D)
+        s.add_(_tile(run.masks, call, L, S, acc)[0])
+    # softmax in place over the tile (no autograd here): s becomes exp(s - row max)
+    row_max = s.amax(dim=-1, keepdim=True)  # (items, H, q_len, 1)
+    row_max.masked_fill_(row_max == _NEG_INF, 0.0)  # rows with no visible key: exp(-inf) = 0
+    s.sub_(row_max).exp_()
+    total = s.sum(dim=-1, keepdim=True)  # (items, H, q_len, 1)
+    o = torch.matmul(s, _items(v, call, keys=True).to(acc))  # (items, H, q_len, D)
+    o.div_(total.clamp(min=torch.finfo(acc).tiny))
+    lse = (total.log() + row_max).squeeze(-1)  # (items, H, q_len): -inf where nothing is visible
     return o, lse
 
 

@@ -23,6 +23,11 @@ from qkv.bias import Bias
 
 __all__ = ["ScoreMod", "ScoreTerms", "check_softcap"]
 
+
+def _broadcasts(x: torch.Tensor, into: torch.Tensor) -> bool:
+    """Whether x broadcasts to into's shape (so that into += x is allowed)."""
+    return x.ndim <= into.ndim and all(a in (1, b) for a, b in zip(reversed(x.shape), reversed(into.shape), strict=False))
+
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # FLOPs per pair of a softcap: a division, a tanh (counted as one), a multiplication.
@@ -91,20 +96,35 @@ class ScoreTerms:
         return positions[rows, q_idx]
 
     def apply(
-        self, s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        self,
+        s: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+        *,
+        inplace: bool = False,
     ) -> torch.Tensor:
-        """The terms applied to scaled scores s, in DESIGN.md's order; the result has s's shape."""
+        """The terms applied to scaled scores s, in DESIGN.md's order; the result has s's shape.
+
+        ``inplace``: s is a temporary without autograd history and may be overwritten (the
+        engine's forward tiles: fewer passes over the scores)."""
         if self.softcap is not None:
-            s = torch.tanh(s / self.softcap) * self.softcap
+            if inplace:
+                s = s.div_(self.softcap).tanh_().mul_(self.softcap)
+            else:
+                s = torch.tanh(s / self.softcap) * self.softcap
         if self.bias is not None:
-            s = s + self.bias.terms(b, h, q_idx, kv_idx, self.q_pos(b, q_idx)).to(s.dtype)
+            terms = self.bias.terms(b, h, q_idx, kv_idx, self.q_pos(b, q_idx)).to(s.dtype)
+            s = s.add_(terms) if inplace and _broadcasts(terms, s) else s + terms
         if self.score_mod is not None:
             modified = self.score_mod(s, b, h, q_idx, kv_idx)
             if not isinstance(modified, torch.Tensor) or not modified.is_floating_point():
                 got = modified.dtype if isinstance(modified, torch.Tensor) else type(modified).__name__
                 raise TypeError(f"score_mod(score, b, h, q_idx, kv_idx) must return a float tensor, got {got}")
             try:
-                s = torch.broadcast_to(modified, s.shape).to(s.dtype)
+                full = modified if modified.shape == s.shape else torch.broadcast_to(modified, s.shape).contiguous()
+                s = full.to(s.dtype)
             except RuntimeError as error:
                 raise ValueError(
                     f"score_mod returned shape {tuple(modified.shape)}, which does not broadcast to the "
