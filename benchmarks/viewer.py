@@ -2,6 +2,7 @@
 synthetic input stored as exact top-k weights.
 
     uv run python benchmarks/viewer.py            # prints a table; needs /usr/bin/chromium
+    uv run python benchmarks/viewer.py --quick    # the 512-token case only
 
 Figures (milliseconds, medians of several runs, measured inside the page with performance.now()):
 - ready: from navigation start to the page's data-ready mark (inflate, thumbnails, first drawing);
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -107,7 +109,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder)
         cases = {"MiniLM, 512 tokens": minilm_512()}
-        cases["synthetic 2048 tokens, 6 x 12 heads (top-k)"] = synthetic(2048, 6, 12)
+        if "--quick" not in sys.argv:
+            cases["synthetic 2048 tokens, 6 x 12 heads (top-k)"] = synthetic(2048, 6, 12)
         rows = {name: measure(inspection, directory, name.split(",")[0].replace(" ", "-")) for name, inspection in cases.items()}
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (2 cores, shared)")
     for name, figures in rows.items():

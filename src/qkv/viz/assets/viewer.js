@@ -10,7 +10,12 @@
   const LINE_WIDTH = 280; // px between the two token columns
   const THUMB_RES = 128; // thumbnails at most this many pixels a side (max-pooled above that)
   const TOP_K = 5; // how many strongest weights the info line names
-  const MAX_OVERVIEW_LINES = 4000; // software-rasterized, 4000 long lines take ~0.3 s
+  // The overview is rasterized in software at the next paint, at a cost that grows with the
+  // number of lines and their length: 4000 lines over a 512-token column (7 000 px) took 0.46 s
+  // per head switch, 1000 lines 0.09 s (Chromium, --disable-gpu). Short inputs draw them all.
+  const MAX_OVERVIEW_LINES = 4000;
+  const MAX_OVERVIEW_LINES_LONG = 1000; // past LONG_INPUT rows
+  const LONG_INPUT = 128;
   const LARGEST_EXPONENT = 700; // as qkv.inspect_steps: shift a row whose exp would overflow
   const DIFF_TOP = 8; // how many of the largest differences the difference view lists
   const ROLE_COLOURS = { // qkv.viz.roles.ROLE_COLOURS
@@ -188,9 +193,9 @@
 
   function buildColumns() {
     const longest = Math.max(...texts.map((t) => t.labels().length));
-    rowHeight = longest > 128 ? 14 : 22; // long inputs: denser rows so the page stays scrollable
+    rowHeight = longest > LONG_INPUT ? 14 : 22; // long inputs: denser rows so the page stays scrollable
     view.style.setProperty("--row", `${rowHeight}px`);
-    view.style.setProperty("--font", longest > 128 ? "11px" : "13px");
+    view.style.setProperty("--font", longest > LONG_INPUT ? "11px" : "13px");
     for (const text of texts) {
       const names = text.labels(), n = names.length;
       for (const side of ["query", "key"]) {
@@ -238,7 +243,8 @@
       }
     }
     let lowest = scale, kept = levels[lowest].length / 2;
-    while (lowest > 1 && kept + levels[lowest - 1].length / 2 <= MAX_OVERVIEW_LINES) {
+    const cap = n > LONG_INPUT ? MAX_OVERVIEW_LINES_LONG : MAX_OVERVIEW_LINES;
+    while (lowest > 1 && kept + levels[lowest - 1].length / 2 <= cap) {
       lowest -= 1;
       kept += levels[lowest].length / 2;
     }
