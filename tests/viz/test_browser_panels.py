@@ -67,6 +67,8 @@ def test_pinned_query_and_a_clicked_key_open_their_steps(page: Viewer, projected
     assert_panel_is_the_steps(page, projected, 1, 3, 3, 5)
     page.page.mouse.move(1, 1)
     assert page.view("focus") == "query:3"  # the pin stays
+    page.page.select_option("#head", "2")  # the numbers belonged to head 3: the panel clears
+    assert panel(page) == {} and page.page.text_content("#steps").startswith("Steps: pin a query")
 
 
 def test_clicking_a_line_opens_its_steps(page: Viewer, projected) -> None:

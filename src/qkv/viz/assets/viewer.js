@@ -322,6 +322,16 @@
   // ---- the steps panel ----------------------------------------------------------------------
   const fmt = (x, digits = 4) => (Math.abs(x) >= 1e5 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(3) : x.toFixed(digits));
 
+  const STEPS_HINT = $("steps").textContent;
+
+  // Back to the hint: the numbers shown belong to a selection that just changed.
+  function clearSteps() {
+    const panel = $("steps");
+    for (const name of Object.keys(panel.dataset)) delete panel.dataset[name];
+    panel.textContent = STEPS_HINT;
+    document.querySelectorAll(".token.chosen").forEach((t) => t.classList.remove("chosen"));
+  }
+
   function showSteps(text, query, key) {
     const panel = $("steps");
     panel.replaceChildren();
@@ -538,7 +548,7 @@
   }
 
   function bindEvents() {
-    const rerender = () => { syncControls(); renderHead(); };
+    const rerender = () => { clearSteps(); syncControls(); renderHead(); };
     $("layer").addEventListener("change", () => { state.layer = Number($("layer").value); rerender(); });
     $("head").addEventListener("change", () => { state.head = Number($("head").value); rerender(); });
     $("average").addEventListener("change", () => { state.average = $("average").checked; rerender(); });
@@ -546,6 +556,7 @@
     $("roles").addEventListener("change", () => { state.roles = $("roles").checked; colourRoles(); });
     $("words").addEventListener("change", () => {
       state.words = $("words").checked;
+      clearSteps();
       for (const text of texts) text.hover = text.pinned = null; // indices mean something else at the other level
       buildColumns();
       drawThumbs();
@@ -576,6 +587,7 @@
       state.mode = "attention";
       state.average = thumb.dataset.head === "mean";
       if (!state.average) state.head = Number(thumb.dataset.head);
+      clearSteps();
       syncControls();
       renderHead();
       const n = texts[0].labels().length, box = thumb.getBoundingClientRect();
