@@ -18,6 +18,7 @@ import torch
 
 from qkv.bias import Bias, as_bias
 from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
+from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
 __all__ = ["AttentionProblem", "describe_problem", "normalize_mask"]
@@ -45,6 +46,7 @@ class AttentionProblem:
     scale: float
     dropout: float
     terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
+    nonfinite: bool = False  # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule)
 
     @property
     def N(self) -> int:
@@ -121,8 +123,10 @@ def describe_problem(
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     scale = 1.0 / math.sqrt(E) if scale is None else _check_scale(scale)
+    scale = float(scale)
     normalized = normalize_mask(mask, q, batch_shape, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale)
     N = math.prod(batch_shape)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
@@ -134,10 +138,84 @@ def describe_problem(
         mask=normalized,
         batch_shape=batch_shape,
         H=H, G=G, L=L, S=S, E=E, Ev=Ev,
-        scale=float(scale),
+        scale=scale,
         dropout=float(dropout),
         terms=terms,
+        nonfinite=nonfinite,
     )
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of x is finite. One reduction (a 2-norm is finite only when every
+    entry is); only when it overflows on finite entries is each entry tested."""
+    with torch.no_grad():
+        if math.isfinite(float(torch.linalg.vector_norm(x, dtype=accumulation_dtype(x.dtype)))):
+            return True
+        return bool(torch.isfinite(x).all())
+
+
+def _largest_row_norm(x: torch.Tensor) -> float:
+    """max_i ||x_i|| over the last axis, in float64 (finite entries assumed)."""
+    with torch.no_grad():
+        return float(torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).amax())
+
+
+def _check_magnitudes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Mask | None, scale: float
+) -> bool:
+    """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
+
+    |scale * q_i . k_j| <= max(1, |scale|) * ||Q|| ||K|| (Cauchy-Schwarz, Frobenius norms:
+    one cheap reduction each); only when that bound is too large is the tight one,
+    max_i ||q_i|| * max_j ||k_j||, computed. Scores, plus the largest value of a float mask,
+    must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
+    1.8e308 for float64) or exp and the softmax would see inf and return NaN.
+
+    Under torch.compile these data-dependent checks are skipped (they would break the graph):
+    compiled code gets neither the refusal nor the NaN rule.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    finite = [_all_finite(x) for x in (q, k, v)]
+    top = 0.0
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        with torch.no_grad():
+            top = max(0.0, float(mask.max()))
+    if not (finite[0] and finite[1]):
+        return True  # the NaN rule applies; rows that read a non-finite entry become NaN
+    acc = accumulation_dtype(q.dtype)
+    limit = torch.finfo(acc).max / 2
+    factor = max(1.0, abs(scale))
+    with torch.no_grad():
+        loose = factor * float(torch.linalg.vector_norm(q, dtype=torch.float64)) * float(
+            torch.linalg.vector_norm(k, dtype=torch.float64)
+        )
+    if loose + top > limit:
+        q_norm, k_norm = _largest_row_norm(q), _largest_row_norm(k)
+        bound = factor * q_norm * k_norm
+        if bound + top > limit:
+            raise ValueError(
+                f"the scaled scores can reach {bound + top:.3g} (max(1, |scale|) = {factor:.3g}, largest "
+                f"|q_i| = {q_norm:.3g}, largest |k_j| = {k_norm:.3g}, largest mask value {top:.3g}), "
+                f"beyond half the largest {str(acc).removeprefix('torch.')} ({limit:.3g}): they would overflow "
+                "to inf and the softmax would return NaN; use float64 inputs or smaller q, k or scale"
+            )
+    return not finite[2]
+
+
+def _check_float_mask(mask: torch.Tensor) -> None:
+    """A float mask adds finite values or -inf (hide); NaN and +inf have no meaning."""
+    if torch.compiler.is_compiling():
+        return  # a data-dependent check; see _check_magnitudes
+    with torch.no_grad():
+        top = float(mask.max())
+        if math.isnan(top) or top == math.inf:
+            bad = torch.nonzero(torch.isnan(mask) | torch.isposinf(mask))[:3].tolist()
+            what = "NaN" if math.isnan(top) else "+inf"
+            raise ValueError(
+                f"the float mask holds {what} (first at indices {bad}); a float mask adds finite values "
+                "to the scores, or -inf to hide a key"
+            )
 
 
 def _check_scale(scale: object) -> float:
@@ -217,6 +295,8 @@ def normalize_mask(
         m not in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
     ):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (*batch, H, L, S) = {target}")
+    if mask.is_floating_point():
+        _check_float_mask(mask)
     full = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))  # (*batch | 1, H | 1, L | 1, S | 1)
     lead = full.shape[: len(batch_shape)]
     heads = full.shape[-3]

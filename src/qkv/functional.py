@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import AttentionProblem, describe_problem, normalize_mask
 from qkv.bias import Bias
 from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
@@ -415,7 +416,8 @@ def attention(
         softcap: cap the scores smoothly at +-softcap (Gemma 2 uses 50 for attention).
         score_mod: a vectorized fn(score, b, h, q_idx, kv_idx) -> score on broadcasting
             tensors (FlexAttention's contract; b is the flattened batch row, h the query head).
-        scale: factor applied to q k^T; default 1 / sqrt(E).
+        scale: factor applied to q k^T, any finite real number (a NumPy scalar or a
+            one-element tensor without gradient too); default 1 / sqrt(E).
         dropout: probability of dropping an attention weight (applied whenever > 0; modules
             pass 0 in eval mode).
         return_weights: also return the exact probabilities (..., H, L, S) that produced the
@@ -428,7 +430,22 @@ def attention(
     Returns:
         output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
         (output, weights, lse). A query row that may attend to no key gets a zero output row,
-        zero weights, lse = -inf and zero gradients.
+        zero weights, lse = -inf and zero gradients. lse is differentiable on every path
+        (d lse_i / d s_ij = p_ij), as are the weights on the paths that return them.
+
+    Numerics, the same on every path:
+        - A float mask is added in float32 or wider (float64 for float64 inputs), whatever
+          the inputs' dtype: it is never rounded to float16 / bfloat16. It holds finite
+          values or -inf (hide); NaN or +inf in it is refused with a ValueError.
+        - Non-finite inputs: a NaN or an infinity in q, k or v makes NaN the output, weights
+          and lse of exactly the query rows that read it (a row whose query holds one, and
+          every row that may see a key whose k or v holds one); every other row is exact,
+          and the NaN rows pass no gradient (`qkv._nan_rule`).
+        - Overflow: finite inputs whose scaled scores could leave the accumulation dtype
+          (max(1, |scale|) * max_i |q_i| * max_j |k_j| plus the largest mask value above half
+          of float32's largest value 3.4e38, of float64's for float64 inputs) are refused
+          with a ValueError naming the bound; float64 inputs hold scores up to 1e308.
+        - Under torch.compile the data-dependent checks of these three rules are skipped.
 
     Example:
         >>> import torch, qkv
@@ -438,31 +455,44 @@ def attention(
     """
     problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
-    if plan.path in ("blocks", "flex"):
-        out, weights, lse = _sparse_attention(problem, plan, return_weights, return_lse)
+    if not problem.nonfinite:
+        out, weights, lse = _run(problem, plan, return_weights, return_lse)
         return _pack(problem, out, weights, lse, return_weights, return_lse)
+    # the NaN rule (qkv._nan_rule): compute on finite inputs, then NaN the rows that read a bad entry
+    rows = affected_rows(problem)  # (N, H, L)
+    out, weights, lse = _run(finite_problem(problem), plan, return_weights, return_lse)
+    out, weights, lse = poison(out, rows, False), poison(weights, rows, False), poison(lse, rows, True)
+    assert out is not None
+    return _pack(problem, out, weights, lse, return_weights, return_lse)
+
+
+def _run(
+    problem: AttentionProblem, plan: Plan, return_weights: bool, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run ``plan``: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
+    if plan.path in ("blocks", "flex"):
+        return _sparse_attention(problem, plan, return_weights, return_lse)
     dense_mask = _dense_mask(problem, plan)
     weights = lse = None
     if plan.path == "math":
-        out, weights, lse = math_attention(
+        return math_attention(
             problem.q, problem.k, problem.v, dense_mask, problem.scale,
             causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms,
         )
-    else:
-        out, lse = fused_attention(
-            problem.q, problem.k, problem.v, dense_mask, problem.scale,
-            is_causal=plan.sdpa_causal, dropout=problem.dropout,
-            # the CPU flash kernel returns the lse but does not differentiate its mask (a learnable bias)
-            need_lse=return_lse and fused_lse_available(problem.q, problem.v)
-            and not (dense_mask is not None and dense_mask.requires_grad),
-        )
-        causal_offset = plan.causal_offset if plan.sdpa_causal else None
-        if return_weights:
-            weights, lse = attention_weights_dense(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
-        elif return_lse and lse is None:
-            # the kernel gives no lse here (E != Ev, or not on CPU): recompute it by row chunks
-            lse = dense_lse(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
-    return _pack(problem, out, weights, lse, return_weights, return_lse)
+    # a learned float mask gets its gradient from SDPA and a differentiable lse, not the flash kernel
+    learned_mask = isinstance(dense_mask, torch.Tensor) and dense_mask.requires_grad
+    out, lse = fused_attention(
+        problem.q, problem.k, problem.v, dense_mask, problem.scale,
+        is_causal=plan.sdpa_causal, dropout=problem.dropout,
+        need_lse=return_lse and not return_weights and not learned_mask and fused_lse_available(problem.q),
+    )
+    causal_offset = plan.causal_offset if plan.sdpa_causal else None
+    if return_weights:
+        weights, lse = attention_weights_dense(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
+    elif return_lse and lse is None:
+        # the kernel gives no lse here (a learned mask, or not on CPU): recompute it by row chunks
+        lse = dense_lse(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
+    return out, weights, lse
 
 
 def _describe(

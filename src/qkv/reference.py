@@ -228,14 +228,18 @@ def attention(
     )
 
 
-def attention_grads(trace: Trace, d_output: ArrayLike) -> tuple[Array, Array, Array]:
-    """Gradients of a scalar loss with respect to q, k and v, given d_output = dloss/doutput.
+def attention_grads(
+    trace: Trace, d_output: ArrayLike, d_lse: ArrayLike | None = None
+) -> tuple[Array, Array, Array]:
+    """Gradients of a scalar loss with respect to q, k and v, given d_output = dloss/doutput
+    (and d_lse = dloss/dlse (..., L) when the loss also reads the log-sum-exp).
 
     The chain rule through the five steps, backwards:
 
     dV = P^T dO                                  (mix)
     dP = dO V^T
     dX = P * (dP - rowsum(dP * P))               (softmax; X are the logits: also d bias)
+    dX += P * d_lse                              (lse_i = log sum_j exp(X_ij): d lse_i / d X_ij = P_ij)
     dX <- dX * (1 - tanh(x / c)^2)               (softcap, when set; x the scaled scores)
     dQ = scale * dX K,   dK = scale * dX^T Q     (scale, then score)
 
@@ -250,6 +254,8 @@ def attention_grads(trace: Trace, d_output: ArrayLike) -> tuple[Array, Array, Ar
     p = trace.weights
     dv = np.swapaxes(p, -1, -2) @ d_out  # (..., S, Ev)
     dx = logit_grads(trace, d_out)  # (..., L, S)
+    if d_lse is not None:
+        dx = dx + p * np.asarray(d_lse, dtype=np.float64)[..., None]  # (..., L, S)
     if trace.softcap is not None:
         dx = dx * (1.0 - np.tanh(trace.scaled / trace.softcap) ** 2)
     dq = trace.scale * dx @ trace.k  # (..., L, E)

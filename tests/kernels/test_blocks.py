@@ -66,15 +66,15 @@ def _problem(N: int, H: int, G: int, L: int, S: int, E: int, Ev: int, dtype=torc
     return q.to(dtype), k.to(dtype), v.to(dtype), d_out
 
 
-def _reference(q, k, v, mask: M.Mask, d_out, scale: float):
+def _reference(q, k, v, mask: M.Mask, d_out, scale: float, d_lse=None):
     L, S = q.shape[-2], k.shape[-2]
     trace = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), mask.to_dense(L, S).numpy(), scale)
-    return trace, R.attention_grads(trace, d_out.numpy())
+    return trace, R.attention_grads(trace, d_out.numpy(), None if d_lse is None else d_lse.numpy())
 
 
 def _assert_matches(out, lse, grads, trace, ref_grads, tol: float) -> None:
     np.testing.assert_allclose(out.detach().double().numpy(), trace.output, atol=tol, rtol=tol)
-    lse = lse.double().numpy()
+    lse = lse.detach().double().numpy()
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(trace.lse))
     finite = np.isfinite(trace.lse)
     np.testing.assert_allclose(lse[finite], trace.lse[finite], atol=tol, rtol=tol)
@@ -110,12 +110,14 @@ def test_engine_matches_the_reference(planner: str, kind: str, config: str, size
     tiles = _plan(planner, mask, N, H, L, S, max(E, Ev), CONFIGS[config])
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
     out, lse = tile_attention(q, k, v, mask, tiles, scale)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    trace, ref_grads = _reference(q.detach(), k.detach(), v.detach(), mask, d_out, scale)
+    # a loss that reads the output and the lse: both gradients flow back (d lse_i / d s_ij = p_ij)
+    d_lse = torch.randn(N, H, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
+    trace, ref_grads = _reference(q.detach(), k.detach(), v.detach(), mask, d_out, scale, d_lse)
     _assert_matches(out, lse, grads, trace, ref_grads, 1e-10)
     # exact probabilities of chosen heads and rows, block by block, from the saved lse
     heads, rows = torch.tensor([3, 0]), torch.tensor([L - 1, 0, L // 2])
-    weights = tile_weights(q.detach(), k.detach(), mask, tiles, scale, heads, rows, lse)
+    weights = tile_weights(q.detach(), k.detach(), mask, tiles, scale, heads, rows, lse.detach())
     np.testing.assert_allclose(weights.numpy(), trace.weights[:, [3, 0]][:, :, [L - 1, 0, L // 2]], atol=1e-12)
 
 

@@ -15,7 +15,8 @@ o_p and log-sum-exp lse_p, merged exactly (FlashAttention's rescaling, algorithm
 Backward (a custom autograd Function, FlashAttention-2's recomputation): for every call the
 kernel's backward is given the *final* output and lse of its rows. With those, the
 probabilities exp(s - lse) and the row term D = rowsum(dO * O) are the global ones, so each
-piece's dq, dk, dv is exactly its share and the shares simply add up.
+piece's dq, dk, dv is exactly its share and the shares simply add up. The returned lse is
+differentiable too: its gradient enters as one extra head column (`qkv.kernels.lse_grad`).
 
 Memory: besides the output and lse (O(n)), one call's temporaries at a time, bounded by
 `TileConfig.call_bytes` (O(n x block)); never an L x S tensor.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
 from qkv.kernels.scores import ScoreTerms
+from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
@@ -208,8 +210,14 @@ def _backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     run: _Run,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (N, H, *, D) from the final output and lse (FlashAttention-2 recomputation)."""
+    """dq, dk, dv (N, H, *, D) from the final output and lse (FlashAttention-2 recomputation),
+    with the gradient of lse (N, H, L) added when ``grad_lse`` is given."""
+    dtypes = q.dtype, k.dtype, v.dtype
+    D_in = q.shape[3]
+    if grad_lse is not None:
+        q, k, v, out, grad_out = with_lse_gradient(q, k, v, out, grad_out, grad_lse)  # (N, H, *, D + 1)
     N, H, L, D = q.shape
     S = k.shape[2]
     acc_dtype = accumulation_dtype(q.dtype)
@@ -222,7 +230,7 @@ def _backward(
     dv = torch.zeros(N, H, S, D, dtype=acc_dtype)
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     for call in run.plan.calls:
-        bias = _tile(run, call, L, S, q.dtype)[0] if call.masked else None
+        bias = _tile(run, call, L, S, q.dtype)[0].to(q.dtype) if call.masked else None
         gq, gk, gv = flash_backward(
             _items(grad_out, call, keys=False), _items(q, call, keys=False),
             _items(k, call, keys=True), _items(v, call, keys=True),
@@ -231,7 +239,7 @@ def _backward(
         _add_rows(dq, call, gq)
         _add_keys(dk, call, gk)
         _add_keys(dv, call, gv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq[..., :D_in].to(dtypes[0]), dk[..., :D_in].to(dtypes[1]), dv[..., :D_in].to(dtypes[2])
 
 
 def _add_rows(dest: torch.Tensor, call: Call, grad: torch.Tensor) -> None:
@@ -255,21 +263,22 @@ def _add_keys(dest: torch.Tensor, call: Call, grad: torch.Tensor) -> None:
 
 
 class _TileAttention(torch.autograd.Function):
-    """Forward and backward of the tile engine; lse is returned without a gradient."""
+    """Forward and backward of the tile engine; both the output and lse are differentiable."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run):  # type: ignore[override]
         out, lse = _forward(q, k, v, run)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.run = run
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):  # type: ignore[override]
-        del grad_lse  # lse is marked non-differentiable
+    def backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
         return dq, dk, dv, None
 
 
@@ -283,8 +292,8 @@ def tile_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the tiles of ``plan``: (output (N, H, L, Ev) in q's dtype, lse (N, H, L)).
 
-    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU. Differentiable in q, k, v; lse
-    is float32 (float64 for float64 inputs) and carries no gradient.
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU. Both results are differentiable
+    in q, k, v; lse is float32 (float64 for float64 inputs).
     """
     H, E, Ev = q.shape[1], q.shape[3], v.shape[3]
     D = max(E, Ev)

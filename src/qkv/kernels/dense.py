@@ -9,7 +9,14 @@ v (N, G, S, Ev) and a mask that is None, is_causal, or a tensor (N | 1, H | 1, L
   people run. Query rows with no visible key are made harmless before the call (their mask
   row is opened) and zeroed after it, so neither the forward nor the backward sees a NaN.
   On CPU, when the caller needs the log-sum-exp, it calls the flash kernel that SDPA
-  dispatches to (`aten._scaled_dot_product_flash_attention_for_cpu`), which returns it.
+  dispatches to (`aten._scaled_dot_product_flash_attention_for_cpu`), which returns it,
+  inside an autograd Function whose backward also carries lse's gradient
+  (`qkv.kernels.lse_grad`).
+
+Float masks reach every kernel in the accumulation dtype (float32, float64 for float64
+inputs), never rounded to a float16 / bfloat16 input's dtype: 7e4 stays finite, -1e5 stays
+-1e5 and a bias keeps its float32 digits (PyTorch's CPU kernels add a float32 mask to
+low-precision scores in float32).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype, masked_softmax
 
@@ -131,12 +139,13 @@ def math_attention(
     )
 
 
-def fused_lse_available(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the fused kernel can return the log-sum-exp: PyTorch's CPU flash kernel, E == Ev."""
+def fused_lse_available(q: torch.Tensor) -> bool:
+    """Whether the fused kernel can return the log-sum-exp: PyTorch's CPU flash kernel."""
+    ops = torch.ops.aten
     return (
         q.device.type == "cpu"
-        and q.shape[-1] == v.shape[-1]
-        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu")
+        and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")
     )
 
 
@@ -153,18 +162,58 @@ def dense_lse(
     causal_offset: int | None = None,
     terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
-    """log sum_j exp(score_ij) (N, H, L) without holding the whole score matrix (no gradient)."""
+    """log sum_j exp(score_ij) (N, H, L), by chunks of query rows.
+
+    Differentiable (in q, k and a float mask); without autograd only one chunk of scores
+    exists at a time, with it autograd keeps every chunk's scores (the math path's memory).
+    """
     N, H, L, _ = q.shape
     parts = []
-    with torch.no_grad():
-        for start in range(0, L, _LSE_CHUNK):
-            stop = min(L, start + _LSE_CHUNK)
-            rows = mask[..., start:stop, :] if mask is not None else None
-            offset = None if causal_offset is None else causal_offset + start
-            row_ids = torch.arange(start, stop, device=q.device)
-            scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset, terms, rows=row_ids)  # (N, G, r, l, S)
-            parts.append(torch.logsumexp(scores, dim=-1).reshape(N, H, stop - start))  # (N, H, l)
+    for start in range(0, L, _LSE_CHUNK):
+        stop = min(L, start + _LSE_CHUNK)
+        rows = mask[..., start:stop, :] if mask is not None else None
+        offset = None if causal_offset is None else causal_offset + start
+        row_ids = torch.arange(start, stop, device=q.device)
+        scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset, terms, rows=row_ids)  # (N, G, r, l, S)
+        parts.append(masked_softmax(scores)[1].reshape(N, H, stop - start))  # (N, H, l)
     return torch.cat(parts, dim=-1)  # (N, H, L)
+
+
+def _additive_mask(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The mask as the kernels take it: bool as it is, float in the accumulation dtype."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask.to(accumulation_dtype(q.dtype))
+
+
+class _FlashWithLse(torch.autograd.Function):
+    """PyTorch's CPU flash kernel, output and lse both differentiable in q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float):  # type: ignore[override]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )[:2]  # (N, H, L, Ev), (N, H, L)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dtypes = q.dtype, k.dtype, v.dtype
+        E = q.shape[-1]
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if grad_lse is not None:
+            q, k, v, out, grad_out = with_lse_gradient(q, k, v, out, grad_out, grad_lse)  # (N, H, *, E + 1)
+            mask = _additive_mask(mask, q)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
+        )
+        grads = (g[..., :E].to(dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True))
+        return (*grads, None, None, None)
 
 
 def fused_attention(
@@ -190,19 +239,21 @@ def fused_attention(
             # rows are zeroed below, which also zeroes their gradient.
             mask = mask | empty_rows if mask.dtype == torch.bool else mask.masked_fill(empty_rows, 0.0)
     if need_lse:
-        if mask is not None:
-            additive = mask.to(q.dtype) if mask.is_floating_point() else torch.zeros(
-                mask.shape, dtype=q.dtype, device=q.device
-            ).masked_fill(~mask, _NEG_INF)
-        else:
-            additive = None
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, expand_kv_heads(k, H), expand_kv_heads(v, H), dropout, is_causal, attn_mask=additive, scale=scale
-        )
-        lse = lse.detach().to(accumulation_dtype(q.dtype))  # (N, H, L)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, _NEG_INF)
+        if dropout > 0.0:
+            raise ValueError("the fused kernel returns no log-sum-exp under dropout")
+        E, Ev = q.shape[-1], v.shape[-1]
+        D = max(E, Ev)
+        # the kernel wants one head size for q, k and v: zero columns change no score and no output
+        q_, k_ = (F.pad(q, (0, D - E)), F.pad(k, (0, D - E))) if E < D else (q, k)
+        v_ = F.pad(v, (0, D - Ev)) if Ev < D else v
+        out, lse = _FlashWithLse.apply(
+            q_, expand_kv_heads(k_, H), expand_kv_heads(v_, H), _additive_mask(mask, q), is_causal, scale
+        )  # (N, H, L, D), (N, H, L)
+        out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
     else:
-        if mask is not None and mask.is_floating_point():
-            mask = mask.to(q.dtype)
+        mask = _additive_mask(mask, q)
         gqa = k.shape[1] != H
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa
