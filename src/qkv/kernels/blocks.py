@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
-from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.lse_grad import with_lse_gradient
+from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
