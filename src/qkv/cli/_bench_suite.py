@@ -51,12 +51,13 @@ class BenchConfig:
     flex: bool = True  # FlexAttention comparisons (compiles for tens of seconds on CPU)
     backward: bool = True
     matmul: int = 2048  # side of the square float32 matmul that measures the machine's rate
+    judge: bool = True  # compare speedups with the goals; False for a smoke run, too small to judge
 
 
 STANDARD = BenchConfig()
 QUICK = BenchConfig(
     n_window=1024, n_docs=1024, documents=8, n_causal=(512,), n_memory=2048, sweep=(256, 512),
-    repeats=2, flex=False, backward=True, matmul=256,
+    repeats=2, flex=False, backward=True, matmul=256, judge=False,
 )
 
 
@@ -95,10 +96,12 @@ class BenchReport:
     sweep: dict[str, dict[int, float]] = field(default_factory=dict)  # series -> n -> seconds or bytes
 
     def to_json(self) -> dict[str, Any]:
+        judge = self.config.judge
         comparisons = [
-            {**asdict(c), "speedup": c.speedup, "met": c.met} for c in self.comparisons
+            {**asdict(c), "speedup": c.speedup, "met": c.met if judge else None} for c in self.comparisons
         ]
         return {
+            "smoke_run": not judge,  # goals are not judged from a smoke run's small sizes
             "config": asdict(self.config),
             "threads": self.threads,
             "torch": self.torch_version,
