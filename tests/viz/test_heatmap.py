@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 import torch
+from matplotlib import font_manager, ft2font
 from tests.viz._inspections import HOSTILE_TOKENS, make_inspection
 
 from qkv.viz import heatmap, heatmap_grid, save_heatmap
@@ -130,13 +131,30 @@ def test_svg_grid_parses_and_has_the_figure_size(small, tmp_path) -> None:
     assert float(root.get("height").removesuffix("pt")) == pytest.approx(expected[1], abs=0.01)
 
 
-# DejaVu Sans has no CJK glyphs; matplotlib warns and draws boxes unless a CJK font is installed.
-@pytest.mark.filterwarnings(r"ignore:Glyph \d+ .* missing from font")
-def test_cjk_tokens_are_labels(tmp_path) -> None:
+# DejaVu Sans has no CJK glyphs: without the shipped CJK font matplotlib would draw boxes and warn
+# "Glyph ... missing from font", which filterwarnings = error turns into a failure here.
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_cjk_tokens_are_drawn_with_a_font_that_has_them(tmp_path, suffix: str) -> None:
     inspection = make_inspection([["我"], ["吃"], ["苹", "##果"]], layers=1, heads=2)
-    path = save_heatmap(inspection, tmp_path / "apple.png", head=0, dpi=50)
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    path = save_heatmap(inspection, tmp_path / f"apple{suffix}", head=0, dpi=50)
+    assert path.stat().st_size > 0
     assert _labels(heatmap(inspection).axes[0], "y") == inspection.tokens
+    fig = heatmap(np.eye(2), labels=["苹果", "吃"])
+    fig.savefig(tmp_path / f"labels{suffix}", dpi=50)  # draws the labels: no glyph may be missing
+    families = fig.axes[0].get_yticklabels()[0].get_fontfamily()
+    has_glyphs = []
+    for family in families:
+        path = font_manager.findfont(font_manager.FontProperties(family=family), fallback_to_default=False)
+        font = ft2font.FT2Font(path)
+        has_glyphs.append(all(font.get_char_index(ord(ch)) != 0 for ch in "苹果吃我한국"))
+    assert any(has_glyphs), families
+
+
+def test_the_shipped_cjk_font_is_registered() -> None:
+    from qkv.viz.fonts import CJK_FAMILY, label_families, register_cjk_font
+
+    assert register_cjk_font() == CJK_FAMILY
+    assert label_families()[:2] == ["DejaVu Sans", CJK_FAMILY]
 
 
 def test_no_pyplot_and_no_needless_imports() -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from matplotlib import font_manager
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from qkv.viz.fonts import label_families
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,13 +36,6 @@ CMAP = "Blues"
 MAX_LABELS = 64  # beyond this many tokens on an axis, label every k-th one so labels stay legible
 GRID_MAX_LABELS = 24  # the grid's panels are smaller
 MAX_LABEL_CHARS = 32  # a longer token label is cut, so that the heatmap keeps its room
-# Families tried after DejaVu Sans for characters it lacks (CJK text); only installed ones are used.
-_FALLBACK_FAMILIES = (
-    "Noto Sans CJK SC",
-    "Noto Sans CJK JP",
-    "WenQuanYi Zen Hei",
-    "Droid Sans Fallback",
-)
 
 
 @dataclass(frozen=True)
@@ -266,7 +260,8 @@ def _label_axis(ax: Axes, axis: Literal["x", "y"], labels: list[str], max_labels
     text = [_one_line(labels[i]) for i in positions]
     size = 8 if len(positions) <= 24 else 6
     # parse_math=False: a token is text, never mathtext ("$x$" must not turn into italics).
-    options = {"fontsize": size, "parse_math": False, "fontfamily": _families()}
+    # label_families: DejaVu Sans, then the CJK font qkv ships, so 苹果 is drawn, not boxes
+    options = {"fontsize": size, "parse_math": False, "fontfamily": label_families()}
     if axis == "x":
         ax.set_xticks(positions, labels=text, rotation=90, **options)
     else:
@@ -279,7 +274,3 @@ def _one_line(label: str) -> str:
     text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in label)
     return text if len(text) <= MAX_LABEL_CHARS else text[: MAX_LABEL_CHARS - 1] + "…"
 
-
-def _families() -> list[str]:
-    installed = {entry.name for entry in font_manager.fontManager.ttflist}
-    return ["DejaVu Sans", *(f for f in _FALLBACK_FAMILIES if f in installed)]
