@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, console, fail
+from qkv.cli._app import app, console, fail, say
 from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail, too_long_message
 
 __all__ = ["embed_command", "split_lines"]
@@ -88,7 +88,7 @@ def embed_command(
     if as_json:
         typer.echo(json.dumps({"model": encoder.name, "texts": all_texts, "embeddings": vectors.tolist()}))
         return
-    console.print(f"{len(all_texts)} embeddings of width {vectors.shape[1]} ({encoder.name})")
+    say(f"{len(all_texts)} embeddings of width {vectors.shape[1]} ({encoder.name})")  # the name may be a path
     if len(all_texts) <= SIMILARITY_TABLE_UP_TO:
         similarity = vectors @ vectors.T  # (N, N): cosine similarity, the vectors have unit norm
         table = Table(title="cosine similarity")

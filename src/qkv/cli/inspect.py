@@ -110,7 +110,7 @@ def token_report(inspection: Inspection) -> list[dict[str, Any]]:
 
 
 def _print_tokens(inspection: Inspection) -> None:
-    table = Table(title=f"{len(inspection.tokens)} tokens ({inspection.model_name})")
+    table = Table(title=Text(f"{len(inspection.tokens)} tokens ({inspection.model_name})", "table.title"))
     for column in ("index", "token", "word", "characters"):
         table.add_column(column)
     for row in token_report(inspection):
