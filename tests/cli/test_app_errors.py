@@ -8,17 +8,20 @@ a second.
 
 from __future__ import annotations
 
+import enum
 import os
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from qkv.cli import app
-from qkv.cli._app import undecodable_argument
+from qkv.cli._app import QkvGroup, undecodable_argument
 
 QKV = Path(sys.executable).with_name("qkv")  # the console script that `uv sync` installs
 NARROW = 40
@@ -148,3 +151,34 @@ def test_the_check_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path: Pat
     assert result.exit_code == 2 and "cannot load model" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heatmap.png"]
     assert png.read_bytes() == b"an older heatmap"
+
+
+
+# qkv's own commands have no choice option yet: a small app on the same group class shows that
+# click's choice errors take the same plain, unwrapped path (exit 2, no panel)
+class Dtype(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+demo = typer.Typer(cls=QkvGroup)
+
+
+@demo.command()
+def run(dtype: Annotated[Dtype, typer.Option("--dtype")] = Dtype.float32) -> None:
+    typer.echo(dtype.value)
+
+
+@demo.command()
+def other() -> None:
+    typer.echo("other")
+
+
+def test_a_bad_choice_is_a_plain_usage_error() -> None:
+    value = "float-" + "sixty-four-" * 8
+    result = CliRunner().invoke(demo, ["run", "--dtype", value])
+    assert result.exit_code == 2, result.output
+    error_line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    assert "--dtype" in error_line and value in error_line and "float32" in error_line
+    assert not set("╭╰│") & set(result.stderr)
+    assert CliRunner().invoke(demo, ["run", "--dtype", "bfloat16"]).stdout == "bfloat16\n"
