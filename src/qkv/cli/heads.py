@@ -138,14 +138,14 @@ def heads_command(
     source = "qkv's built-in sentences" if texts_file is None else str(texts_file)
     say(f"{encoder.name}: attention of every head, averaged over {len(texts)} texts ({source})")
     best = Table(title=Text("the strongest head of each role", "table.title"))
-    for column in ("role", "layer", "head", "share"):
+    for column in ("role", "layer (from 0)", "head (from 0)", "share"):
         best.add_column(column, justify="left" if column == "role" else "right")
     for row in strongest:
         best.add_row(row["role"], str(row["layer"]), str(row["head"]), f"{100 * row['share']:.1f}%")
     console.print(best)
     for row in strongest:
         say(role_sentence(row["role"], row["layer"], row["head"], row["share"]))
-    say("dominant role of each head and its % of the head's attention (rows: layers, columns: heads)")
+    say("dominant role of each head and its % of the head's attention (rows: layers, columns: heads, both from 0)")
     console.print(_grid_table(roles))
     for path in written:
         say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
