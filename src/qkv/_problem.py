@@ -21,7 +21,7 @@ from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
-__all__ = ["AttentionProblem", "describe_problem", "normalize_mask"]
+__all__ = ["AttentionProblem", "compact", "describe_problem", "normalize_mask"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,14 @@ def describe_problem(
     )
 
 
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """x without its broadcast axes (stride 0, from expand): the same values, read once."""
+    for dim in range(x.ndim):
+        if x.stride(dim) == 0 and x.shape[dim] > 1:
+            x = x.narrow(dim, 0, 1)
+    return x
+
+
 def _all_finite(x: torch.Tensor) -> bool:
     """Whether every entry of x is finite. One reduction (a 2-norm is finite only when every
     entry is); only when it overflows on finite entries is each entry tested."""
@@ -180,7 +188,7 @@ def _check_magnitudes(
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
         with torch.no_grad():
-            top = max(0.0, float(mask.max()))
+            top = max(0.0, float(compact(mask).max()))
     if not (finite[0] and finite[1]):
         return True  # the NaN rule applies; rows that read a non-finite entry become NaN
     acc = accumulation_dtype(q.dtype)

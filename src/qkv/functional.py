@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from qkv._nan_rule import affected_rows, finite_problem, poison
-from qkv._problem import AttentionProblem, describe_problem, normalize_mask
+from qkv._problem import AttentionProblem, compact, describe_problem, normalize_mask
 from qkv.bias import Bias
 from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
 from qkv.kernels.dense import (
@@ -58,6 +58,14 @@ _SPARSE_MAX_VISITED = 0.6
 # ... and when the problem has at least this many (query, key) pairs per head: below it the
 # few microseconds of SDPA beat planning and launching tiles.
 _SPARSE_MIN_PAIRS = 256 * 256
+
+# 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
+# finite values span more than this: PyTorch's CPU flash backward then misses DESIGN.md's
+# tolerance rule (3x the naive error plus 1e-6). Measured (L = S = 128..1024, E = 64): ALiBi-like
+# ramps spanning 5e3..3e4 gave 1.2x..3.4x the allowed error, random spreads of 1e4 1.4x; spans up
+# to 2e3 stayed below 0.9x, and two-valued padding masks (0 / -1e4, 0 / finfo.min) below 0.3x but
+# are routed too, for simplicity. bfloat16 / float16 stayed below 0.7x everywhere.
+_FLASH_GRAD_MAX_MASK_SPAN = 1e3
 
 # PyTorch's CPU flash kernel works on query blocks of 256 rows (64 for short queries) and key
 # blocks of 512; one block of scores per thread is its extra memory (aten/src/ATen/native/cpu).
@@ -165,6 +173,12 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         if backend == "fused":
             raise ValueError("return_lse=True with dropout > 0 is only available with backend='math' (or 'auto')")
         return Plan("math", "the fused kernel returns no log-sum-exp under dropout", causal_offset=causal_offset)
+    if backend == "auto" and _wide_float_mask_with_grad(problem):
+        return Plan(
+            "math",
+            f"the float mask's values span more than {_FLASH_GRAD_MAX_MASK_SPAN:g} and gradients are needed: "
+            "PyTorch's CPU flash backward is less accurate than the tolerance rule allows there",
+        )
     if backend == "auto" and isinstance(mask, Mask) and not sdpa_causal and problem.dropout == 0.0:
         sparse = _sparse_if_it_wins(problem)
         if sparse is not None:
@@ -190,6 +204,19 @@ def _mask_name(mask: torch.Tensor | Mask) -> str:
     if isinstance(mask, Mask):
         return mask.describe()
     return f"a {str(mask.dtype).removeprefix('torch.')} tensor mask"
+def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
+    """A float32 problem on CPU that needs gradients, with a float mask spanning a wide range."""
+    mask = problem.mask
+    if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
+        return False
+    needs_grad = _needs_grad(problem) or (torch.is_grad_enabled() and mask.requires_grad)
+    if problem.q.dtype != torch.float32 or problem.q.device.type != "cpu" or not needs_grad:
+        return False
+    with torch.no_grad():
+        values = compact(mask)
+        finite = values.masked_fill(torch.isinf(values), float("nan"))
+        span = float(finite.nan_to_num(nan=float("-inf")).amax()) - float(finite.nan_to_num(nan=float("inf")).amin())
+    return span > _FLASH_GRAD_MAX_MASK_SPAN
 
 
 def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
@@ -539,6 +566,12 @@ def _sparse_attention(
         )
         tiles = None
     weights = None
+    if return_weights and _needs_grad(problem):
+        # weights that a loss will differentiate: the dense formula (they are L x S anyway)
+        causal_offset = problem.mask.offset(problem.L, problem.S) if isinstance(problem.mask, Causal) else None
+        dense = _dense_mask(problem, Plan("math", "weights with gradient", causal_offset=causal_offset))
+        weights, _ = attention_weights_dense(q, k, dense, problem.scale, causal_offset, terms=problem.terms)
+        return_weights = False
     if return_weights or (return_lse and lse is None):
         if tiles is None:
             assert plan.layout is not None
@@ -667,6 +700,11 @@ def _sparse_extra_bytes(problem: AttentionProblem, plan: Plan, acc_bytes: int, r
         if problem.G != problem.H or problem.Ev != problem.E:
             extra += 2 * NH * S * D * itemsize  # keys and values expanded to every head / padded to D
         extra += plan.tiles.max_call_bytes(problem.H, D, itemsize, _mask_heads(problem))
+        masked = [c for c in plan.tiles.calls if c.masked]
+        if masked and isinstance(problem.mask, Mask) and problem.mask.shift_invariant:
+            # tiles kept for reuse along the diagonals (kernels.blocks._tile), at most call_bytes
+            tile = max(c.q_len * c.width for c in masked) * (itemsize + 1) * _mask_heads(problem)
+            extra += min(plan.tiles.config.call_bytes, tile * len(masked))
     else:
         assert plan.layout is not None
         extra += plan.layout.states.numel() * 2 * 4  # BlockMask indices (int32)

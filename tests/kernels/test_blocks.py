@@ -305,3 +305,31 @@ def test_no_allocation_grows_with_n_squared() -> None:
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert largest <= n * 1024  # O(n x block): one bool n x n mask alone would be 16 MiB
     assert largest >= n * 8 * 4  # the output itself was seen: the measurement is live
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_tiles_of_unsorted_documents_are_not_kept(grad: bool) -> None:
+    """Memory stays O(n x block): tiles that never repeat (no shift invariance) are rebuilt
+    when needed, not kept for the whole call; shift-invariant ones are kept within call_bytes."""
+    from qkv.kernels.blocks import _forward, _Run
+
+    N, H, L, D = 1, 2, 700, 8
+    ids = torch.randperm(12, generator=torch.Generator().manual_seed(0))[torch.arange(L) // 61]
+    cfg = TileConfig(block_q=64, block_k=32, call_bytes=64 * 2**10)
+    q, k, v, _ = _problem(N, H, H, L, L, D, D)
+    for mask, kept in ((M.documents(ids), False), (M.sliding_window(100), True)):
+        tiles = _plan("layout", mask, N, H, L, L, D, cfg)
+        assert any(c.masked for c in tiles.calls)
+        run = _Run(tiles, mask, 0.5)
+        _forward(q, k, v, run)
+        assert bool(run.tiles) == kept
+        assert run.tile_bytes <= cfg.call_bytes
+        # and the result is still exact, forward and backward (tiles rebuilt in the backward)
+        qg, kg, vg = (t.clone().requires_grad_(grad) for t in (q, k, v))
+        out, _ = tile_attention(qg, kg, vg, mask, tiles, 0.5)
+        trace, ref_grads = _reference(q, k, v, mask, torch.ones(N, H, L, D, dtype=torch.float64), 0.5)
+        np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
+        if grad:
+            grads = torch.autograd.grad(out.sum(), (qg, kg, vg))
+            for got, want in zip(grads, ref_grads, strict=True):
+                np.testing.assert_allclose(got.numpy(), want, atol=1e-10)

@@ -19,7 +19,8 @@ piece's dq, dk, dv is exactly its share and the shares simply add up. The return
 differentiable too: its gradient enters as one extra head column (`qkv.kernels.lse_grad`).
 
 Memory: besides the output and lse (O(n)), one call's temporaries at a time, bounded by
-`TileConfig.call_bytes` (O(n x block)); never an L x S tensor.
+`TileConfig.call_bytes` (O(n x block)), and mask tiles kept for reuse, bounded by the same
+figure; never an L x S tensor, whatever the mask.
 
 Empty rows (no visible key): output 0, lse -inf, zero gradients, no NaN. The kernel itself
 returns lse = 0 for a row with no visible key in its tile, so those rows are set to -inf
@@ -57,14 +58,15 @@ def flash_kernel_available() -> bool:
     )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Run:
-    """What the autograd Function needs besides the tensors, and the tiles built so far."""
+    """What the autograd Function needs besides the tensors, and the tiles kept for reuse."""
 
     plan: TilePlan
     mask: Mask | None
     scale: float
     tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tile_bytes: int = 0  # bytes held by ``tiles``, at most plan.config.call_bytes
 
 
 def _items(x: torch.Tensor, call: Call, keys: bool) -> torch.Tensor:
@@ -95,21 +97,20 @@ def _tile(run: _Run, call: Call, L: int, S: int, dtype: torch.dtype) -> tuple[to
 
     When every item sees the same tile (a shift-invariant mask whose keys move with the
     rows, one item, or items that are batch rows of a mask without a batch axis), the tile
-    is built once, broadcast, and kept for the other calls and the backward pass.
+    is built once and broadcast. Tiles of a shift-invariant mask repeat along diagonals, so
+    they are kept for the other calls and the backward pass, up to ``call_bytes`` in all;
+    any other tile is rebuilt when needed (keeping every tile of, say, unsorted documents
+    would hold O(L x S) bytes).
     """
     mask = run.mask
     assert mask is not None  # plans without a mask have no masked calls
     shift = mask.shift_invariant and call.k_step == call.q_len
     shared = call.items == 1 or shift or (call.over_batch and mask.batch is None)
     b0 = call.n if mask.batch is not None else 0
-    if shared:
-        key = (
-            (0, call.q0 - call.k0, call.q_len, call.width)
-            if mask.shift_invariant
-            else (1, b0, call.q0, call.k0, call.q_len, call.width)
-        )
-        if key in run.tiles:
-            return run.tiles[key]
+    key = (call.q0 - call.k0, call.q_len, call.width)
+    keep = shared and mask.shift_invariant
+    if keep and key in run.tiles:
+        return run.tiles[key]
     count = 1 if shared else call.items
     j = torch.arange(count).view(count, 1, 1, 1)  # (count, 1, 1, 1): item index
     if call.over_batch:
@@ -134,8 +135,10 @@ def _tile(run: _Run, call: Call, L: int, S: int, dtype: torch.dtype) -> tuple[to
         empty = ~visible.any(dim=-1)  # (count, heads, q_len)
     bias = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), _NEG_INF, dtype=dtype))
     result = bias, empty  # (count, heads | 1, q_len, width), (count, heads | 1, q_len)
-    if shared:
+    size = bias.numel() * bias.element_size() + empty.numel()
+    if keep and run.tile_bytes + size <= run.plan.config.call_bytes:
         run.tiles[key] = result
+        run.tile_bytes += size
     return result
 
 
