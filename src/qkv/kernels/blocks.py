@@ -408,4 +408,8 @@ def tile_weights(
             safe = row_lse.masked_fill(row_lse == _NEG_INF, 0.0).unsqueeze(-1)  # (h, r, 1)
             for p, s in scored:
                 weights[n, :, where, p.k0 : p.k1] = torch.exp(s - safe)
+        # exp(s - lse) carries lse's rounding (about eps * |s|) into every weight of a row; the
+        # row sum is 1 in exact arithmetic, so dividing by it removes that common error
+        sums = weights.sum(dim=-1, keepdim=True)  # (N, h, r, 1)
+        weights = weights / sums.masked_fill(sums == 0, 1.0)
     return weights
