@@ -1,0 +1,57 @@
+"""qkv as an attention backend for Hugging Face transformers models.
+
+    >>> import transformers
+    >>> from qkv.integrations.transformers import register
+    >>> register()  # once per process
+    'qkv'
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="qkv")
+    >>> model.config._attn_implementation
+    'qkv'
+
+`register` adds qkv to transformers' ``AttentionInterface`` (the attention of every layer)
+and ``AttentionMaskInterface`` (how the model's masks are built) under one name. Models whose
+attention goes through that interface then run on qkv:
+
+- masks arrive structured (`StructuredMask`): causal, sliding windows, padding on either
+  side, packed sequences and chunks become ``qkv.masks`` objects, so qkv's CPU tile engine
+  computes only the tiles they leave visible; a mask qkv does not recognise runs dense and
+  `recording` says so;
+- ``output_attentions=True`` (as a forward or ``generate`` argument) returns the exact
+  probabilities of the path that ran, for every layer; transformers refuses
+  ``config.output_attentions=True`` for any implementation but eager, so pass it per call;
+- `recording` lists every call with its `qkv.explain`.
+
+Requires the ``qkv[transformers]`` extra; ``import qkv`` never imports transformers.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from qkv.integrations.transformers._attention import AttentionCall, attention_forward, recording
+from qkv.integrations.transformers._masks import StructuredMask, structured_mask
+
+__all__ = ["AttentionCall", "StructuredMask", "attention_forward", "recording", "register", "structured_mask"]
+
+
+def register(name: str = "qkv") -> str:
+    """Make ``attn_implementation=name`` run on qkv in every transformers model; returns name.
+
+    Registering again (the same or another name) is harmless. The name must not be one of
+    transformers' own implementations ("eager", "sdpa", "flash_attention_2", ...).
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"name must be a non-empty str without surrounding spaces, got {name!r}")
+    from transformers.masking_utils import AttentionMaskInterface
+
+    own = AttentionMaskInterface._global_mapping.get(name)
+    builtin = set(transformers.AttentionInterface._global_mapping) | {"eager", "paged|eager"}
+    if (name in builtin and transformers.AttentionInterface._global_mapping.get(name) is not attention_forward) or (
+        own is not None and own is not structured_mask
+    ):
+        raise ValueError(f"{name!r} is already an attention implementation of transformers; choose another name")
+    transformers.AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, structured_mask)
+    return name

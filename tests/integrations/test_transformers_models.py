@@ -1,0 +1,213 @@
+"""Tiny transformers models on qkv against the same models on eager and sdpa.
+
+Every family whose attention goes through transformers' AttentionInterface: logits, hidden
+states and parameter gradients at the real (non-padding) positions, right and left padding,
+greedy generation with the model's cache, output_attentions for every layer, cross-attention,
+packed sequences, dropout, and what qkv refuses.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from qkv.integrations.transformers import recording
+from tests.integrations import _tiny_models as tiny
+
+NAME = tiny.NAME
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _run(model, ids, mask, **kw):
+    return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kw)
+
+
+def _grads(model, ids, mask, weights):
+    """Gradients of every parameter for a loss over the real positions only."""
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+    (logits * weights * mask[..., None]).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_import_qkv_never_imports_transformers() -> None:
+    code = (
+        "import sys, qkv, qkv.integrations, qkv.masks, qkv.functional, qkv.modules, qkv.models, qkv.inspect\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("family", tiny.DECODERS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_decoder_matches_eager_and_sdpa(family: str, side: str) -> None:
+    models = tiny.trio(tiny.DECODERS[family]())
+    ids, mask = tiny.padded_batch(11, (0, 4), side)
+    real = mask.bool()
+    out = {impl: _run(m, ids, mask) for impl, m in models.items()}
+    weights = torch.randn_like(out["eager"].logits)
+    grads = {impl: _grads(m, ids, mask, weights) for impl, m in models.items()}
+    for peer in tiny.peers(models):
+        torch.testing.assert_close(out[NAME].logits[real], out[peer].logits[real], **TOL)
+        for ours, theirs in zip(out[NAME].hidden_states, out[peer].hidden_states, strict=True):
+            torch.testing.assert_close(ours[real], theirs[real], **TOL)
+        assert grads[NAME].keys() == grads[peer].keys() and len(grads[NAME]) > 5
+        for name, grad in grads[NAME].items():
+            torch.testing.assert_close(grad, grads[peer][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", tiny.DECODERS)
+def test_greedy_generate_with_cache_equals_eager(family: str) -> None:
+    """Left-padded prompts, a window shorter than prompt + new tokens (the sliding caches)."""
+    models = tiny.trio(tiny.DECODERS[family]())
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    tokens = {
+        impl: models[impl].generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for impl in ("eager", NAME)
+    }
+    assert tokens[NAME].shape == (2, 15)
+    assert torch.equal(tokens[NAME], tokens["eager"])
+
+
+@pytest.mark.parametrize("family", tiny.DECODERS)
+def test_output_attentions_equal_eager_for_every_layer(family: str, capfd: pytest.CaptureFixture[str]) -> None:
+    models = tiny.trio(tiny.DECODERS[family]())
+    ids, mask = tiny.padded_batch(9, (0, 3), "left")
+    ours = models[NAME](input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    eager = models["eager"](input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(ours) == len(eager) == 2
+    real = mask.bool()[:, None, :, None]  # (B, 1, T, 1): real query rows
+    for layer, (a, b) in enumerate(zip(ours, eager, strict=True)):
+        assert a.shape == b.shape == (2, 4, 9, 9), layer
+        torch.testing.assert_close(a * real, b * real, **TOL)
+        # the difference, documented: a left-padding query sees no real key; qkv gives it zero
+        # weights (DESIGN.md's empty-row rule), eager a uniform row over every key
+        assert torch.equal(a[1, :, :3], torch.zeros_like(a[1, :, :3]))
+        torch.testing.assert_close(b[1, :, :3], torch.full_like(b[1, :, :3], 1 / 9))
+    assert "output_attentions" not in capfd.readouterr().err  # no fallback warning
+
+
+def test_output_attentions_in_generate() -> None:
+    models = tiny.trio(tiny.llama())
+    ids, mask = tiny.padded_batch(6, (0, 0), "left")
+    runs = {
+        impl: models[impl].generate(
+            ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_attentions=True,
+            return_dict_in_generate=True, pad_token_id=0,
+        )
+        for impl in ("eager", NAME)
+    }
+    assert len(runs[NAME].attentions) == 3  # one tuple of layers per generated token
+    for step_ours, step_eager in zip(runs[NAME].attentions, runs["eager"].attentions, strict=True):
+        for a, b in zip(step_ours, step_eager, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("pads", [(0, 0), (0, 3)])
+def test_bert_encoder_and_its_cross_attention_decoder(pads: tuple[int, int]) -> None:
+    encoders = tiny.trio(tiny.bert(), auto=transformers.AutoModel)
+    decoders = tiny.trio(tiny.bert(decoder=True))
+    ids, mask = tiny.padded_batch(10, pads, "right")
+    dec_ids, dec_mask = tiny.padded_batch(6, (1, 0), "right")
+    real, dec_real = mask.bool(), dec_mask.bool()
+    results = {}
+    for impl in encoders:
+        encoded = encoders[impl](input_ids=ids, attention_mask=mask, output_attentions=True)
+        decoded = decoders[impl](
+            input_ids=dec_ids, attention_mask=dec_mask, encoder_hidden_states=encoded.last_hidden_state,
+            encoder_attention_mask=mask, output_attentions=True, output_hidden_states=True, use_cache=False,
+        )
+        results[impl] = (encoded, decoded)
+    enc, dec = results[NAME]
+    for peer in tiny.peers(encoders):
+        peer_enc, peer_dec = results[peer]
+        torch.testing.assert_close(enc.last_hidden_state[real], peer_enc.last_hidden_state[real], **TOL)
+        torch.testing.assert_close(dec.logits[dec_real], peer_dec.logits[dec_real], **TOL)
+    peer_enc, peer_dec = results["eager"]
+    for a, b in zip(enc.attentions, peer_enc.attentions, strict=True):
+        torch.testing.assert_close(a, b, **TOL)  # BERT padding queries still see the real keys
+    assert len(dec.cross_attentions) == 2
+    for a, b in zip(dec.cross_attentions, peer_dec.cross_attentions, strict=True):
+        assert a.shape == (2, 4, 6, 10)
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_packed_sequences_match_separate_sequences() -> None:
+    """position_ids restarting at 0 mark packed sequences (no cache, no 2-D mask): each must
+    see only itself, as if run alone."""
+    model = tiny.build(tiny.llama(), NAME)
+    first, second = torch.randint(3, tiny.VOCAB, (1, 5)), torch.randint(3, tiny.VOCAB, (1, 7))
+    packed = torch.cat([first, second], dim=1)
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with recording() as calls:
+        together = model(input_ids=packed, position_ids=position_ids, use_cache=False).logits
+    assert all("documents" in call.explanation.mask for call in calls) or all(
+        "packed sequences" in call.mask_source for call in calls
+    )
+    alone = torch.cat([model(input_ids=first).logits, model(input_ids=second).logits], dim=1)
+    torch.testing.assert_close(together, alone, **TOL)
+
+
+def test_structured_path_runs_for_sliding_window_layers() -> None:
+    """At 320 tokens with window 16 the sliding layers of Gemma 2 run on the CPU tile engine
+    with a sliding_window(15) mask and the full layers on SDPA's causal kernel; both agree
+    with eager, gradients included."""
+    models = {impl: m for impl, m in tiny.trio(tiny.gemma2(window=16)).items() if impl != "sdpa"}
+    ids, mask = tiny.padded_batch(320, (0, 0), "right")
+    with recording() as calls:
+        ours = models[NAME](input_ids=ids, attention_mask=mask).logits
+    assert [c.layer_idx for c in calls] == [0, 1]
+    sliding, full = calls
+    assert sliding.explanation.path == "blocks" and sliding.recognised
+    assert "sliding_window(left=15, right=0)" in sliding.explanation.reason
+    assert sliding.explanation.visited_fraction < 0.2
+    assert full.explanation.path == "fused" and "is_causal" in full.explanation.reason
+    torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=mask).logits, **TOL)
+    weights = torch.randn_like(ours)
+    grads = {impl: _grads(m, ids, mask, weights) for impl, m in models.items()}
+    for name, grad in grads[NAME].items():
+        torch.testing.assert_close(grad, grads["eager"][name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_dropout_in_training_keeps_the_mask() -> None:
+    """Training mode with attention dropout: outputs vary with the dropout draw, and the causal
+    mask still holds (a logit never depends on a later token)."""
+    config = tiny.llama()
+    config.attention_dropout = 0.5
+    model = tiny.build(config, NAME).train()
+    embeds = torch.randn(1, 8, 32, requires_grad=True)
+    logits = model(inputs_embeds=embeds).logits  # (1, 8, V)
+    assert not torch.allclose(logits, model(inputs_embeds=embeds).logits)
+    logits[0, 3].sum().backward()
+    assert embeds.grad[0, :4].abs().sum() > 0
+    assert torch.equal(embeds.grad[0, 4:], torch.zeros_like(embeds.grad[0, 4:]))
+
+
+def test_softcap_is_refused_until_qkv_has_it() -> None:
+    model = tiny.build(tiny.gemma2(softcap=50.0), NAME)
+    with pytest.raises(ValueError, match=r"softcap=50\.0"):
+        model(input_ids=torch.randint(3, tiny.VOCAB, (1, 6)))
+
+
+def test_attention_sinks_are_refused() -> None:
+    config = transformers.GptOssConfig(
+        vocab_size=tiny.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"],
+    )
+    model = tiny.build(config, NAME)
+    with pytest.raises(ValueError, match="attention sinks"):
+        model(input_ids=torch.randint(3, tiny.VOCAB, (1, 6)))
+
+
+def test_a_callers_4d_mask_is_used_as_given() -> None:
+    models = tiny.trio(tiny.llama())
+    ids = torch.randint(3, tiny.VOCAB, (1, 6))
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None]
+    allowed = (j <= i) & (i - j != 1)  # causal, but never the previous token
+    float_mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ours = models[NAME](input_ids=ids, attention_mask=float_mask).logits
+    torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=float_mask).logits, **TOL)
