@@ -31,7 +31,11 @@ ModelOption = Annotated[
     str,
     typer.Option(
         "--model",
-        help="A directory with config.json, tokenizer.json and model.safetensors, or the built-in all-MiniLM-L6-v2.",
+        help=(
+            "A directory with config.json, tokenizer.json and model.safetensors, or the built-in "
+            "all-MiniLM-L6-v2. A model that is not BERT-family (Llama, GPT-2, ...) runs through "
+            "transformers on qkv (the qkv[transformers] extra)."
+        ),
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
@@ -45,13 +49,34 @@ _encoders: dict[str, Encoder] = {}
 def load_or_fail(model: str) -> Encoder:
     """The encoder for ``model`` (loaded once per process), or exit 2 with the loader's reason."""
     if model not in _encoders:
-        from qkv.models import load_encoder
-
         try:
-            _encoders[model] = load_encoder(model)
+            _encoders[model] = _load(model)
         except (OSError, ValueError, TypeError) as error:  # OSError: missing or unreadable files
             fail(f"cannot load model {model!r}: {error}")
     return _encoders[model]
+
+
+def _load(model: str) -> Encoder:
+    """qkv's own BERT-family encoder, or for another model_type a transformers model on qkv."""
+    config = Path(model) / "config.json"
+    model_type = None
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (json.JSONDecodeError, AttributeError) as error:
+            raise ValueError(f"{config} is not a JSON object: {error}") from error
+    if model_type is None or model_type == "bert":
+        from qkv.models import load_encoder
+
+        return load_encoder(model)
+    try:
+        from qkv.integrations.transformers import load_model
+    except ImportError as error:
+        raise ValueError(
+            f"model_type {model_type!r} runs through transformers, which is not installed "
+            "(pip install 'qkv[transformers]')"
+        ) from error
+    return load_model(model)  # type: ignore[return-value]  # an Encoder for inspection
 
 
 def too_long_message(error: TextTooLongError, what: str = "the text") -> str:

@@ -21,7 +21,9 @@ attention goes through that interface then run on qkv:
 - ``output_attentions=True`` (as a forward or ``generate`` argument) returns the exact
   probabilities of the path that ran, for every layer; transformers refuses
   ``config.output_attentions=True`` for any implementation but eager, so pass it per call;
-- `recording` lists every call with its `qkv.explain`.
+- `recording` lists every call with its `qkv.explain`;
+- `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
+  `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).
 
 Requires the ``qkv[transformers]`` extra; ``import qkv`` never imports transformers.
 """
@@ -31,9 +33,20 @@ from __future__ import annotations
 import transformers
 
 from qkv.integrations.transformers._attention import AttentionCall, attention_forward, recording
+from qkv.integrations.transformers._inspect import TransformersModel, inspect, load_model
 from qkv.integrations.transformers._masks import StructuredMask, structured_mask
 
-__all__ = ["AttentionCall", "StructuredMask", "attention_forward", "recording", "register", "structured_mask"]
+__all__ = [
+    "AttentionCall",
+    "StructuredMask",
+    "TransformersModel",
+    "attention_forward",
+    "inspect",
+    "load_model",
+    "recording",
+    "register",
+    "structured_mask",
+]
 
 
 def register(name: str = "qkv") -> str:

