@@ -102,6 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,024 and 2,048 tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per implementation (median kept)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per implementation first")
     parser.add_argument("--json", type=str, default=None, help="also write the numbers to this JSON file")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "LENGTH", "MAPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -109,8 +110,8 @@ def main() -> int:
         impl, length, maps = args.child
         print(json.dumps(measure_memory(impl, int(length), maps == "1")))
         return 0
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     lengths = (1024, 2048) if args.quick else (8192, 16384)
     maps_length = 512 if args.quick else 4096
     load = os.getloadavg()
@@ -128,7 +129,7 @@ def main() -> int:
             with torch.no_grad():
                 models[impl](input_ids=ids, use_cache=False)
 
-        seconds = time_interleaved({impl: (lambda impl=impl: run(impl)) for impl in models}, reps=args.repeats)
+        seconds = time_interleaved({impl: (lambda impl=impl: run(impl)) for impl in models}, reps=args.repeats, warmup=args.warmup)
         memory = {impl: child(impl, length, False)["peak_mib"] for impl in models}
         useful = forward_flops(length, window_pairs(length))
         row = {

@@ -52,6 +52,14 @@ def bert(decoder: bool = False) -> transformers.PreTrainedConfig:
     )
 
 
+def t5() -> transformers.PreTrainedConfig:
+    """An encoder-decoder with relative position bias (added to the scores) and cross-attention."""
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+    )
+
+
 DECODERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "gemma2": gemma2, "gpt2": gpt2}
 
 

@@ -136,6 +136,36 @@ def test_bert_encoder_and_its_cross_attention_decoder(pads: tuple[int, int]) -> 
         torch.testing.assert_close(a, b, **TOL)
 
 
+def test_t5_relative_bias_encoder_decoder_matches_eager_and_sdpa() -> None:
+    """T5: a learned relative position bias added to the scores in every self-attention, a
+    causal decoder, cross-attention over a padded source; forward, the bias table's gradient,
+    every attention map and greedy generation."""
+    models = tiny.trio(tiny.t5(), auto=transformers.AutoModelForSeq2SeqLM)
+    ids, mask = tiny.padded_batch(9, (0, 3), "right")
+    labels = torch.randint(3, tiny.VOCAB, (2, 5))
+    out, grads = {}, {}
+    for impl, model in models.items():
+        model.zero_grad()
+        out[impl] = model(input_ids=ids, attention_mask=mask, labels=labels, output_attentions=True)
+        out[impl].loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any("relative_attention_bias" in name for name in grads[NAME])
+    for peer in tiny.peers(models):
+        torch.testing.assert_close(out[NAME].logits, out[peer].logits, **TOL)
+        for name, grad in grads[NAME].items():
+            torch.testing.assert_close(grad, grads[peer][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    real_query = mask.bool()[:, None, :, None]  # encoder padding rows differ only in what they attend
+    for kind in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        for a, b in zip(getattr(out[NAME], kind), getattr(out["eager"], kind), strict=True):
+            keep = real_query if kind == "encoder_attentions" else 1
+            torch.testing.assert_close(a * keep, b * keep, **TOL)
+    tokens = {
+        impl: models[impl].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        for impl in ("eager", NAME)
+    }
+    assert torch.equal(tokens[NAME], tokens["eager"])
+
+
 def test_packed_sequences_match_separate_sequences() -> None:
     """position_ids restarting at 0 mark packed sequences (no cache, no 2-D mask): each must
     see only itself, as if run alone."""
@@ -201,6 +231,17 @@ def test_attention_sinks_are_refused() -> None:
     model = tiny.build(config, NAME)
     with pytest.raises(ValueError, match="attention sinks"):
         model(input_ids=torch.randint(3, tiny.VOCAB, (1, 6)))
+
+
+def test_register_refuses_transformers_own_names() -> None:
+    from qkv.integrations.transformers import register
+
+    assert register() == register("qkv") == NAME  # registering again is harmless
+    for name in ("sdpa", "eager", "flash_attention_2"):
+        with pytest.raises(ValueError, match="already an attention implementation"):
+            register(name)
+    with pytest.raises(ValueError, match="non-empty str"):
+        register(" qkv")
 
 
 def test_a_callers_4d_mask_is_used_as_given() -> None:
