@@ -73,6 +73,22 @@ def test_greedy_generate_with_cache_equals_eager(family: str) -> None:
     assert torch.equal(tokens[NAME], tokens["eager"])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_generate_with_a_static_cache_equals_eager(family: str) -> None:
+    """A static cache: keys at fixed slots (kv_offset 0, kv_length = the cache size), the
+    mask built once per step by generate and handed back to the model."""
+    models = tiny.trio(tiny.DECODERS[family]())
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    tokens = {}
+    for impl in ("eager", NAME):
+        with recording() as calls:
+            tokens[impl] = models[impl].generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static"
+            )
+    assert torch.equal(tokens[NAME], tokens["eager"])
+    assert calls and all(call.recognised for call in calls)
+
+
 @pytest.mark.parametrize("family", tiny.DECODERS)
 def test_output_attentions_equal_eager_for_every_layer(family: str, capfd: pytest.CaptureFixture[str]) -> None:
     models = tiny.trio(tiny.DECODERS[family]())

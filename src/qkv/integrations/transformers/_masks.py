@@ -48,13 +48,26 @@ class StructuredMask:
     ``mask`` is None when every query sees every key. ``recognised`` is False when the
     transformers mask function was not understood and ``mask`` is its dense rendering.
     ``source`` says what transformers asked for, in words.
+
+    ``ndim`` and ``shape`` describe it as the prepared (B, 1, L, S) mask it stands for:
+    transformers' code reads them (``generate`` with a static cache builds the mask once and
+    hands it back to ``create_causal_mask``, which then returns it unchanged).
     """
 
     mask: Mask | None
     recognised: bool
     source: str
+    batch_size: int
     q_length: int
     kv_length: int
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, 1, self.q_length, self.kv_length)
 
     def __repr__(self) -> str:
         shown = "no mask" if self.mask is None else self.mask.describe()
@@ -300,6 +313,8 @@ def structured_mask(
     token, as ``key_padding``. Padding is never dropped.
     """
     del unused
+    if isinstance(attention_mask, StructuredMask):
+        return attention_mask  # prepared earlier for this very call (generate with a static cache)
     sizes = _Sizes(batch_size, q_length, kv_length, _int(q_offset), _int(kv_offset), torch.device(device))
     try:
         term: _Term | None = _parse(mask_function)
@@ -315,12 +330,12 @@ def structured_mask(
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device,
         )  # (B, 1, L, S) bool, padding included
-        return StructuredMask(masks.dense(dense), False, source, q_length, kv_length)
+        return StructuredMask(masks.dense(dense), False, source, batch_size, q_length, kv_length)
     if padding is not None:
         mask = padding if mask is None else mask & padding
     if mask is None:
         return None
-    return StructuredMask(mask, True, source, q_length, kv_length)
+    return StructuredMask(mask, True, source, batch_size, q_length, kv_length)
 
 
 def _padding(attention_mask: torch.Tensor | None, sizes: _Sizes) -> Mask | None:
