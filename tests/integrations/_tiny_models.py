@@ -32,8 +32,10 @@ def qwen2() -> transformers.PreTrainedConfig:
     return transformers.Qwen2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=1)
 
 
-def gemma2(window: int = 5, softcap: float | None = None) -> transformers.PreTrainedConfig:
-    """Sliding window on layer 0, full attention on layer 1 (Gemma 2's alternation)."""
+def gemma2(window: int = 5, softcap: float | None = 1.0) -> transformers.PreTrainedConfig:
+    """Sliding window on layer 0, full attention on layer 1 (Gemma 2's alternation), logits
+    soft-capped at 1 (Gemma 2 uses 50; random weights give small scores, so a small cap
+    is what makes the tanh matter here)."""
     return transformers.Gemma2Config(
         **_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
         layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=softcap,

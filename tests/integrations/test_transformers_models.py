@@ -199,9 +199,9 @@ def test_packed_sequences_match_separate_sequences() -> None:
 
 
 def test_structured_path_runs_for_sliding_window_layers() -> None:
-    """At 320 tokens with window 16 the sliding layers of Gemma 2 run on the CPU tile engine
-    with a sliding_window(15) mask and the full layers on SDPA's causal kernel; both agree
-    with eager, gradients included."""
+    """At 320 tokens with window 16, Gemma 2's sliding layer runs on the CPU tile engine with a
+    sliding_window(15) mask, a small fraction of the score matrix, and its full layer there
+    too with causal() (SDPA takes no softcap); both agree with eager, gradients included."""
     models = {impl: m for impl, m in tiny.trio(tiny.gemma2(window=16)).items() if impl != "sdpa"}
     ids, mask = tiny.padded_batch(320, (0, 0), "right")
     with recording() as calls:
@@ -211,7 +211,9 @@ def test_structured_path_runs_for_sliding_window_layers() -> None:
     assert sliding.explanation.path == "blocks" and sliding.recognised
     assert "sliding_window(left=15, right=0)" in sliding.explanation.reason
     assert sliding.explanation.visited_fraction < 0.2
-    assert full.explanation.path == "fused" and "is_causal" in full.explanation.reason
+    assert full.explanation.path == "blocks" and "causal()" in full.explanation.reason
+    assert 0.5 <= full.explanation.visited_fraction < 0.9  # the causal triangle, tile-rounded
+    assert "softcap" in sliding.explanation.scores and "softcap" in full.explanation.scores
     torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=mask).logits, **TOL)
     weights = torch.randn_like(ours)
     grads = {impl: _grads(m, ids, mask, weights) for impl, m in models.items()}
@@ -233,10 +235,20 @@ def test_dropout_in_training_keeps_the_mask() -> None:
     assert torch.equal(embeds.grad[0, 4:], torch.zeros_like(embeds.grad[0, 4:]))
 
 
-def test_softcap_is_refused_until_qkv_has_it() -> None:
-    model = tiny.build(tiny.gemma2(softcap=50.0), NAME)
-    with pytest.raises(ValueError, match=r"softcap=50\.0"):
-        model(input_ids=torch.randint(3, tiny.VOCAB, (1, 6)))
+def test_gemma2_softcap_matches_eager_and_matters() -> None:
+    """Gemma 2's attn_logit_softcapping reaches qkv as softcap=: equal to eager, and unlike
+    the same weights without the cap."""
+    capped, plain = tiny.gemma2(softcap=1.0), tiny.gemma2(softcap=None)
+    capped.initializer_range = plain.initializer_range = 0.3  # scores of a few units: the cap bites
+    models = tiny.trio(capped)
+    uncapped = tiny.build(plain, NAME, source=models["eager"])
+    ids, mask = tiny.padded_batch(9, (0, 2), "left")
+    real = mask.bool()
+    with recording() as calls:
+        ours = models[NAME](input_ids=ids, attention_mask=mask).logits
+    assert all("softcap" in call.explanation.scores for call in calls)
+    torch.testing.assert_close(ours[real], models["eager"](input_ids=ids, attention_mask=mask).logits[real], **TOL)
+    assert (ours - uncapped(input_ids=ids, attention_mask=mask).logits)[real].abs().max() > 1e-3
 
 
 def test_attention_sinks_are_refused() -> None:

@@ -21,6 +21,8 @@ attention goes through that interface then run on qkv:
 - ``output_attentions=True`` (as a forward or ``generate`` argument) returns the exact
   probabilities of the path that ran, for every layer; transformers refuses
   ``config.output_attentions=True`` for any implementation but eager, so pass it per call;
+- Gemma 2's soft-capping and T5's relative position bias reach qkv as ``softcap=`` and
+  ``bias=``; attention sinks (gpt-oss) are refused;
 - `recording` lists every call with its `qkv.explain`;
 - `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
   `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).

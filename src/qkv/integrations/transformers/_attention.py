@@ -8,12 +8,12 @@ qkv's mask interface as a `StructuredMask` (or as a tensor a caller built), and 
 model was asked for ``output_attentions`` the exact probabilities come back from the same
 path (for the tile engine: recomputed tile by tile from its log-sum-exp).
 
-A ``position_bias`` (T5's relative attention bias, (B | 1, H, L, S), added to the scaled
-scores) joins the mask as one float mask: the bias where the mask allows, -inf elsewhere,
-exactly what sdpa does; it runs dense (SDPA) and its gradient flows to the bias table.
+Score terms go to qkv as they are: Gemma 2's ``softcap`` (logit soft-capping) as
+``softcap=``, T5's ``position_bias`` (its relative attention bias, (B | 1, H, L, S), added to
+the scaled scores) as ``bias=``, differentiable; the mask stays structured.
 
-What is refused, with a message, before any work: attention sinks (``s_aux``, gpt-oss),
-logit soft-capping (Gemma 2) until qkv has it, and masks of a type qkv does not take.
+What is refused, with a message, before any work: attention sinks (``s_aux``, gpt-oss), and
+masks of a type qkv does not take.
 """
 
 from __future__ import annotations
@@ -83,28 +83,12 @@ def _attentions_requested(kwargs: dict[str, object]) -> bool:
     return bool(collected) and any(key in collected for key in ("attentions", "cross_attentions"))
 
 
-def _refuse_unsupported(softcap: object, s_aux: object) -> None:
+def _refuse_unsupported(s_aux: object) -> None:
     if s_aux is not None:
         raise ValueError(
             "qkv cannot run attention sinks (s_aux, as in gpt-oss): an extra logit per head joins every "
             "softmax and qkv has no such term; use attn_implementation='eager' or 'sdpa' for this model"
         )
-    if softcap is not None:
-        raise ValueError(
-            f"this model soft-caps its attention logits (softcap={softcap}, Gemma 2's "
-            "attn_logit_softcapping) and qkv.attention has no softcap yet; use "
-            "attn_implementation='eager' for this model"
-        )
-
-
-def _with_position_bias(mask: Mask | torch.Tensor | None, bias: torch.Tensor, L: int, S: int) -> torch.Tensor:
-    """One float mask (B | 1, H, L, S): the bias where ``mask`` allows, -inf where it hides."""
-    if mask is None:
-        return bias
-    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-        return bias + mask
-    allowed = mask if isinstance(mask, torch.Tensor) else mask.to_dense(L, S, device=bias.device)  # (B | 1, 1 | H, L, S)
-    return torch.where(allowed, bias, float("-inf"))  # (B | 1, H, L, S)
 
 
 def _qkv_mask(
@@ -157,8 +141,9 @@ def attention_forward(
         dropout: attention dropout probability (the model passes 0 in eval mode).
         scaling: the score scale; default 1 / sqrt(E).
         is_causal: sdpa's flag, used only when no mask is given.
+        softcap: cap the scores at +-softcap (Gemma 2's attn_logit_softcapping), or None.
         position_bias: an additive bias (B | 1, H, L, S) such as T5's, or None.
-        softcap, s_aux: refused when set (see the module docstring).
+        s_aux: attention sinks, refused when set.
         kwargs: the model's other keywords (``sliding_window``, ``position_ids``,
             ``output_attentions`` ...): the mask already carries what they say.
 
@@ -166,18 +151,21 @@ def attention_forward(
         output (B, L, H, Ev) in query's dtype, and the exact probabilities (B, H, L, S) in
         query's dtype when the model returns attentions, else None.
     """
-    _refuse_unsupported(softcap, s_aux)
+    _refuse_unsupported(s_aux)
     L, S = query.shape[-2], key.shape[-2]
     mask, source, recognised = _qkv_mask(attention_mask, module, is_causal, L, S)
-    if position_bias is not None:
-        mask = _with_position_bias(mask, position_bias, L, S)
-        source += ", position bias"
     want_weights = _attentions_requested(kwargs)
     calls = _recorder.get()
     if calls is not None:
-        explanation = qkv.explain(query, key, value, mask, scale=scaling, dropout=dropout, return_weights=want_weights)
+        explanation = qkv.explain(
+            query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
+            return_weights=want_weights,
+        )
         calls.append(AttentionCall(getattr(module, "layer_idx", None), type(module).__name__, source, recognised, explanation))
-    result = qkv.attention(query, key, value, mask, scale=scaling, dropout=dropout, return_weights=want_weights)
+    result = qkv.attention(
+        query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
+        return_weights=want_weights,
+    )
     out, weights = result if want_weights else (result, None)  # (B, H, L, Ev), (B, H, L, S) | None
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Ev)
     if weights is not None:
