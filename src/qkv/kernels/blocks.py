@@ -32,7 +32,7 @@ References: Dao et al., "FlashAttention" (2022), algorithm 1 and section 3.3; Da
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -164,15 +164,18 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.T
     lse.copy_(new)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (N, H, L, D) and lse (N, H, L) float32 or wider, from q, k, v (N, H, *, D).
+def _run_calls(
+    q: torch.Tensor, plan: TilePlan, compute: Callable[[Call], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
-    Both are stored query-row major, (N, L, H, D) and (N, L, H), the order in which the
-    kernel writes its items, so that placing a call's results is a contiguous copy.
+    ``compute(call)`` returns the call's output (items, H, q_len, D) and lse (items, H, q_len).
+    Output (N, H, L, D) in q's dtype and lse (N, H, L) float32 or wider. Both are stored
+    query-row major, (N, L, H, D) and (N, L, H), the order in which the kernel writes its
+    items, so that placing a call's results is a contiguous copy. Shared by this engine and the
+    score-term engine (`qkv.kernels.scored`), which differ only in how a call is computed.
     """
     N, H, L, D = q.shape
-    S = k.shape[2]
-    plan = run.plan
     acc_dtype = accumulation_dtype(q.dtype)
     out = torch.empty(N, L, H, D, dtype=acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)
@@ -187,15 +190,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tu
         if call.merge:
             _row_slab(out, call).zero_()
             _row_slab(lse, call).fill_(_NEG_INF)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     for call in plan.calls:
-        bias, empty_rows = _tile(run, call, L, S, q.dtype) if call.masked else (None, None)
-        o, lse_o = flash(
-            _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
-            0.0, False, attn_mask=bias, scale=run.scale,
-        )[:2]  # (items, H, q_len, D), (items, H, q_len)
-        if empty_rows is not None:
-            lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
+        o, lse_o = compute(call)
         out_slab, lse_slab = _row_slab(out, call), _row_slab(lse, call)
         if call.merge:
             _merge(out_slab, lse_slab, _as_slab(o, call).to(acc_dtype), _as_slab(lse_o, call).to(acc_dtype))
@@ -203,6 +199,24 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tu
             out_slab.copy_(_as_slab(o, call))
             lse_slab.copy_(_as_slab(lse_o, call))
     return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)  # (N, H, L, D), (N, H, L)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (N, H, L, D) and lse (N, H, L) from q, k, v (N, H, *, D): the flash kernel per call."""
+    L, S = q.shape[2], k.shape[2]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def compute(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        bias, empty_rows = _tile(run, call, L, S, q.dtype) if call.masked else (None, None)
+        o, lse_o = flash(
+            _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
+            0.0, False, attn_mask=bias, scale=run.scale,
+        )[:2]  # (items, H, q_len, D), (items, H, q_len)
+        if empty_rows is not None:
+            lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
+        return o, lse_o
+
+    return _run_calls(q, run.plan, compute)
 
 
 def _backward(

@@ -38,12 +38,10 @@ import torch.nn.functional as F
 from qkv.kernels.blocks import (
     _add_keys,
     _add_rows,
-    _as_slab,
     _items,
-    _merge,
-    _row_slab,
     _rows,
     _Run,
+    _run_calls,
     _tile,
 )
 from qkv.kernels.heads import expand_kv_heads
@@ -169,40 +167,23 @@ def _own_forward(
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (N, H, L, D) in q's dtype and lse (N, H, L) float32 or wider (as `blocks._forward`)."""
-    N, H, L, D = q.shape
-    S = k.shape[2]
-    plan = run.plan
+    H, L, S = q.shape[1], q.shape[2], k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    out = torch.empty(N, L, H, D, dtype=acc)
-    lse = torch.empty(N, L, H, dtype=acc)
-    per_batch = len(plan.uncovered) > 1
-    for n in range(N):
-        for first, stop in plan.uncovered[n if per_batch else 0]:
-            out[n, first:stop] = 0.0
-            lse[n, first:stop] = _NEG_INF
-    for call in plan.calls:
-        if call.merge:
-            _row_slab(out, call).zero_()
-            _row_slab(lse, call).fill_(_NEG_INF)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    for call in plan.calls:
-        if run.flash:
-            tile, empty_rows = _bias_tile(run, call, H, L, S, acc)
-            o, lse_o = flash(
-                _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
-                0.0, False, attn_mask=tile, scale=run.masks.scale,
-            )[:2]  # (items, H, q_len, D), (items, H, q_len)
-            if empty_rows is not None:
-                lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
-        else:
-            o, lse_o = _own_forward(q, k, v, call, run, L, S, acc)
-        out_slab, lse_slab = _row_slab(out, call), _row_slab(lse, call)
-        if call.merge:
-            _merge(out_slab, lse_slab, _as_slab(o, call).to(acc), _as_slab(lse_o, call).to(acc))
-        else:
-            out_slab.copy_(_as_slab(o, call))
-            lse_slab.copy_(_as_slab(lse_o, call))
-    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)  # (N, H, L, D), (N, H, L)
+
+    def compute(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        if not run.flash:
+            return _own_forward(q, k, v, call, run, L, S, acc)
+        tile, empty_rows = _bias_tile(run, call, H, L, S, acc)
+        o, lse_o = flash(
+            _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
+            0.0, False, attn_mask=tile, scale=run.masks.scale,
+        )[:2]  # (items, H, q_len, D), (items, H, q_len)
+        if empty_rows is not None:
+            lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
+        return o, lse_o
+
+    return _run_calls(q, run.plan, compute)
 
 
 def _own_backward(
