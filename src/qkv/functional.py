@@ -18,7 +18,7 @@ Paths:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -40,7 +40,7 @@ from qkv.kernels.scored import closes_over_grad, scored_tile_attention
 from qkv.kernels.scores import ScoreMod
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
-from qkv.masks import Causal, Mask
+from qkv.masks import POINTWISE_BUDGET, Causal, Mask
 
 __all__ = ["Explanation", "attention", "attention_weights", "choose_path", "explain"]
 
@@ -83,6 +83,9 @@ class Plan:
     causal_offset: int | None = None  # math path: query i sees keys j <= i + offset
     layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
     tiles: TilePlan | None = None  # blocks: the kernel calls that cover the non-empty tiles
+    # blocks / flex: layout and tiles are found when attention runs (a predicate too large to
+    # evaluate for a decision or an explanation); layout and tiles are None until then
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,18 @@ class Explanation:
     tiles: str | None = None  # blocks / flex: tile size and counts
     scores: str = ""  # the score terms beyond scale * q.k (softcap, bias, score_mod), '' for none
     score_flops: int = 0  # their operations on the visited pairs, not included in flops
+    # the mask's tiles were not evaluated (Plan.deferred): flops, the visited fraction and
+    # score_flops count every pair, an upper bound
+    upper_bound: bool = False
 
     def __str__(self) -> str:
         lines = [
             f"path: {self.path}",
             f"why: {self.reason}",
             f"problem: {self.shape}, mask: {self.mask}",
-            f"work: {self.flops / 1e9:.3f} GFLOP forward ({self.visited_fraction:.1%} of the score matrix visited)",
+            f"work: {self.flops / 1e9:.3f} GFLOP forward ({self.visited_fraction:.1%} of the score matrix visited)"
+            if not self.upper_bound
+            else f"work: at most {self.flops / 1e9:.3f} GFLOP forward (the mask's tiles are not evaluated here)",
         ]
         if self.scores:
             lines.append(f"scores: {self.scores}, {self.score_flops / 1e9:.3f} GFLOP on the visited pairs")
@@ -219,6 +227,34 @@ def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
     return span > _FLASH_GRAD_MAX_MASK_SPAN
 
 
+def _too_large_to_evaluate(problem: AttentionProblem) -> bool:
+    """Whether the mask's layout would evaluate more than `POINTWISE_BUDGET` points one by one
+    (a large `predicate`): then no decision and no explanation waits for it."""
+    mask = problem.mask
+    return isinstance(mask, Mask) and mask.evaluated_points(problem.L, problem.S) > POINTWISE_BUDGET
+
+
+def _deferred_reason(problem: AttentionProblem, engine: str) -> str:
+    mask = problem.mask
+    assert isinstance(mask, Mask)
+    points = mask.evaluated_points(problem.L, problem.S)
+    return (
+        f"{mask.describe()} is evaluated point by point and has {points:,} points, more than "
+        f"{POINTWISE_BUDGET:,}: it is neither rendered as a dense mask nor evaluated to choose a path; "
+        f"{engine} finds its tiles when attention runs (one block row at a time) and skips the empty ones"
+    )
+
+
+def _completed(problem: AttentionProblem, plan: Plan) -> Plan:
+    """A deferred plan with its layout and tiles, found now (attention is about to run)."""
+    if not plan.deferred:
+        return plan
+    if plan.path == "flex":
+        return replace(plan, layout=_layout(problem, FLEX_BLOCK, FLEX_BLOCK), deferred=False)
+    layout = _layout(problem, TILES.block_q, TILES.block_k)
+    return replace(plan, layout=layout, tiles=_tile_plan(problem, TILES, layout), deferred=False)
+
+
 def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
     """The mask's tiles; no mask is one FULL tile grid."""
     mask = problem.mask
@@ -254,12 +290,16 @@ def _sparse_plan(
             raise ValueError(f"backend='blocks' is the CPU tile engine, the inputs are on {device}; use 'flex' or 'auto'")
         if not flash_kernel_available():
             raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
+        if _too_large_to_evaluate(problem):
+            return Plan("blocks", f"{reason}; {_deferred_reason(problem, 'the CPU tile engine')}", deferred=True)
         layout = _layout(problem, TILES.block_q, TILES.block_k)
         return Plan("blocks", reason, layout=layout, tiles=_tile_plan(problem, TILES, layout))
     if not flex_available():
         raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
     if device.type == "cpu" and _needs_grad(problem):
         raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
+    if layout is None and _too_large_to_evaluate(problem):
+        return Plan("flex", f"{reason}; {_deferred_reason(problem, 'FlexAttention')}", deferred=True)
     return Plan("flex", reason, layout=layout if layout is not None else _layout(problem, FLEX_BLOCK, FLEX_BLOCK))
 
 
@@ -315,6 +355,8 @@ def _scored_engine(problem: AttentionProblem) -> Plan | None:
         return _sparse_plan(problem, "flex", f"{terms.describe()} with {what}: FlexAttention applies them as its score_mod")
     if device.type != "cpu" or not flash_kernel_available():
         return None
+    if _too_large_to_evaluate(problem):
+        return Plan("blocks", f"{terms.describe()}: {_deferred_reason(problem, 'the CPU tile engine')}", deferred=True)
     layout = _layout(problem, TILES.block_q, TILES.block_k)
     tiles = _tile_plan(problem, TILES, layout)
     visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
@@ -339,6 +381,9 @@ def _sparse_if_it_wins(problem: AttentionProblem) -> Plan | None:
         path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
     else:
         return None
+    if _too_large_to_evaluate(problem):
+        engine = "the CPU tile engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
+        return Plan(path, _deferred_reason(problem, engine), deferred=True)
     layout = _layout(problem, block_q, block_k)
     if path == "blocks":
         tiles = _tile_plan(problem, TILES, layout)
@@ -552,6 +597,7 @@ def _sparse_attention(
     """The blocks / flex paths: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
     mask = _structured(problem)
     q, k, v = problem.q, problem.k, problem.v
+    plan = _completed(problem, plan)
     if plan.path == "blocks":
         assert plan.tiles is not None
         if problem.terms.active:
@@ -646,6 +692,10 @@ def explain(
     flops = int(2 * (E + Ev) * pairs * NH)
     acc_bytes = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
     blocks_visited = tiles = None
+    if plan.deferred:
+        assert isinstance(problem.mask, Mask)
+        points = problem.mask.evaluated_points(L, S)
+        tiles = f"not evaluated: the layout takes {points:,} evaluations of the mask, done when attention runs"
     if plan.layout is not None:
         layout = plan.layout
         blocks_visited = layout.visited_block_fraction
@@ -686,6 +736,7 @@ def explain(
         tiles=tiles,
         scores=problem.terms.describe(),
         score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
+        upper_bound=plan.deferred,
     )
 
 
@@ -694,17 +745,26 @@ def _sparse_extra_bytes(problem: AttentionProblem, plan: Plan, acc_bytes: int, r
     NH, L, S = problem.N * problem.H, problem.L, problem.S
     D = max(problem.E, problem.Ev)
     itemsize = problem.q.element_size()
+    mask = problem.mask
     extra = NH * L * acc_bytes  # lse
-    if plan.tiles is not None:
+    if plan.path == "blocks":
         extra += NH * L * D * acc_bytes if acc_bytes != itemsize else 0  # accumulator of a low-precision output
         if problem.G != problem.H or problem.Ev != problem.E:
             extra += 2 * NH * S * D * itemsize  # keys and values expanded to every head / padded to D
+    if plan.tiles is not None:
         extra += plan.tiles.max_call_bytes(problem.H, D, itemsize, _mask_heads(problem))
         masked = [c for c in plan.tiles.calls if c.masked]
-        if masked and isinstance(problem.mask, Mask) and problem.mask.shift_invariant:
+        if masked and isinstance(mask, Mask) and mask.shift_invariant:
             # tiles kept for reuse along the diagonals (kernels.blocks._tile), at most call_bytes
             tile = max(c.q_len * c.width for c in masked) * (itemsize + 1) * _mask_heads(problem)
             extra += min(plan.tiles.config.call_bytes, tile * len(masked))
+    elif plan.deferred:
+        # the calls are not known before the layout is: the engine keeps one call's
+        # temporaries within call_bytes; the layout holds a byte per tile (int32 indices for Flex)
+        assert isinstance(mask, Mask)
+        block_q, block_k = (TILES.block_q, TILES.block_k) if plan.path == "blocks" else (FLEX_BLOCK, FLEX_BLOCK)
+        n_tiles = (mask.batch or 1) * (mask.heads or 1) * -(-L // block_q) * -(-S // block_k)
+        extra += TILES.call_bytes + n_tiles if plan.path == "blocks" else n_tiles * 2 * 4
     else:
         assert plan.layout is not None
         extra += plan.layout.states.numel() * 2 * 4  # BlockMask indices (int32)

@@ -84,6 +84,10 @@ DEFAULT_BLOCK = 128
 _DRAW_COLUMNS = 48
 # `predicate` and `dense` layouts evaluate this many points at most per step (bounded memory).
 _EVAL_POINTS = 1 << 22
+# Points a drawing or a path decision may evaluate one by one (`Mask.evaluated_points`):
+# 8192 x 8192, about a second of a simple predicate on one core. Beyond it `draw` refuses and
+# the dispatcher decides without evaluating (qkv.functional).
+POINTWISE_BUDGET = 1 << 26
 # Window sizes and prefix lengths are clamped to this many positions at construction: no
 # sequence is that long, so the mask is unchanged, and positions +- the size stay far inside
 # int64 (sys.maxsize would wrap around and hide every key).
@@ -138,6 +142,13 @@ class Mask(ABC):
         del L, S, device
         return None
 
+    def evaluated_points(self, L: int, S: int) -> int:
+        """How many (query, key) points the layout at this size evaluates one by one: 0 when
+        the tiles follow from the mask's structure in O(tiles) work (every mask but
+        `predicate`), B x H x L x S for a predicate, the sum for a combination."""
+        del L, S
+        return 0
+
     def check_size(self, L: int, S: int) -> None:
         """Raise ValueError when the mask's data (ids, lengths, a tensor) does not fit an L x S
         score matrix; `to_dense`, `layout` and `validate` call it so that a mismatch is named
@@ -181,9 +192,17 @@ class Mask(ABC):
         """A text drawing of the tiles (see `BlockLayout.draw`); ``print(mask.draw(64, 64))``.
 
         ``block`` defaults to the smallest power of two that keeps the drawing at most 48
-        tiles wide, so small problems are drawn point by point.
+        tiles wide, so small problems are drawn point by point. A `predicate` is evaluated at
+        every point, so its drawing is refused beyond `POINTWISE_BUDGET` points (8192 x 8192).
         """
         _check_sizes(L=L, S=S)
+        points = self.evaluated_points(L, S)
+        if points > POINTWISE_BUDGET:
+            raise ValueError(
+                f"drawing {self.describe()} at {L} x {S} evaluates its function at {points:,} points, more than "
+                f"draw evaluates ({POINTWISE_BUDGET:,}, e.g. 8192 x 8192); draw a smaller size, or call "
+                "mask.layout(L, S, block) and draw that layout if you want to wait for every point"
+            )
         if block is None:
             block = 1 << max(0, math.ceil(math.log2(max(L, S) / _DRAW_COLUMNS)))
         return self.layout(L, S, block, block).draw(batch, head)
@@ -504,7 +523,10 @@ class Predicate(Mask):
     The index tensors broadcast against each other, as FlexAttention's ``mask_mod``. Pass
     ``batch`` / ``heads`` when fn depends on b / h; otherwise fn is called with b = h = 0
     and its answer holds for every batch row and head. The layout evaluates fn on every
-    point, one block row of queries at a time (O(L x S) work, bounded memory).
+    point, one block row of queries at a time (O(L x S) work, bounded memory). Beyond
+    `POINTWISE_BUDGET` points (8192 x 8192) nothing waits for that but `attention` itself:
+    `draw` refuses, and `explain` and the dispatcher decide without evaluating fn (the block
+    engine on CPU finds the tiles when attention runs).
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -540,6 +562,9 @@ class Predicate(Mask):
 
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
         return _states_by_rows(self, L, S, block_q, block_k, device)
+
+    def evaluated_points(self, L: int, S: int) -> int:
+        return (self.batch or 1) * (self.heads or 1) * L * S
 
     def describe(self) -> str:
         return f"predicate({getattr(self.fn, '__name__', type(self.fn).__name__)})"
@@ -648,6 +673,9 @@ class Combined(Mask):
     def check_size(self, L: int, S: int) -> None:
         self.left.check_size(L, S)
         self.right.check_size(L, S)
+
+    def evaluated_points(self, L: int, S: int) -> int:
+        return self.left.evaluated_points(L, S) + self.right.evaluated_points(L, S)
 
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         self.left.validate(batch, heads, L, S)
