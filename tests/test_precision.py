@@ -90,3 +90,18 @@ def test_auto_meets_the_rule_for_gradients_with_a_steep_float_bias(steepness: fl
     # without gradients the fused kernel's forward is accurate and stays the choice
     assert qkv.explain(*lo, bias).path == "fused"
     assert qkv.explain(*(t.requires_grad_(True) for t in lo), bias).path == "math"
+
+
+def test_under_autocast_the_softmax_state_stays_float32() -> None:
+    # autocast would turn the explicit path's float32 products into bfloat16 ones; qkv casts
+    # its inputs like SDPA does there and keeps its own float32 softmax state
+    q, k, v = Case(B=1, H=2, G=2, L=9, S=11, E=8, Ev=8).tensors(torch.float32, seed=5)
+    for backend in ("auto", "math", "blocks"):
+        mask = qkv.masks.causal() if backend != "math" else None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, weights, lse = qkv.attention(q, k, v, mask, return_weights=True, return_lse=True, backend=backend)
+        assert out.dtype == torch.bfloat16, backend
+        assert weights.dtype == torch.float32 and lse.dtype == torch.float32, backend
+        want = qkv.attention(*(t.to(torch.bfloat16) for t in (q, k, v)), mask, return_weights=True, backend=backend)
+        torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        torch.testing.assert_close(weights, want[1], atol=0, rtol=0)

@@ -525,6 +525,14 @@ def attention(
         >>> qkv.attention(q, k, v, qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
+    low = _autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(
+                q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
+                return_weights=return_weights, return_lse=return_lse, backend=backend,
+            )
     problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
     if not problem.nonfinite:
@@ -565,6 +573,22 @@ def _run(
         # the kernel gives no lse here (a learned mask, or not on CPU): recompute it by row chunks
         lse = dense_lse(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
     return out, weights, lse
+
+
+def _autocast_dtype(q: object) -> torch.dtype | None:
+    """The dtype torch.autocast asks for on q's device, or None outside autocast.
+
+    Under autocast qkv's attention behaves like SDPA there: float32 q, k, v are cast to the
+    autocast dtype, and autocast is switched off inside so that qkv's own float32 softmax
+    state and accumulation (DESIGN.md) are not cast down behind its back.
+    """
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return None
+
+
+def _cast_for_autocast(low: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
 
 
 def _describe(
@@ -684,6 +708,9 @@ def explain(
     Nothing is computed: the inputs are validated exactly as `attention` does. The score
     terms (bias, softcap, score_mod) are named and their work counted apart.
     """
+    low = _autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
     problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
     NH = problem.N * problem.H
@@ -812,6 +839,13 @@ def attention_weights(
         >>> w.shape, int((w[0, 0, 1] > 0).sum())
         (torch.Size([1, 1, 2, 1000]), 9)
     """
+    low = _autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_weights(
+                q, k, v, mask, heads=heads, rows=rows, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale
+            )
     problem = _describe(q, k, v, mask, scale, 0.0, bias, softcap, score_mod)
     head_idx = _indices(heads, problem.H, "heads", q.device)
     row_idx = _indices(rows, problem.L, "rows", q.device)

@@ -263,12 +263,13 @@ class MultiHeadAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MultiHeadAttention: x must be a floating-point tensor, got {x.dtype}")
         weight = self.q_proj.weight
+        autocast = torch.is_autocast_enabled(x.device.type)  # autocast picks the products' dtype itself
         for name, t in (("x", x), ("context", context)):
-            if isinstance(t, torch.Tensor) and (t.dtype != weight.dtype or t.device != weight.device):
+            if isinstance(t, torch.Tensor) and ((t.dtype != weight.dtype and not autocast) or t.device != weight.device):
                 raise TypeError(
                     f"MultiHeadAttention: {name} is {t.dtype} on {t.device} but the layer's weights are "
                     f"{weight.dtype} on {weight.device}; convert one of them (module.to({t.dtype}) or "
-                    f"{name}.to({weight.dtype}))"
+                    f"{name}.to({weight.dtype})), or run under torch.autocast"
                 )
         B, L, _ = x.shape
         if context is None:

@@ -85,3 +85,19 @@ def test_embed_too_long_names_the_flag(runner: CliRunner) -> None:
     assert "text 1 has 602 tokens, more than the model's 512 positions" in result.stderr
     assert "pass --truncate" in result.stderr and "(2 texts are too long)" in result.stderr
     assert "truncate=True" not in result.stderr
+
+
+def test_embed_in_bfloat16_equals_the_bfloat16_encoder(runner: CliRunner) -> None:
+    texts = ["I ate an apple.", "Apple released a phone."]
+    result = runner.invoke(app, ["embed", *texts, "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    expected = load_encoder(dtype=torch.bfloat16).encode(texts)
+    torch.testing.assert_close(torch.tensor(json.loads(result.stdout)["embeddings"]), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("command", [["embed", "a cat"], ["inspect", "a cat"], ["context", "cat", "a cat", "the cat"]])
+def test_other_dtypes_are_a_usage_error(runner: CliRunner, command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--dtype", "float16"])
+    assert result.exit_code == 2
+    assert "--dtype must be one of float32, bfloat16, got 'float16'" in result.output
+    assert "Traceback" not in result.output

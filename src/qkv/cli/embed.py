@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qkv.cli._app import app, console, fail, say
-from qkv.cli.inspect import BUILTIN_MODEL, ModelOption, load_or_fail, too_long_message
+from qkv.cli.inspect import BUILTIN_MODEL, DtypeOption, ModelOption, load_or_fail, too_long_message
 
 __all__ = ["embed_command", "split_lines"]
 
@@ -68,12 +68,13 @@ def embed_command(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Texts per forward pass.")] = 32,
     truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than the model's positions.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the embeddings as JSON.")] = False,
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Sentence embeddings (mean pooling + L2 normalisation, as sentence-transformers computes them)."""
     if batch_size < 1:
         fail(f"--batch-size must be at least 1, got {batch_size}")
     all_texts = _read_texts(list(texts or []), file)
-    encoder = load_or_fail(model)
+    encoder = load_or_fail(model, dtype)
     from qkv.models import TextTooLongError
 
     try:

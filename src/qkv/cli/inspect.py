@@ -42,22 +42,35 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 TruncateOption = Annotated[
     bool, typer.Option("--truncate", help="Cut a text longer than the model's positions instead of refusing it.")
 ]
+# The dtypes of the model's matrix multiplies (qkv.models.ENCODER_DTYPES, named without importing torch).
+DTYPES = ("float32", "bfloat16")
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="float32 or bfloat16: the dtype of the model's matrix multiplies (bfloat16 runs on the "
+        "CPU's bf16 units; LayerNorms and results stay float32).",
+    ),
+]
 
-_encoders: dict[str, Encoder] = {}
+_encoders: dict[tuple[str, str], Encoder] = {}
 
 
-def load_or_fail(model: str) -> Encoder:
-    """The encoder for ``model`` (loaded once per process), or exit 2 with the loader's reason."""
-    if model not in _encoders:
+def load_or_fail(model: str, dtype: str = "float32") -> Encoder:
+    """The encoder for ``model`` in ``dtype`` (loaded once per process), or exit 2 with the reason."""
+    if dtype not in DTYPES:
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if (model, dtype) not in _encoders:
         try:
-            _encoders[model] = _load(model)
+            _encoders[model, dtype] = _load(model, dtype)
         except (OSError, ValueError, TypeError) as error:  # OSError: missing or unreadable files
             fail(f"cannot load model {model!r}: {error}")
-    return _encoders[model]
+    return _encoders[model, dtype]
 
 
-def _load(model: str) -> Encoder:
-    """qkv's own BERT-family encoder, or for another model_type a transformers model on qkv."""
+def _load(model: str, dtype: str) -> Encoder:
+    """qkv's own BERT-family encoder in ``dtype``, or for another model_type a transformers model
+    on qkv (float32 only: its hidden states and maps would come back in the model's dtype)."""
     config = Path(model) / "config.json"
     model_type = None
     if config.is_file():
@@ -66,9 +79,16 @@ def _load(model: str) -> Encoder:
         except (json.JSONDecodeError, AttributeError) as error:
             raise ValueError(f"{config} is not a JSON object: {error}") from error
     if model_type is None or model_type == "bert":
+        import torch
+
         from qkv.models import load_encoder
 
-        return load_encoder(model)
+        return load_encoder(model, dtype=getattr(torch, dtype))
+    if dtype != "float32":
+        raise ValueError(
+            f"--dtype {dtype} applies to BERT-family encoders only; model_type {model_type!r} "
+            "runs through transformers in float32 (leave --dtype out)"
+        )
     try:
         from qkv.integrations.transformers import load_model
     except ImportError as error:
@@ -182,6 +202,7 @@ def inspect_command(
             help="With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for the word's first token.",
         ),
     ] = False,
+    dtype: DtypeOption = "float32",
     html: Annotated[
         Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
     ] = None,
@@ -212,7 +233,7 @@ def inspect_command(
         fail("--compare needs --html FILE: the comparison is drawn in the viewer")
     check_output_file(html, "--html", (".html", ".htm"))
     check_output_file(png, "--png", (".png", ".svg"))
-    encoder = load_or_fail(model)
+    encoder = load_or_fail(model, dtype)
     inspection = inspect_or_fail(encoder, text, truncate=truncate)
     other = None if compare is None else inspect_or_fail(encoder, compare, truncate=truncate, name="the --compare text")
     layers = _check_index(layer, inspection.num_layers, "layer")
@@ -313,6 +334,7 @@ def context_command(
     model: ModelOption = BUILTIN_MODEL,
     as_json: JsonOption = False,
     truncate: TruncateOption = False,
+    dtype: DtypeOption = "float32",
 ) -> None:
     """How similar WORD's vectors are in two texts, layer by layer (cosine similarity).
 
@@ -321,7 +343,7 @@ def context_command(
     """
     if not word.strip():
         fail("WORD is empty")
-    encoder = load_or_fail(model)
+    encoder = load_or_fail(model, dtype)
     from qkv.inspect import context_similarity
 
     first = inspect_or_fail(encoder, text1, truncate=truncate, name="TEXT1")

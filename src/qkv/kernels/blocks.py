@@ -295,7 +295,8 @@ class _TileAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
+        with torch.autocast(q.device.type, enabled=False):  # float32 accumulators stay float32
+            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
         return dq, dk, dv, None
 
 

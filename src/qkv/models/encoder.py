@@ -112,9 +112,28 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_encoder(name_or_path: str | Path = DEFAULT_MODEL, *, device: str | torch.device = "cpu") -> Encoder:
+# The dtypes `load_encoder` runs the matrix multiplies in.
+ENCODER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def load_encoder(
+    name_or_path: str | Path = DEFAULT_MODEL,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Encoder:
     """Load a BERT-family sentence encoder: all-MiniLM-L6-v2 by default, or a directory with
-    config.json, tokenizer.json and model.safetensors. Nothing is downloaded."""
+    config.json, tokenizer.json and model.safetensors. Nothing is downloaded.
+
+    ``dtype``: float32, or bfloat16 for the matrix multiplies (attention projections,
+    attention itself, feed-forward) on the CPU's bf16 units; embeddings, LayerNorms and the
+    residual stream stay float32 and `Encoder.encode` returns float32 either way
+    (`BertEncoder.set_matmul_dtype`).
+    """
+    if dtype not in ENCODER_DTYPES:
+        raise TypeError(
+            f"dtype must be one of {', '.join(str(d) for d in ENCODER_DTYPES)}, got {dtype!r}"
+        )
     directory = resolve_model_dir(name_or_path)
     config = BertConfig.from_json(directory / "config.json")
     tokenizer = WordPieceTokenizer.from_file(directory / "tokenizer.json")
@@ -127,6 +146,7 @@ def load_encoder(name_or_path: str | Path = DEFAULT_MODEL, *, device: str | torc
     check_checkpoint(directory / "model.safetensors", config)
     model = BertEncoder(config)
     load_bert_weights(model, directory / "model.safetensors", config)
+    model.set_matmul_dtype(dtype)
     model.eval()
     name = DEFAULT_MODEL if str(name_or_path) in _BUILTIN_NAMES else str(directory)
     return Encoder(model, tokenizer, name=name).to(device)
@@ -149,6 +169,11 @@ class Encoder:
         return self.model.embeddings.word.weight.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the matrix multiplies (`BertEncoder.matmul_dtype`)."""
+        return self.model.matmul_dtype
+
+    @property
     def max_tokens(self) -> int:
         """Longest text in tokens, [CLS] and [SEP] included."""
         return self.config.max_position_embeddings
@@ -162,7 +187,7 @@ class Encoder:
         c = self.config
         return (
             f"Encoder({self.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
-            f"D={c.hidden_size}, device={self.device})"
+            f"D={c.hidden_size}, dtype={str(self.dtype).removeprefix('torch.')}, device={self.device})"
         )
 
     # -- tokenization -------------------------------------------------------------------------
@@ -239,7 +264,7 @@ class Encoder:
         """Mean-pooled last hidden states (B, D) of B texts, right-padded to the longest."""
         ids, valid = self._pad(rows)  # (B, L), (B, L)
         hidden = self.model(ids, valid=valid).last_hidden  # (B, L, D)
-        return mean_pool(hidden, valid)  # (B, D)
+        return mean_pool(hidden.float(), valid)  # (B, D) float32, whatever the model's dtype
 
     def _embed_packed(self, rows: list[list[int]]) -> torch.Tensor:
         """Mean-pooled last hidden states (B, D) of B texts packed into one sequence of
@@ -251,7 +276,7 @@ class Encoder:
         doc = torch.repeat_interleave(torch.arange(len(rows), device=self.device), lengths)  # (T,)
         starts = torch.cumsum(lengths, 0) - lengths  # (B,) first position of each text
         positions = torch.arange(ids.shape[1], device=self.device) - starts[doc]  # (T,) 0.. per text
-        hidden = self.model(ids, mask=documents(doc[None]), positions=positions[None]).last_hidden[0]  # (T, D)
+        hidden = self.model(ids, mask=documents(doc[None]), positions=positions[None]).last_hidden[0].float()  # (T, D)
         sums = torch.zeros(len(rows), hidden.shape[1], dtype=hidden.dtype, device=self.device)  # (B, D)
         sums.index_add_(0, doc, hidden)
         return sums / lengths[:, None].to(hidden.dtype)  # (B, D)
