@@ -1,6 +1,6 @@
 """Block-sparse attention: qkv's CPU tile engine against SDPA and FlexAttention, one run.
 
-B = 1, H = 8, E = 64, float32. Every comparison times qkv and its peer in the same process,
+B = 1, H = 8, E = 64, float32 (``--dtype bfloat16`` for the CPU's bf16 units). Every comparison times qkv and its peer in the same process,
 alternating them repetition by repetition, and reports the ratio of the fastest runs (peer
 time / qkv time: above 1 means qkv is faster). The cases and goals (issue 7) are listed in
 `qkv.cli._bench_suite`; `qkv bench` runs the same suite.
@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for a while)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per contender (fastest kept)")
     parser.add_argument("--json", type=str, default=None, help="also write the report to this JSON file")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of q, k, v and of the matmul rate the GFLOP/s are compared with")
     args = parser.parse_args()
     if args.threads is not None:
         if args.threads < 1:
@@ -43,6 +45,7 @@ def main() -> int:
         config = dataclasses.replace(config, flex=False)
     if args.repeats is not None:
         config = dataclasses.replace(config, repeats=args.repeats)
+    config = dataclasses.replace(config, dtype=args.dtype)
     report = None
     for done, partial in run_suite(config):
         print(f"done: {done}", file=sys.stderr, flush=True)

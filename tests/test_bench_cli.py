@@ -114,3 +114,23 @@ def test_a_failing_run_exits_1_with_a_message_not_a_traceback(monkeypatch: pytes
     message = " ".join(result.output.split())  # rich wraps long lines
     assert "failed after step 'warm-up and matmul rate'" in message and "cc is not found" in message
     assert "Traceback" not in result.output and not isinstance(result.exception, RuntimeError)
+
+
+def test_other_dtypes_are_a_usage_error_before_any_work() -> None:
+    result = CliRunner().invoke(app, ["bench", "--quick", "--dtype", "float16"])
+    assert result.exit_code == 2
+    assert "--dtype must be one of float32, bfloat16, got 'float16'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_suite_runs_in_the_dtype_it_is_given() -> None:
+    import dataclasses
+
+    import torch
+
+    from qkv.cli._bench_suite import _inputs, _matmul_gflops
+
+    config = dataclasses.replace(QUICK, dtype="bfloat16")
+    q, k, v = _inputs(64, config, requires_grad=True)
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.requires_grad and q.is_leaf
+    assert _matmul_gflops(64, 1, "bfloat16") > 0

@@ -36,6 +36,7 @@ from qkv.kernels.dense import (
 )
 from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_suits
 from qkv.kernels.layout import FULL, BlockLayout
+from qkv.kernels.machine import emulation_note, matmul_gflops
 from qkv.kernels.scored import closes_over_grad, scored_tile_attention
 from qkv.kernels.scores import ScoreMod
 from qkv.kernels.softmax import accumulation_dtype
@@ -111,6 +112,9 @@ class Explanation:
     # the mask's tiles were not evaluated (Plan.deferred): flops, the visited fraction and
     # score_flops count every pair, an upper bound
     upper_bound: bool = False
+    notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
+    # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
+    matmul_rates: tuple[tuple[str, float], ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -126,6 +130,15 @@ class Explanation:
         if self.tiles is not None:
             lines.append(f"tiles: {self.tiles}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
+        lines += [f"note: {note}" for note in self.notes]
+        if self.matmul_rates:
+            rates = ", ".join(f"{name} {rate:.0f}" for name, rate in self.matmul_rates)
+            name, rate = self.matmul_rates[-1]
+            lines.append(
+                f"machine: matmul {rates} GFLOP/s (measured, {torch.get_num_threads()} threads); "
+                f"this work takes {'at most ' if self.upper_bound else ''}{self.flops / rate / 1e6:.2f} ms "
+                f"at the {name} matmul rate"
+            )
         return "\n".join(lines)
 
 
@@ -702,11 +715,16 @@ def explain(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
+    measure: bool = False,
 ) -> Explanation:
     """Say which path `qkv.attention` would take for these arguments, why, and its cost.
 
     Nothing is computed: the inputs are validated exactly as `attention` does. The score
-    terms (bias, softcap, score_mod) are named and their work counted apart.
+    terms (bias, softcap, score_mod) are named and their work counted apart. A note says
+    when a low-precision dtype has no native products on this CPU (slow emulation). With
+    ``measure=True`` the machine's float32 and input-dtype matmul rates are measured (once
+    per process, a fraction of a second; `qkv.kernels.machine`) and reported, with the time
+    this work would take at that rate.
     """
     low = _autocast_dtype(q)
     if low is not None:
@@ -751,6 +769,14 @@ def explain(
         f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} "
         f"{str(q.dtype).removeprefix('torch.')} on {q.device}"
     )
+    note = emulation_note(q.dtype, q.device)
+    rates: tuple[tuple[str, float], ...] = ()
+    if measure and q.device.type == "cpu":
+        threads = torch.get_num_threads()
+        rates = tuple(
+            (str(dtype).removeprefix("torch."), matmul_gflops(dtype, threads))
+            for dtype in dict.fromkeys((torch.float32, q.dtype))
+        )
     return Explanation(
         path=plan.path,
         reason=plan.reason,
@@ -764,6 +790,8 @@ def explain(
         scores=problem.terms.describe(),
         score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
         upper_bound=plan.deferred,
+        notes=() if note is None else (note,),
+        matmul_rates=rates,
     )
 
 

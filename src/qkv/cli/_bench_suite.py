@@ -16,7 +16,8 @@ Comparisons (goals from issue 7):
 - causal, n = 4096 and 8192: vs SDPA is_causal (>= 0.95x);
 - forward + backward of the sliding window, n = 16384: vs SDPA dense mask (>= 10x);
 - peak RSS of the sliding window forward at n = 65536 (< 1.5 GB);
-- achieved GFLOP/s on visited tiles as a fraction of this machine's float32 matmul rate.
+- achieved GFLOP/s on visited tiles as a fraction of this machine's matmul rate in the
+  same dtype (float32 by default; ``dtype="bfloat16"`` for the CPU's bf16 units).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["QUICK", "STANDARD", "BenchConfig", "BenchReport", "Comparison", "run
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Sizes of one benchmark run (B = 1, float32 throughout)."""
+    """Sizes of one benchmark run (B = 1, one dtype throughout)."""
 
     heads: int = 8  # H
     head_dim: int = 64  # E = Ev
@@ -50,8 +51,9 @@ class BenchConfig:
     repeats: int = 3
     flex: bool = True  # FlexAttention comparisons (compiles for tens of seconds on CPU)
     backward: bool = True
-    matmul: int = 2048  # side of the square float32 matmul that measures the machine's rate
+    matmul: int = 2048  # side of the square matmul (in ``dtype``) that measures the machine's rate
     judge: bool = True  # compare speedups with the goals; False for a smoke run, too small to judge
+    dtype: str = "float32"  # of q, k, v and of the matmul rate: "float32" or "bfloat16"
 
 
 STANDARD = BenchConfig()
@@ -141,10 +143,10 @@ def _warm_up(config: BenchConfig, n: int = 512) -> None:
     torch.randn(64, 64) @ torch.randn(64, 64)
 
 
-def _matmul_gflops(side: int, repeats: int) -> float:
+def _matmul_gflops(side: int, repeats: int, dtype: str = "float32") -> float:
     import torch
 
-    a, b = torch.randn(side, side), torch.randn(side, side)
+    a, b = (torch.randn(side, side).to(getattr(torch, dtype)) for _ in range(2))
     a @ b  # warm up the BLAS threads
     seconds = _fastest({"mm": lambda: a @ b}, max(3, repeats))["mm"]
     return 2 * side**3 / seconds / 1e9
@@ -155,7 +157,8 @@ def _inputs(n: int, config: BenchConfig, requires_grad: bool = False, seed: int 
 
     gen = torch.Generator().manual_seed(seed)
     shape = (1, config.heads, n, config.head_dim)
-    return tuple(torch.randn(shape, generator=gen).requires_grad_(requires_grad) for _ in range(3))  # type: ignore[return-value]
+    dtype = getattr(torch, config.dtype)
+    return tuple(torch.randn(shape, generator=gen).to(dtype).requires_grad_(requires_grad) for _ in range(3))  # type: ignore[return-value]
 
 
 def _document_ids(n: int, count: int, seed: int = 0) -> Any:
@@ -211,7 +214,7 @@ def _compare_backward(name: str, n: int, mask: Any, config: BenchConfig, goal: f
 
     dense = mask.to_dense(n, n)
     q, k, v = _inputs(n, config, requires_grad=True)
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
 
     def ours() -> None:
         qkv.attention(q, k, v, mask).backward(grad)
@@ -273,10 +276,10 @@ def peak():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-path, w, H, E = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, w, H, E, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), getattr(torch, sys.argv[5])
 torch.manual_seed(0)
-for n in map(int, sys.argv[5:]):
-    q, k, v = (torch.randn(1, H, n, E) for _ in range(3))
+for n in map(int, sys.argv[6:]):
+    q, k, v = (torch.randn(1, H, n, E).to(dtype) for _ in range(3))
     mask = qkv.masks.sliding_window(w, w)
     with torch.no_grad():
         if path == "qkv":
@@ -290,7 +293,7 @@ for n in map(int, sys.argv[5:]):
 
 def _peak_rss(path: str, sizes: tuple[int, ...], config: BenchConfig) -> dict[int, int]:
     """Peak RSS in bytes after each size (increasing), in a fresh Python process."""
-    args = [sys.executable, "-c", _RSS_SCRIPT, path, str(config.window), str(config.heads), str(config.head_dim)]
+    args = [sys.executable, "-c", _RSS_SCRIPT, path, str(config.window), str(config.heads), str(config.head_dim), config.dtype]
     result = subprocess.run([*args, *map(str, sorted(sizes))], capture_output=True, text=True, check=True)
     return {int(n): int(rss) for n, rss in map(json.loads, result.stdout.splitlines())}
 
@@ -305,7 +308,8 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
     import qkv
 
     _warm_up(config)
-    report = BenchReport(config, torch.get_num_threads(), torch.__version__, _matmul_gflops(config.matmul, config.repeats))
+    rate = _matmul_gflops(config.matmul, config.repeats, config.dtype)
+    report = BenchReport(config, torch.get_num_threads(), torch.__version__, rate)
     yield "warm-up and matmul rate", report
     w, n = config.window, config.n_window
     window = qkv.masks.sliding_window(w, w)

@@ -28,6 +28,7 @@ __all__ = ["bench_command", "print_report"]
 
 # Formats matplotlib writes without extra dependencies.
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+BENCH_DTYPES = ("float32", "bfloat16")
 
 
 @app.command("bench")
@@ -40,13 +41,20 @@ def bench_command(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw time and peak memory versus n into this .png/.svg/.pdf.")
     ] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="float32 or bfloat16: the dtype of q, k, v and of the matmul rate compared with.")
+    ] = "float32",
 ) -> None:
     """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
     # checked before the run (minutes), not found out when the plot is saved after it
     check_output_file(plot, "--plot", PLOT_SUFFIXES)
+    if dtype not in BENCH_DTYPES:
+        fail(f"--dtype must be one of {', '.join(BENCH_DTYPES)}, got {dtype!r}")
+    import dataclasses
+
     from qkv.cli._bench_suite import QUICK, STANDARD, run_suite, steps
 
-    config = QUICK if quick else STANDARD
+    config = dataclasses.replace(QUICK if quick else STANDARD, dtype=dtype)
     report = None
     done = "starting"
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
@@ -80,10 +88,11 @@ def bench_command(
 def print_report(report: BenchReport) -> None:
     """The comparisons as a table, then the machine's matmul rate, the FLOP fraction and the peak memory."""
     judge = report.config.judge
+    dtype = report.config.dtype
     kind = "" if judge else "smoke run, "
-    table = Table(title=f"qkv vs peers ({kind}float32, B=1, H={report.config.heads}, E={report.config.head_dim}, "
+    table = Table(title=f"qkv vs peers ({kind}{dtype}, B=1, H={report.config.heads}, E={report.config.head_dim}, "
                   f"{report.threads} threads, torch {report.torch_version})")
-    columns = ["case", "n", "qkv ms", "peer", "peer ms", "speedup", *(["goal"] if judge else []), "qkv GFLOP/s"]
+    columns = ["case", "n", "qkv ms", "peer", "peer ms", "speedup", *(["goal"] if judge else []), "qkv GFLOP/s", "of matmul"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("case", "peer") else "right")
     for c in report.comparisons:
@@ -91,13 +100,13 @@ def print_report(report: BenchReport) -> None:
         goal = ["" if c.goal is None else f">= {c.goal:g}x{mark}"] if judge else []
         table.add_row(
             c.name, str(c.n), f"{c.qkv_s * 1e3:.1f}", c.peer, f"{c.peer_s * 1e3:.1f}", f"{c.speedup:.2f}x",
-            *goal, f"{c.qkv_gflops:.1f}",
+            *goal, f"{c.qkv_gflops:.1f}", f"{c.qkv_gflops / report.matmul_gflops:.0%}",
         )
     console.print(table)
     if not judge:
         say("A smoke run (--quick): every comparison runs, on sizes too small and repeats too few "
             "to judge speed against the goals; run `qkv bench` without --quick for that.")
-    console.print(f"float32 matmul on this machine: {report.matmul_gflops:.1f} GFLOP/s")
+    console.print(f"{dtype} matmul on this machine ({report.config.matmul}^2, same run): {report.matmul_gflops:.1f} GFLOP/s")
     for c in report.comparisons:
         if c.name.endswith("forward") and "sliding" in c.name and c.peer.startswith("SDPA"):
             console.print(f"sliding window forward: {c.qkv_gflops:.1f} GFLOP/s on visited tiles = "

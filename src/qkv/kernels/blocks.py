@@ -48,6 +48,12 @@ from qkv.masks import Mask
 __all__ = ["flash_kernel_available", "tile_attention", "tile_lse", "tile_weights"]
 
 _NEG_INF = float("-inf")
+# The dtype the backward kernel runs in, by input dtype. PyTorch's CPU flash backward in
+# bfloat16 converts every tile to float32 and back and runs at about 60 % of its float32
+# rate (one core, sliding window tiles 192 x 704: 48 vs 82 GFLOP/s, benchmarks/sparse.py),
+# so low-precision inputs are upcast once (exactly) and the float32 kernel runs; the
+# gradients are rounded to the input dtype at the end.
+_BACKWARD_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def flash_kernel_available() -> bool:
@@ -65,7 +71,7 @@ class _Run:
     plan: TilePlan
     mask: Mask | None
     scale: float
-    tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tiles: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tile_bytes: int = 0  # bytes held by ``tiles``, at most plan.config.call_bytes
 
 
@@ -107,7 +113,7 @@ def _tile(run: _Run, call: Call, L: int, S: int, dtype: torch.dtype) -> tuple[to
     shift = mask.shift_invariant and call.k_step == call.q_len
     shared = call.items == 1 or shift or (call.over_batch and mask.batch is None)
     b0 = call.n if mask.batch is not None else 0
-    key = (call.q0 - call.k0, call.q_len, call.width)
+    key = (call.q0 - call.k0, call.q_len, call.width, dtype)
     keep = shared and mask.shift_invariant
     if keep and key in run.tiles:
         return run.tiles[key]
@@ -170,7 +176,8 @@ def _run_calls(
     """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
     ``compute(call)`` returns the call's output (items, H, q_len, D) and lse (items, H, q_len).
-    Output (N, H, L, D) in q's dtype and lse (N, H, L) float32 or wider. Both are stored
+    Output (N, H, L, D) and lse (N, H, L), both in the accumulation dtype (float32 or wider:
+    callers round the output to q's dtype, the backward may read it unrounded). Both are stored
     query-row major, (N, L, H, D) and (N, L, H), the order in which the kernel writes its
     items, so that placing a call's results is a contiguous copy. Shared by this engine and the
     score-term engine (`qkv.kernels.scored`), which differ only in how a call is computed.
@@ -198,11 +205,12 @@ def _run_calls(
         else:
             out_slab.copy_(_as_slab(o, call))
             lse_slab.copy_(_as_slab(lse_o, call))
-    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)  # (N, H, L, D), (N, H, L)
+    return out.transpose(1, 2), lse.transpose(1, 2)  # (N, H, L, D), (N, H, L)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (N, H, L, D) and lse (N, H, L) from q, k, v (N, H, *, D): the flash kernel per call."""
+    """Output (N, H, L, D) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, D): the
+    flash kernel per call."""
     L, S = q.shape[2], k.shape[2]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -230,7 +238,10 @@ def _backward(
     grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (N, H, *, D) from the final output and lse (FlashAttention-2 recomputation),
-    with the gradient of lse (N, H, L) added when ``grad_lse`` is given."""
+    with the gradient of lse (N, H, L) added when ``grad_lse`` is given.
+
+    Low-precision inputs run the float32 kernel on exact float32 copies (`_BACKWARD_DTYPE`).
+    """
     dtypes = q.dtype, k.dtype, v.dtype
     D_in = q.shape[3]
     if grad_lse is not None:
@@ -238,6 +249,8 @@ def _backward(
     N, H, L, D = q.shape
     S = k.shape[2]
     acc_dtype = accumulation_dtype(q.dtype)
+    kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
+    grad_out, q, k, v, out = (x.to(kernel_dtype) for x in (grad_out, q, k, v, out))
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
@@ -247,7 +260,7 @@ def _backward(
     dv = torch.zeros(N, H, S, D, dtype=acc_dtype)
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     for call in run.plan.calls:
-        bias = _tile(run, call, L, S, q.dtype)[0].to(q.dtype) if call.masked else None
+        bias = _tile(run, call, L, S, kernel_dtype)[0] if call.masked else None
         gq, gk, gv = flash_backward(
             _items(grad_out, call, keys=False), _items(q, call, keys=False),
             _items(k, call, keys=True), _items(v, call, keys=True),
@@ -284,8 +297,10 @@ class _TileAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run):  # type: ignore[override]
-        out, lse = _forward(q, k, v, run)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out_acc, lse = _forward(q, k, v, run)
+        out = out_acc.to(q.dtype)
+        # the backward's row term rowsum(dO * O) reads the unrounded output
+        ctx.save_for_backward(q, k, v, out_acc, lse)
         ctx.run = run
         ctx.set_materialize_grads(False)
         return out, lse

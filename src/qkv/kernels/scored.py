@@ -183,7 +183,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    return _run_calls(q, run.plan, compute)
+    out, lse = _run_calls(q, run.plan, compute)
+    return out.to(q.dtype), lse
 
 
 def _own_backward(
