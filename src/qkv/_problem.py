@@ -21,7 +21,7 @@ from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
-__all__ = ["AttentionProblem", "compact", "describe_problem", "normalize_mask"]
+__all__ = ["AttentionProblem", "autocast_dtype", "compact", "describe_problem", "normalize_mask"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,23 @@ class AttentionProblem:
         if isinstance(self.mask, Mask):
             return self.mask.describe()
         return "bool" if self.mask.dtype == torch.bool else "float"
+
+
+def autocast_dtype(x: object) -> torch.dtype | None:
+    """The dtype torch.autocast asks for on x's device, or None outside autocast (and on
+    devices autocast does not know, such as "meta").
+
+    Under autocast qkv's attention behaves like SDPA there: float32 q, k, v are cast to the
+    autocast dtype, and autocast is switched off inside so that qkv's own float32 softmax
+    state and accumulation (DESIGN.md) are not cast down behind its back.
+    """
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        enabled = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # a device type without autocast
+        return None
+    return torch.get_autocast_dtype(x.device.type) if enabled else None
 
 
 def _check_tensor(x: object, name: str) -> torch.Tensor:

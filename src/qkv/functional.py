@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from qkv._nan_rule import affected_rows, finite_problem, poison
-from qkv._problem import AttentionProblem, compact, describe_problem, normalize_mask
+from qkv._problem import AttentionProblem, autocast_dtype, compact, describe_problem, normalize_mask
 from qkv.bias import Bias
 from qkv.kernels.blocks import flash_kernel_available, tile_attention, tile_lse, tile_weights
 from qkv.kernels.dense import (
@@ -538,7 +538,7 @@ def attention(
         >>> qkv.attention(q, k, v, qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    low = _autocast_dtype(q)
+    low = autocast_dtype(q)
     if low is not None:
         q, k, v = _cast_for_autocast(low, q, k, v)
         with torch.autocast(q.device.type, enabled=False):
@@ -586,18 +586,6 @@ def _run(
         # the kernel gives no lse here (a learned mask, or not on CPU): recompute it by row chunks
         lse = dense_lse(problem.q, problem.k, dense_mask, problem.scale, causal_offset)
     return out, weights, lse
-
-
-def _autocast_dtype(q: object) -> torch.dtype | None:
-    """The dtype torch.autocast asks for on q's device, or None outside autocast.
-
-    Under autocast qkv's attention behaves like SDPA there: float32 q, k, v are cast to the
-    autocast dtype, and autocast is switched off inside so that qkv's own float32 softmax
-    state and accumulation (DESIGN.md) are not cast down behind its back.
-    """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
-        return torch.get_autocast_dtype(q.device.type)
-    return None
 
 
 def _cast_for_autocast(low: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -726,7 +714,7 @@ def explain(
     per process, a fraction of a second; `qkv.kernels.machine`) and reported, with the time
     this work would take at that rate.
     """
-    low = _autocast_dtype(q)
+    low = autocast_dtype(q)
     if low is not None:
         q, k, v = _cast_for_autocast(low, q, k, v)
     problem = _describe(q, k, v, mask, scale, dropout, bias, softcap, score_mod)
@@ -867,7 +855,7 @@ def attention_weights(
         >>> w.shape, int((w[0, 0, 1] > 0).sum())
         (torch.Size([1, 1, 2, 1000]), 9)
     """
-    low = _autocast_dtype(q)
+    low = autocast_dtype(q)
     if low is not None:
         q, k, v = _cast_for_autocast(low, q, k, v)
         with torch.autocast(q.device.type, enabled=False):

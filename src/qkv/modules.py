@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv._problem import normalize_mask
+from qkv._problem import autocast_dtype, normalize_mask
 from qkv.bias import Bias
 from qkv.cache import KVCache
 from qkv.functional import attention
@@ -263,7 +263,7 @@ class MultiHeadAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MultiHeadAttention: x must be a floating-point tensor, got {x.dtype}")
         weight = self.q_proj.weight
-        autocast = torch.is_autocast_enabled(x.device.type)  # autocast picks the products' dtype itself
+        autocast = autocast_dtype(x) is not None  # autocast picks the products' dtype itself
         for name, t in (("x", x), ("context", context)):
             if isinstance(t, torch.Tensor) and ((t.dtype != weight.dtype and not autocast) or t.device != weight.device):
                 raise TypeError(

@@ -1,0 +1,118 @@
+"""float32 against bfloat16 on the same problems, one run: time, GFLOP/s and the fraction of
+each dtype's own matrix-multiply rate, measured in the same run.
+
+Cases (B = 1, H = 8, E = 64 unless --head-dim):
+- the CPU tile engine, sliding_window(256, 256) at n = 16,384: forward, and forward +
+  backward; FLOPs on the pairs the engine computes (`qkv.explain`), backward 2.5x forward;
+- dense attention without a mask at n = 4,096: qkv auto against SDPA in each dtype.
+
+Every contender of a case is timed interleaved with the others (a, b, c, a, b, c, ...) and
+summarized by its median, so that a slow spell of a shared machine hits all of them; the
+matrix-multiply rates (2048^2) are measured between the cases. The load average is printed
+with every table: compare ratios, not absolute times.
+
+    uv run python benchmarks/dtypes.py [--quick] [--threads 2] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import matmul_gflops, time_interleaved
+
+import qkv
+
+B, H = 1, 8
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _inputs(n: int, E: int, dtype: torch.dtype, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, n, E, generator=gen).to(dtype).requires_grad_(grad) for _ in range(3))
+
+
+def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, float]) -> None:
+    mask = qkv.masks.sliding_window(window, window)
+    inputs = {dtype: _inputs(n, E, dtype) for dtype in DTYPES}
+    flops = qkv.explain(*inputs[torch.float32], mask).flops
+    forward = {_name(d): (lambda x=x: qkv.attention(*x, mask)) for d, x in inputs.items()}
+    with torch.inference_mode():
+        fwd = time_interleaved(forward, reps)
+    trained = {dtype: _inputs(n, E, dtype, grad=True) for dtype in DTYPES}
+    grads = {dtype: torch.randn(B, H, n, E, generator=torch.Generator().manual_seed(1)).to(dtype) for dtype in DTYPES}
+
+    def step(dtype: torch.dtype) -> None:
+        q, k, v = trained[dtype]
+        qkv.attention(q, k, v, mask).backward(grads[dtype])
+
+    both = time_interleaved({_name(d): (lambda d=d: step(d)) for d in DTYPES}, reps)
+    print(f"\ntile engine, sliding_window({window}, {window}), n={n}, E={E}: {flops / 1e9:.2f} GFLOP forward "
+          f"on the computed pairs (load {_load()})")
+    print(f"{'dtype':<10}{'fwd ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'fwd+bwd ms':>12}{'GFLOP/s':>9}{'of mm':>7}")
+    for dtype in DTYPES:
+        name = _name(dtype)
+        g1, g2 = flops / fwd[name] / 1e9, 3.5 * flops / both[name] / 1e9
+        print(f"{name:<10}{fwd[name] * 1e3:>9.1f}{g1:>9.1f}{g1 / rates[dtype]:>7.1%}{both[name] * 1e3:>12.1f}"
+              f"{g2:>9.1f}{g2 / rates[dtype]:>7.1%}")
+    print(f"bfloat16 over float32: forward {fwd['float32'] / fwd['bfloat16']:.2f}x, "
+          f"forward + backward {both['float32'] / both['bfloat16']:.2f}x")
+
+
+def dense(n: int, E: int, reps: int, rates: dict[torch.dtype, float]) -> None:
+    fns = {}
+    for dtype in DTYPES:
+        q, k, v = _inputs(n, E, dtype)
+        fns[f"SDPA {_name(dtype)}"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)
+        fns[f"qkv {_name(dtype)}"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v)
+    with torch.inference_mode():
+        seconds = time_interleaved(fns, reps)
+    flops = 4 * B * H * n * n * E
+    print(f"\ndense, no mask, n={n}, E={E}: {flops / 1e9:.2f} GFLOP (load {_load()})")
+    print(f"{'path':<18}{'ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'vs SDPA':>9}")
+    for name, s in seconds.items():
+        dtype = getattr(torch, name.split()[1])
+        gflops = flops / s / 1e9
+        peer = seconds[f"SDPA {name.split()[1]}"]
+        print(f"{name:<18}{s * 1e3:>9.1f}{gflops:>9.1f}{gflops / rates[dtype]:>7.1%}{peer / s:>8.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="n = 2048 and 1024, 2 repetitions")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="E values of the dense case")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    reps = 2 if args.quick else args.reps
+    n_engine, n_dense = (2048, 1024) if args.quick else (16384, 4096)
+    for dtype in DTYPES:  # first calls pick kernels and start threads
+        qkv.attention(*_inputs(512, 64, dtype), qkv.masks.sliding_window(64, 64))
+    rates = {dtype: matmul_gflops(dtype=dtype) for dtype in DTYPES}
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; matmul 2048^2: "
+          + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates.items()) + f" (load {_load()})")
+    engine(n_engine, 64, 256, reps, rates)
+    for E in args.head_dim:
+        dense(n_dense, E, reps, rates)
+    rates_after = {dtype: matmul_gflops(dtype=dtype) for dtype in DTYPES}
+    print("\nmatmul 2048^2 again at the end: " + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates_after.items()))
+
+
+if __name__ == "__main__":
+    main()
