@@ -327,6 +327,7 @@ class Encoder:
             attention = layer.attention
             cfg = attention.config
             T = x.shape[1]
+            x = x.to(attention.q_proj.weight.dtype)  # the layer's matmul dtype (its input is cast as in forward)
             q = attention.q_proj(x[0]).view(T, cfg.num_heads, cfg.d_k).transpose(0, 1)  # (H, T, E)
             k = attention.k_proj(x[0]).view(T, cfg.num_kv_heads, cfg.d_k).transpose(0, 1)  # (G, T, E)
             v = attention.v_proj(x[0]).view(T, cfg.num_kv_heads, cfg.d_v).transpose(0, 1)  # (G, T, Ev)
