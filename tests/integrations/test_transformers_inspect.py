@@ -94,3 +94,12 @@ def test_cli_inspect_refuses_a_directory_without_weights(tmp_path: Path) -> None
     result = CliRunner().invoke(app, ["inspect", "hello", "--model", str(tmp_path)])
     assert result.exit_code == 2
     assert "no .safetensors weights" in result.output and "Traceback" not in result.output
+
+
+def test_cli_inspect_refuses_bfloat16_for_a_transformers_model(tmp_path: Path) -> None:
+    # refused from config.json alone, before any weights are read (there are none here)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
+    result = CliRunner().invoke(app, ["inspect", "hello", "--model", str(tmp_path), "--dtype", "bfloat16"])
+    assert result.exit_code == 2
+    assert "--dtype bfloat16 applies to BERT-family encoders only" in result.output
+    assert "'llama'" in result.output and "Traceback" not in result.output
