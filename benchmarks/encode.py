@@ -30,7 +30,6 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import random
 import time
@@ -101,8 +100,7 @@ def main() -> None:
         runs[f"ST {dtype}"] = (lambda t, m=model: m.encode(t, batch_size=BATCH, convert_to_tensor=True), "sentence-transformers")
         if dtype in args.dtypes:
             runs[f"qkv {dtype} padded"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH), "qkv")
-            if "packed" in inspect.signature(ours.encode).parameters:
-                runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
+            runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
         dtype_of |= {name: dtype for name in runs if name not in dtype_of}
     order = {"qkv": by_tokens, "sentence-transformers": by_chars}
     rates = {dtype: matmul_gflops(dtype=getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
 from tests._attention_cases import Case, reference_forward_backward
@@ -219,9 +220,48 @@ def test_explain_names_the_path_and_counts_flops_by_hand() -> None:
     assert "path:" in text and "GFLOP" in text
 
 
-def test_explain_does_not_run_attention() -> None:
-    q = torch.randn(1, 1, 4, 2)
-    assert qkv.explain(q, q, q).visited_fraction == 1.0
+class _NoAttentionKernels(TorchDispatchMode):
+    """Raises on any PyTorch op that computes scores, a softmax or attention (mask and plan
+    work, comparisons and index arithmetic, stays allowed)."""
+
+    FORBIDDEN = frozenset({
+        "mm", "bmm", "addmm", "baddbmm", "matmul", "einsum", "dot", "linear",  # products
+        "_softmax", "softmax", "_log_softmax", "exp", "exp_", "tanh",  # softmax and softcap
+    })
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket.__name__  # "aten.bmm.default" -> "bmm"
+        if op in self.FORBIDDEN or "scaled_dot_product" in op or "flex" in op:
+            raise AssertionError(f"explain ran {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("mask", "kwargs", "path"),
+    [
+        (None, {}, "fused"),
+        (None, {"backend": "math"}, "math"),
+        ("window", {}, "blocks"),
+        ("window", {"return_weights": True, "return_lse": True}, "blocks"),
+        ("documents", {"softcap": 30.0}, "blocks"),
+        ("window", {"bias": "alibi"}, "blocks"),
+    ],
+    ids=["dense", "math", "window", "window-weights-lse", "documents-softcap", "window-alibi"],
+)
+def test_explain_does_not_run_attention(mask: str | None, kwargs: dict, path: str) -> None:
+    n = 2048  # big enough for the block engine on a sparse mask
+    q = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(0))
+    masks = {"window": qkv.masks.sliding_window(64), "documents": qkv.masks.documents(torch.arange(n) // 300)}
+    mask_object = None if mask is None else masks[mask]
+    if kwargs.get("bias") == "alibi":
+        kwargs = {**kwargs, "bias": qkv.bias.alibi()}
+    with _NoAttentionKernels():
+        explanation = qkv.explain(q, q, q, mask_object, **kwargs)
+    assert explanation.path == path
+    assert explanation.flops > 0
+    # the guard is live: attention itself, on the same inputs, is stopped at its first kernel
+    with pytest.raises(AssertionError, match="explain ran"), _NoAttentionKernels():
+        qkv.attention(q, q, q, mask_object, **kwargs)
 
 
 def test_a_decoding_step_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:

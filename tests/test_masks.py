@@ -6,7 +6,6 @@ The expected matrices are built with NumPy straight from the definitions in DESI
 
 from __future__ import annotations
 
-import doctest
 import re
 
 import numpy as np
@@ -261,11 +260,6 @@ def test_masks_print_their_name() -> None:
 def test_bad_arguments_are_named(build, error: type[Exception], words: str) -> None:
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         build()
-
-
-def test_docstring_examples_run() -> None:
-    failures, tried = doctest.testmod(M)
-    assert tried >= 6 and failures == 0
 
 
 def test_predicate_must_return_bool() -> None:

@@ -32,6 +32,8 @@ from typing import ClassVar
 
 import torch
 
+from qkv._checks import positive_int
+
 __all__ = [
     "ALiBi",
     "Bias",
@@ -161,8 +163,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     >>> alibi_slopes(4).tolist()
     [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"alibi_slopes: num_heads must be a positive int, got {num_heads!r}")
+    positive_int(num_heads, "alibi_slopes: num_heads")
 
     def geometric(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]

@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from qkv._checks import positive_int
+
 __all__ = ["KVCache"]
-
-
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"KVCache: {name} must be a positive int, got {value!r}")
-    return value
 
 
 class KVCache:
@@ -67,11 +63,11 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        B = _positive(batch_size, "batch_size")
-        S = _positive(max_len, "max_len")
-        G = _positive(num_kv_heads, "num_kv_heads")
-        E = _positive(d_k, "d_k")
-        Ev = E if d_v is None else _positive(d_v, "d_v")
+        B = positive_int(batch_size, "KVCache: batch_size")
+        S = positive_int(max_len, "KVCache: max_len")
+        G = positive_int(num_kv_heads, "KVCache: num_kv_heads")
+        E = positive_int(d_k, "KVCache: d_k")
+        Ev = E if d_v is None else positive_int(d_v, "KVCache: d_v")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"KVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.k = torch.zeros(B, G, S, E, dtype=dtype, device=device)  # (B, G, max_len, E)

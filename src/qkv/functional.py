@@ -93,9 +93,10 @@ class Plan:
 class Explanation:
     """Which path `qkv.attention` takes for given inputs, why, and what it costs.
 
-    flops counts 2 * (E + Ev) multiply-adds per visited (query, key) pair and head, the
-    DESIGN.md rule 4 * B * H * L * S * E when E == Ev. peak_extra_bytes is an estimate of
-    the memory the path allocates beyond inputs and output.
+    flops counts 2 * (E + Ev) FLOPs per visited (query, key) pair and head (E multiply-adds
+    for the score and Ev for the output, two FLOPs each), the DESIGN.md rule
+    4 * B * H * L * S * E when E == Ev. peak_extra_bytes is an estimate of the memory the
+    path allocates beyond inputs and output.
     """
 
     path: str

@@ -1,88 +1,19 @@
-"""Interoperability with PyTorch's `nn.MultiheadAttention`: its weights and its masks.
+"""Interoperability with PyTorch's `nn.MultiheadAttention`: its masks.
 
-`multi_head_from_torch` (also `qkv.MultiHeadAttention.from_torch`) copies the weights of an
-`nn.MultiheadAttention` into a `qkv.MultiHeadAttention` that computes the same outputs:
+Its weights are copied by `qkv.MultiHeadAttention.from_torch`, whose docstring says what
+differs and what is refused.
 
-    theirs = nn.MultiheadAttention(D, H, batch_first=True)
-    ours = qkv.MultiHeadAttention.from_torch(theirs)
-    theirs(x, x, x, need_weights=False)[0]  ==  ours(x)
-    theirs(x, c, c, need_weights=False)[0]  ==  ours(x, c)     (kdim == vdim == c's width)
-
-What differs and what is refused:
-- The layout follows ``batch_first``: a module with ``batch_first=False`` (PyTorch's
-  default) becomes a qkv module with ``batch_first=False`` that takes and returns (L, B, D)
-  tensors, as the original does.
-- qkv reads keys and values from one context, so ``kdim != vdim`` is refused, and calls with
-  different ``key`` and ``value`` tensors have no equivalent.
-- ``add_bias_kv`` and ``add_zero_attn`` (extra learned / zero key positions) are refused.
-- PyTorch's weights are averaged over heads by default (B, L, S); qkv returns them per head
-  (B, H, L, S): ``weights.mean(dim=1)`` gives PyTorch's.
-- A query row whose keys are all masked gives NaN in PyTorch (need_weights=True and its
-  inference path) and an attention output of zeros in qkv (DESIGN.md), so the layer returns
-  ``out_proj``'s bias there.
-
-Masks: PyTorch's bool masks say True = *ignore*; qkv's say True = *may attend*. Float masks
-are added to the scaled scores in both. `masks_from_torch` converts one to the other.
-
-Layout of PyTorch's weights: when kdim == vdim == embed_dim, q, k and v projections are
-packed in ``in_proj_weight`` (3D, D) as rows [W_q; W_k; W_v]; otherwise they are separate
-``q_proj_weight`` (D, D), ``k_proj_weight`` (D, kdim), ``v_proj_weight`` (D, vdim). The bias
-is always packed in ``in_proj_bias`` (3D,). Head h owns rows [h*D/H, (h+1)*D/H) of each,
-the same convention as qkv's projections.
+PyTorch's bool masks say True = *ignore*; qkv's say True = *may attend*. Float masks are
+added to the scaled scores in both. `masks_from_torch` converts one to the other: PyTorch's
+``attn_mask`` (L, S) or (B*H, L, S) and ``key_padding_mask`` (B, S) become one bool or
+float tensor that broadcasts to (B, H, L, S).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from qkv.modules import MultiHeadAttention
-
-__all__ = ["masks_from_torch", "multi_head_from_torch"]
-
-
-def multi_head_from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A `qkv.MultiHeadAttention` with ``module``'s weights, dtype, device, dropout and mode.
-
-    Raises TypeError for anything but an `nn.MultiheadAttention`, and ValueError for the
-    configurations qkv cannot reproduce (see the module docstring).
-    """
-    if not isinstance(module, nn.MultiheadAttention):
-        raise TypeError(f"from_torch takes a torch.nn.MultiheadAttention, got {type(module).__name__}")
-    if module.bias_k is not None or module.bias_v is not None:
-        raise ValueError("from_torch: nn.MultiheadAttention(add_bias_kv=True) is not supported by qkv")
-    if module.add_zero_attn:
-        raise ValueError("from_torch: nn.MultiheadAttention(add_zero_attn=True) is not supported by qkv")
-    if module.kdim != module.vdim:
-        raise ValueError(
-            f"from_torch: kdim={module.kdim} != vdim={module.vdim}; qkv reads keys and values from "
-            "one context, so their widths must be equal"
-        )
-    D, H = module.embed_dim, module.num_heads
-    if module._qkv_same_embed_dim:
-        w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)  # (D, D) each
-    else:
-        w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight  # (D, D), (D, kdim), (D, vdim)
-    has_bias = module.in_proj_bias is not None
-    if has_bias != (module.out_proj.bias is not None):
-        raise ValueError("from_torch: in_proj_bias and out_proj.bias must both exist or both be None")
-    ours = MultiHeadAttention(
-        D, H, d_context=module.kdim, bias=has_bias, dropout=float(module.dropout), batch_first=bool(module.batch_first)
-    )
-    ours.to(device=w_q.device, dtype=w_q.dtype)
-    with torch.no_grad():
-        ours.q_proj.weight.copy_(w_q)
-        ours.k_proj.weight.copy_(w_k)
-        ours.v_proj.weight.copy_(w_v)
-        ours.out_proj.weight.copy_(module.out_proj.weight)
-        if has_bias:
-            b_q, b_k, b_v = module.in_proj_bias.chunk(3)  # (D,) each
-            ours.q_proj.bias.copy_(b_q)
-            ours.k_proj.bias.copy_(b_k)
-            ours.v_proj.bias.copy_(b_v)
-            ours.out_proj.bias.copy_(module.out_proj.bias)
-    ours.train(module.training)
-    return ours
+__all__ = ["masks_from_torch"]
 
 
 def _check_mask(mask: object, name: str) -> torch.Tensor:

@@ -21,12 +21,12 @@ length, E q/k head dim (d_k), Ev value head dim (d_v), D model width, Dc context
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv._checks import positive_int
 from qkv._problem import autocast_dtype, normalize_mask
 from qkv.bias import Bias
 from qkv.cache import KVCache
@@ -34,9 +34,6 @@ from qkv.functional import attention
 from qkv.kernels.scores import check_softcap
 from qkv.masks import Mask
 from qkv.positional import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from torch.nn import MultiheadAttention as TorchMultiheadAttention
 
 __all__ = ["MultiHeadAttention", "MultiHeadConfig"]
 
@@ -63,11 +60,6 @@ class MultiHeadConfig:
 _FUSE_ROWS_PER_WIDTH = 1
 
 
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {value!r}")
-    return value
-
 
 def _resolve_config(
     d_model: int,
@@ -80,21 +72,21 @@ def _resolve_config(
     dropout: float,
     batch_first: bool = True,
 ) -> MultiHeadConfig:
-    D = _positive(d_model, "d_model")
-    H = _positive(num_heads, "num_heads")
+    D = positive_int(d_model, "MultiHeadAttention: d_model")
+    H = positive_int(num_heads, "MultiHeadAttention: num_heads")
     if (d_k is None or d_v is None) and D % H != 0:
         raise ValueError(
             f"MultiHeadAttention: d_model={D} is not divisible by num_heads={H}; "
             "pass d_k and d_v (the per-head widths) explicitly"
         )
-    E = D // H if d_k is None else _positive(d_k, "d_k")
-    Ev = D // H if d_v is None else _positive(d_v, "d_v")
-    G = H if num_kv_heads is None else _positive(num_kv_heads, "num_kv_heads")
+    E = D // H if d_k is None else positive_int(d_k, "MultiHeadAttention: d_k")
+    Ev = D // H if d_v is None else positive_int(d_v, "MultiHeadAttention: d_v")
+    G = H if num_kv_heads is None else positive_int(num_kv_heads, "MultiHeadAttention: num_kv_heads")
     if H % G != 0:
         raise ValueError(
             f"MultiHeadAttention: num_heads={H} must be a multiple of num_kv_heads={G} (grouped-query attention)"
         )
-    Dc = D if d_context is None else _positive(d_context, "d_context")
+    Dc = D if d_context is None else positive_int(d_context, "MultiHeadAttention: d_context")
     if not isinstance(bias, bool):
         raise TypeError(f"MultiHeadAttention: bias must be a bool, got {bias!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -218,17 +210,67 @@ class MultiHeadAttention(nn.Module):
         return self.position_bias.with_tensors(tuple(getattr(self, name) for name in names))
 
     @classmethod
-    def from_torch(cls, module: TorchMultiheadAttention) -> MultiHeadAttention:
-        """Copy an `nn.MultiheadAttention` into a qkv module that computes the same outputs.
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A qkv module with ``module``'s weights, dtype, device, dropout and mode.
 
-        The result has ``module.batch_first``: it takes and returns tensors in the same layout
-        ((L, B, D) for PyTorch's default batch_first=False); see
-        `qkv.interop.multi_head_from_torch` for what is supported, and
-        `qkv.interop.masks_from_torch` for its masks.
+        It computes the same outputs: ``theirs(x, x, x, need_weights=False)[0] == ours(x)``
+        and ``theirs(x, c, c, need_weights=False)[0] == ours(x, c)``. It has
+        ``module.batch_first``: PyTorch's default batch_first=False gives a module that takes
+        and returns (L, B, D) tensors. `qkv.interop.masks_from_torch` converts its masks.
+
+        PyTorch's weights: with kdim == vdim == embed_dim the q, k, v projections are packed
+        in ``in_proj_weight`` (3D, D) as rows [W_q; W_k; W_v], otherwise they are separate
+        ``q_proj_weight`` (D, D), ``k_proj_weight`` (D, kdim), ``v_proj_weight`` (D, vdim); the
+        bias is always packed in ``in_proj_bias`` (3D,). Head h owns rows [h*D/H, (h+1)*D/H)
+        of each, as in qkv's projections.
+
+        What differs: PyTorch averages the weights over heads by default (B, L, S), qkv returns
+        them per head (B, H, L, S) (``weights.mean(dim=1)`` gives PyTorch's); a query row whose
+        keys are all masked is NaN in PyTorch (need_weights=True and its inference path) and
+        gets ``out_proj``'s bias here (attention output zeros, DESIGN.md).
+
+        Raises:
+            TypeError: ``module`` is not an `nn.MultiheadAttention`.
+            ValueError: what qkv cannot reproduce: ``add_bias_kv`` or ``add_zero_attn`` (extra
+                learned / zero key positions), ``kdim != vdim`` (qkv reads keys and values
+                from one context), a bias on the input projections but not the output one.
         """
-        from qkv.interop import multi_head_from_torch  # interop imports this module
-
-        return multi_head_from_torch(module)
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"from_torch takes a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.bias_v is not None:
+            raise ValueError("from_torch: nn.MultiheadAttention(add_bias_kv=True) is not supported by qkv")
+        if module.add_zero_attn:
+            raise ValueError("from_torch: nn.MultiheadAttention(add_zero_attn=True) is not supported by qkv")
+        if module.kdim != module.vdim:
+            raise ValueError(
+                f"from_torch: kdim={module.kdim} != vdim={module.vdim}; qkv reads keys and values from "
+                "one context, so their widths must be equal"
+            )
+        if module._qkv_same_embed_dim:
+            w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)  # (D, D) each
+        else:
+            w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight  # (D, D), (D, kdim), (D, vdim)
+        has_bias = module.in_proj_bias is not None
+        if has_bias != (module.out_proj.bias is not None):
+            raise ValueError("from_torch: in_proj_bias and out_proj.bias must both exist or both be None")
+        ours = cls(
+            module.embed_dim, module.num_heads, d_context=module.kdim, bias=has_bias,
+            dropout=float(module.dropout), batch_first=bool(module.batch_first),
+        )
+        ours.to(device=w_q.device, dtype=w_q.dtype)
+        with torch.no_grad():
+            ours.q_proj.weight.copy_(w_q)
+            ours.k_proj.weight.copy_(w_k)
+            ours.v_proj.weight.copy_(w_v)
+            ours.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                b_q, b_k, b_v = module.in_proj_bias.chunk(3)  # (D,) each
+                ours.q_proj.bias.copy_(b_q)
+                ours.k_proj.bias.copy_(b_k)
+                ours.v_proj.bias.copy_(b_v)
+                ours.out_proj.bias.copy_(module.out_proj.bias)
+        ours.train(module.training)
+        return ours
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty `KVCache` for this layer, on the device and in the dtype of its weights."""

@@ -34,16 +34,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+from qkv._checks import positive_int
+from qkv.kernels.softmax import accumulation_dtype
+
 __all__ = ["LearnedEncoding", "RotaryConfig", "RotaryEmbedding", "SinusoidalEncoding"]
 
 Layout = Literal["half", "interleaved"]
 LAYOUTS: tuple[str, ...] = ("half", "interleaved")
-
-
-def _check_size(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_base(base: object) -> float:
@@ -122,8 +119,8 @@ class SinusoidalEncoding(_Float32Tables):
 
     def __init__(self, d_model: int, *, max_len: int = 4096, base: float = 10000.0) -> None:
         super().__init__()
-        self.d_model = _check_size(d_model, "d_model")
-        self.max_len = _check_size(max_len, "max_len")
+        self.d_model = positive_int(d_model, "d_model")
+        self.max_len = positive_int(max_len, "max_len")
         self.base = _check_base(base)
         self._register_tables(None)
 
@@ -156,8 +153,8 @@ class LearnedEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int, *, init_std: float = 0.02) -> None:
         super().__init__()
-        self.d_model = _check_size(d_model, "d_model")
-        self.max_len = _check_size(max_len, "max_len")
+        self.d_model = positive_int(d_model, "d_model")
+        self.max_len = positive_int(max_len, "max_len")
         self.weight = nn.Parameter(torch.randn(max_len, d_model) * init_std)  # (max_len, D)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -213,12 +210,12 @@ class RotaryEmbedding(_Float32Tables):
         self, head_dim: int, *, max_len: int = 4096, base: float = 10000.0, layout: Layout = "half"
     ) -> None:
         super().__init__()
-        _check_size(head_dim, "head_dim")
+        positive_int(head_dim, "head_dim")
         if head_dim % 2 != 0:
             raise ValueError(f"RoPE rotates features in pairs: head_dim must be even, got {head_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(repr(x) for x in LAYOUTS)}; got {layout!r}")
-        self.config = RotaryConfig(head_dim, _check_size(max_len, "max_len"), _check_base(base), layout)
+        self.config = RotaryConfig(head_dim, positive_int(max_len, "max_len"), _check_base(base), layout)
         self._register_tables(None)
 
     @property
@@ -257,7 +254,7 @@ class RotaryEmbedding(_Float32Tables):
             raise TypeError(f"RotaryEmbedding needs a floating-point x, got {x.dtype}")
         L = x.shape[-2]
         self.check_positions(offset, L)
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        compute = accumulation_dtype(x.dtype)  # float32 at least, float64 kept (DESIGN.md)
         cos = self.cos[offset : offset + L].to(compute)  # (L, E/2)
         sin = self.sin[offset : offset + L].to(compute)  # (L, E/2)
         xc = x.to(compute)

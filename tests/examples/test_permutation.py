@@ -26,10 +26,24 @@ def test_plain_attention_is_permutation_equivariant(result: permutation.Result) 
 
 
 def test_positions_break_it(result: permutation.Result) -> None:
-    assert result.encoded.max_difference > 0.1
-    assert round(result.encoded.max_difference, 3) == round(
-        float(np.abs(result.encoded.shuffled.trace.output - result.encoded.original.trace.output[list(result.order)]).max()), 3
-    )
+    """The difference the example reports, computed apart: X + PE through the apple matrices and PyTorch's SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    from qkv.examples.apple import W_K, W_Q, W_V, WORDS
+    from qkv.positional import sinusoidal_table
+
+    x = torch.tensor([WORDS[t] for t in ("我", "吃", "苹果")], dtype=torch.float64)  # (L, 4)
+    pe = sinusoidal_table(3, 4)  # (L, 4) float64
+    shuffle = [2, 1, 0]  # 苹果 吃 我
+
+    def outputs(rows: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rows @ torch.from_numpy(w) for w in (W_Q, W_K, W_V))  # (L, 2) each
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (L, 2)
+
+    expected = float((outputs(x[shuffle] + pe) - outputs(x + pe)[shuffle]).abs().max())
+    assert expected > 0.1
+    assert result.encoded.max_difference == pytest.approx(expected, rel=1e-12)
 
 
 def test_sinusoidal_table_by_hand(result: permutation.Result) -> None:

@@ -8,8 +8,6 @@ also made tiny so that long runs are split and merged through their log-sum-exp.
 
 from __future__ import annotations
 
-import doctest
-
 import numpy as np
 import pytest
 import torch
@@ -273,13 +271,6 @@ def test_dispatch_and_explain() -> None:
     # auto on a big sparse problem gives the same numbers as SDPA on the dense mask
     torch.testing.assert_close(qkv.attention(q, k, v, window), qkv.attention(q, k, v, window, backend="fused"),
                                atol=1e-5, rtol=1e-5)
-
-
-def test_functional_docstring_examples_run() -> None:
-    import qkv.functional
-
-    failures, tried = doctest.testmod(qkv.functional)
-    assert tried >= 4 and failures == 0
 
 
 def test_blocks_backend_refuses_what_it_cannot_run() -> None:

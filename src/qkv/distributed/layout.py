@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from qkv._checks import positive_int
+
 __all__ = [
     "LAYOUTS",
     "Chunk",
@@ -64,8 +66,7 @@ def check_layout(layout: object) -> None:
 
 
 def _check_world(rank: int, world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int(world_size, "world_size")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
 

@@ -243,8 +243,9 @@ class _Reader:
 class _Adam:
     """Adam (Kingma & Ba, 2015, Algorithm 1), written out.
 
-    Not `torch.optim.Adam`: importing torch.optim pulls in the compiler stack, which costs
-    several seconds, longer than this whole training run.
+    Not `torch.optim.Adam`: constructing a torch.optim optimizer imports torch._dynamo (the
+    compiler stack; ``import torch`` alone does not), which costs several seconds, longer than
+    this whole training run.
     """
 
     BETA1, BETA2, EPS = 0.9, 0.999, 1e-8  # the paper's defaults

@@ -8,7 +8,7 @@ few runs) and peak memory (Python's tracemalloc, which sees NumPy's allocations)
 reference for n = 256 ... 2048, one head of width 64.
 
 Next to it, qkv's PyTorch paths on the same inputs: ``backend="math"`` (materialized, in
-float32) and, where this version of qkv has it, a sliding-window mask,
+float32) and a sliding-window mask,
 ``qkv.attention(q, k, v, qkv.masks.sliding_window(127))``, where each query sees only the
 128 most recent keys: its work grows like n, not n^2, and `qkv.explain` says which path runs
 and what it visits.

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qkv._checks import positive_int
 from qkv.inspect import Inspection, Projections, context_similarity
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
@@ -244,8 +245,7 @@ class Encoder:
             real tokens of each text, L2-normalized when ``normalize``.
         """
         texts = _texts_or_raise(texts)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        positive_int(batch_size, "batch_size")
         if not isinstance(packed, bool):
             raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
         encoded = self.tokenize(texts, truncate=truncate)

@@ -48,7 +48,8 @@ def draw_mask(
         mask: a `qkv.masks` object (``causal()``, ``sliding_window(4)`` & ..., ``dense(t)``).
         L, S: query and key lengths.
         block_q, block_k: tile size; default the smallest power of two that keeps at most
-            16 tiles a side (pass 128 to see the CPU kernel's own tiles).
+            16 tiles a side (pass 128 for FlexAttention's tiles, or block_q=192, block_k=64
+            for the layout grid of the CPU block engine, which groups rows into its own items).
         batch, head: which batch row and head, for masks that differ across them.
     """
     from qkv.masks import Mask  # torch is needed here, not for heatmaps of NumPy arrays
