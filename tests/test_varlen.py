@@ -11,7 +11,8 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels.layout import EMPTY, FULL, states_from_dense
+from qkv.masks import EMPTY, FULL
+from qkv.masks._layout import states_from_dense
 
 # (q_lengths, k_lengths): equal, keys longer (a cache), queries longer (empty rows), empty docs
 LENGTHS = [

@@ -35,13 +35,12 @@ from qkv.kernels.dense import (
     math_attention,
 )
 from qkv.kernels.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_suits
-from qkv.kernels.layout import FULL, BlockLayout
 from qkv.kernels.machine import emulation_note, matmul_gflops
 from qkv.kernels.scored import closes_over_grad, scored_tile_attention
 from qkv.kernels.scores import ScoreMod
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
-from qkv.masks import POINTWISE_BUDGET, Causal, Mask
+from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Mask
 
 __all__ = ["Explanation", "attention", "attention_weights", "choose_path", "explain"]
 

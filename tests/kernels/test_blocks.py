@@ -17,8 +17,8 @@ import qkv
 from qkv import masks as M
 from qkv import reference as R
 from qkv.kernels.blocks import tile_attention, tile_weights
-from qkv.kernels.layout import states_from_dense
 from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
+from qkv.masks._layout import states_from_dense
 
 CONFIGS = {
     "1x1": TileConfig(block_q=1, block_k=1),

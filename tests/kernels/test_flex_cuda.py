@@ -21,7 +21,6 @@ from qkv.kernels.flex import (
     flex_attention_layout,
     flex_available,
 )
-from qkv.kernels.layout import EMPTY, FULL
 
 pytestmark = pytest.mark.skipif(not flex_available(), reason="this PyTorch has no FlexAttention BlockMask.from_kv_blocks")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels need a CUDA device here")
@@ -53,12 +52,12 @@ def test_block_mask_holds_the_layout(name: str) -> None:
     block_mask = block_mask_from_layout(layout, mask, "cpu")
     visited = block_mask.to_dense().bool()  # (B | 1, H | 1, nQ, nK): partial and full blocks
     states = layout.states.expand_as(visited)
-    assert torch.equal(visited, states != EMPTY)
+    assert torch.equal(visited, states != M.EMPTY)
     full = torch.zeros_like(visited)
     counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
     for idx in np.ndindex(*counts.shape):
         full[idx][indices[idx][: counts[idx]].long()] = True
-    assert torch.equal(full, states == FULL)
+    assert torch.equal(full, states == M.FULL)
 
 
 # FlexAttention warns that its eager reference materializes the scores; that is the point here

@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from qkv.kernels.layout import FULL, PARTIAL, BlockLayout
 from qkv.kernels.scores import ScoreTerms
-from qkv.masks import Mask
+from qkv.masks import FULL, PARTIAL, BlockLayout, Mask
 
 __all__ = ["FLEX_BLOCK", "block_mask_from_layout", "flex_attention_layout", "flex_available"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qkv.kernels.layout import EMPTY, FULL, BlockLayout
+from qkv.masks import EMPTY, FULL, BlockLayout
 
 __all__ = ["Call", "Piece", "TileConfig", "TilePlan", "plan_intervals", "plan_layout"]
 

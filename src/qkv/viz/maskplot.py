@@ -1,7 +1,7 @@
 """A drawing of a `qkv.masks` object: which (query, key) pairs it allows, and its tiles.
 
 The score matrix is cut into tiles of ``block_q`` queries x ``block_k`` keys (see
-`qkv.kernels.layout`). Each tile is coloured by its state: full (computed without a mask),
+`qkv.masks.BlockLayout`). Each tile is coloured by its state: full (computed without a mask),
 partial (computed with the mask's slice) or empty (skipped, the work a block-sparse kernel
 saves). On top, every visible pair is a dark dot, as long as the matrix is small enough to
 draw point by point. Queries are rows, keys are columns, as in `heatmap`.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["draw_mask"]
 
-# Tile colours, indexed by state EMPTY = 0, PARTIAL = 1, FULL = 2 (qkv.kernels.layout).
+# Tile colours, indexed by state EMPTY = 0, PARTIAL = 1, FULL = 2 (qkv.masks).
 TILE_COLOURS = ("#f1f3f5", "#f6c28b", "#8fc5a0")
 TILE_NAMES = ("empty (skipped)", "partial (masked)", "full (no mask)")
 POINT_COLOUR = "#1f2933"

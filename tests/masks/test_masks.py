@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import masks as M
-from qkv.kernels.layout import EMPTY, FULL, PARTIAL, states_from_dense
+from qkv.masks import EMPTY, FULL, PARTIAL
+from qkv.masks._layout import states_from_dense
 
 # awkward (L, S): equal, not multiples of any block, L < S, L > S, a single query, a single key
 SIZES = [(16, 16), (37, 37), (23, 41), (41, 23), (1, 29), (29, 1)]

@@ -13,6 +13,9 @@ full_kv_num_blocks / full_kv_indices for full ones). A layout is only required t
 *sound*: EMPTY and FULL must be exact, PARTIAL may be reported for a tile that turns out to
 be empty or full (combined masks do this); the kernels stay exact either way.
 
+Each mask computes its own layout (`Mask.layout`) from its structure; the kernels only read
+layouts (FlexAttention's BlockMask, the CPU block engine's plan), never the reverse.
+
 References:
 - Dao et al., "FlashAttention", NeurIPS 2022, section 3.3 (block-sparse FlashAttention).
 - PyTorch, ``torch.nn.attention.flex_attention.BlockMask`` documentation.
@@ -26,7 +29,16 @@ from typing import Final
 
 import torch
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockLayout", "block_bounds", "compose_states", "states_from_dense"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockLayout",
+    "block_bounds",
+    "compose_states",
+    "states_from_dense",
+    "states_from_intervals",
+]
 
 EMPTY: Final = 0
 PARTIAL: Final = 1
@@ -64,6 +76,28 @@ def compose_states(all_visible: torch.Tensor, any_visible: torch.Tensor) -> torc
     """FULL where every pair of a tile is visible, EMPTY where none is, PARTIAL elsewhere (uint8)."""
     partial_or_empty = torch.where(any_visible, PARTIAL, EMPTY)
     return torch.where(all_visible, FULL, partial_or_empty).to(torch.uint8)
+
+
+def states_from_intervals(lo: torch.Tensor, hi: torch.Tensor, S: int, block_q: int, block_k: int) -> torch.Tensor:
+    """Tile states (B | 1, 1, nQ, nK) of per-query key intervals lo..hi (B | 1, L) (empty when lo > hi).
+
+    A tile is full when every row of its query block sees all its keys, and reported
+    non-empty when the union bounds of the block's rows reach it (sound, see above).
+    """
+    B, L = lo.shape
+    n_q = math.ceil(L / block_q)
+    pad = n_q * block_q - L
+    nonempty = lo <= hi
+    big = S + 1
+    lo_any = torch.nn.functional.pad(torch.where(nonempty, lo, big), (0, pad), value=big).view(B, n_q, block_q)
+    hi_any = torch.nn.functional.pad(torch.where(nonempty, hi, -1), (0, pad), value=-1).view(B, n_q, block_q)
+    lo_all = torch.nn.functional.pad(torch.where(nonempty, lo, big), (0, pad), value=-1).view(B, n_q, block_q)
+    hi_all = torch.nn.functional.pad(torch.where(nonempty, hi, -1), (0, pad), value=big).view(B, n_q, block_q)
+    first_k, last_k = block_bounds(S, block_k, lo.device)
+    k0, k1 = first_k[None, None, :], last_k[None, None, :]  # (1, 1, nK)
+    any_visible = (k1 >= lo_any.amin(dim=2)[:, :, None]) & (k0 <= hi_any.amax(dim=2)[:, :, None])  # (B, nQ, nK)
+    all_visible = (k0 >= lo_all.amax(dim=2)[:, :, None]) & (k1 <= hi_all.amin(dim=2)[:, :, None])  # (B, nQ, nK)
+    return compose_states(all_visible & any_visible, any_visible)[:, None]  # (B | 1, 1, nQ, nK)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,253 @@
+"""Variable-length sequences: `varlen` (packed one after another) and `padded` (a padded batch).
+
+Each document or row has positions of its own: causal masks and windows align bottom-right
+to its own query and key lengths, as FlashAttention's varlen kernels do. Both know every
+query's key interval, so their layouts and the engine's plans come from those intervals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from qkv.masks._base import Device, Mask, batch_index, check_count
+from qkv.masks._layout import states_from_intervals
+
+
+def _check_lengths(lengths: object, name: str) -> torch.Tensor:
+    if isinstance(lengths, (list, tuple)):
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in lengths):
+            raise TypeError(f"{name} must hold ints, got {list(lengths)!r}")
+        lengths = torch.tensor(list(lengths), dtype=torch.long)
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {type(lengths).__name__}")
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise TypeError(f"{name} must hold integer lengths, got dtype {lengths.dtype}")
+    if lengths.ndim != 1 or lengths.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(lengths.shape)}")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
+    return lengths.long()
+
+
+def _check_window(window: object) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0, got {window!r}")
+    return check_count(window[0], "window left"), check_count(window[1], "window right")
+
+
+def _local_interval(
+    p: torch.Tensor, k_len: torch.Tensor, causal: bool, window: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last visible key, in the document's own key positions, of queries at
+    document positions p (bottom-right: p = i + k_len - q_len) over k_len keys."""
+    lo, hi = torch.zeros_like(p), k_len - 1
+    if causal:
+        hi = torch.minimum(hi, p)
+    if window is not None:
+        lo, hi = torch.maximum(lo, p - window[0]), torch.minimum(hi, p + window[1])
+    return lo, hi
+
+
+@dataclass(frozen=True, eq=False)
+class _Lengths(Mask):
+    """What `Varlen` and `Padded` share: per-document (per-row) query and key lengths, the
+    options applied at each document's own positions, and a layout from the row intervals."""
+
+    q_lengths: torch.Tensor
+    k_lengths: torch.Tensor
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    constructor: ClassVar[str]  # the function that builds the mask, for its name
+
+    def to(self, device: torch.device | str) -> _Lengths:
+        return type(self)(self.q_lengths.to(device), self.k_lengths.to(device), self.causal, self.window)
+
+    def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
+        return states_from_intervals(*self.row_intervals(L, S, device), S, block_q, block_k)
+
+    def describe(self) -> str:
+        return f"{self.constructor}({_lengths_text(self.q_lengths, self.k_lengths)}{_options_text(self.causal, self.window)})"
+
+
+@dataclass(frozen=True, eq=False)
+class Varlen(_Lengths):
+    """Documents packed one after another along L and S (FlashAttention's varlen layout).
+
+    Document d holds q_lengths[d] queries and k_lengths[d] keys; its queries see only its
+    keys, at positions of its own: query i of the document sits at p = i + k_len - q_len
+    (bottom-right), and ``causal`` / ``window`` apply to those positions.
+    """
+
+    constructor: ClassVar[str] = "varlen"
+
+    def __post_init__(self) -> None:
+        # per query: its first and last visible key and its position, in packed coordinates
+        q_starts = torch.cumsum(self.q_lengths, 0) - self.q_lengths  # (docs,)
+        k_starts = torch.cumsum(self.k_lengths, 0) - self.k_lengths  # (docs,)
+        doc = torch.repeat_interleave(torch.arange(self.q_lengths.numel(), device=self.q_lengths.device), self.q_lengths)
+        i = torch.arange(doc.numel(), device=doc.device) - q_starts[doc]  # (L,): row inside the document
+        k_len, k0 = self.k_lengths[doc], k_starts[doc]
+        p = i + k_len - self.q_lengths[doc]
+        lo, hi = _local_interval(p, k_len, self.causal, self.window)
+        object.__setattr__(self, "_lo", (lo + k0)[None])  # (1, L)
+        object.__setattr__(self, "_hi", (hi + k0)[None])  # (1, L)
+        object.__setattr__(self, "_pos", (p + k0)[None])  # (1, L)
+
+    @property
+    def total_q(self) -> int:
+        return int(self.q_lengths.sum())
+
+    @property
+    def total_k(self) -> int:
+        return int(self.k_lengths.sum())
+
+    def check_size(self, L: int, S: int) -> None:
+        if self.total_q != L or self.total_k != S:
+            raise ValueError(
+                f"varlen() packs {self.total_q} queries and {self.total_k} keys "
+                f"({self.q_lengths.numel()} documents), the inputs have L={L} and S={S}"
+            )
+
+    def visible(
+        self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, L: int, S: int
+    ) -> torch.Tensor:
+        lo, hi = self._lo[0].to(q_idx.device), self._hi[0].to(q_idx.device)  # type: ignore[attr-defined]
+        return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
+
+    def row_intervals(self, L: int, S: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._lo.to(device), self._hi.to(device)  # type: ignore[attr-defined]
+
+    def query_positions(self, L: int, S: int, device: Device = None) -> torch.Tensor:
+        return self._pos.to(device)  # type: ignore[attr-defined]
+
+
+def varlen(
+    q_lengths: torch.Tensor | list[int],
+    k_lengths: torch.Tensor | list[int] | None = None,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+) -> Varlen:
+    """Documents packed one after another along L and S, each with positions of its own.
+
+    Args:
+        q_lengths: (docs,) queries of each document, in packing order.
+        k_lengths: (docs,) keys of each document; default q_lengths.
+        causal: query i of a document with q_len queries and k_len keys sees its keys
+            0 .. i + k_len - q_len (bottom-right to the document, FlashAttention's varlen
+            semantics and xformers' BlockDiagonalCausalFromBottomRightMask).
+        window: (left, right): that query sees its keys p - left .. p + right, p = i + k_len - q_len.
+
+    Two documents of 2 and 3 tokens, causal inside each:
+
+    >>> print(varlen([2, 3], causal=True).to_dense(5, 5).int()[0, 0])
+    tensor([[1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1]], dtype=torch.int32)
+    """
+    return Varlen(*_variable_lengths(q_lengths, k_lengths, causal, window, "varlen"))
+
+
+@dataclass(frozen=True, eq=False)
+class Padded(_Lengths):
+    """A padded batch: row b holds q_lengths[b] real queries and k_lengths[b] real keys first.
+
+    Query i of row b sits at p = i + k_len - q_len (bottom-right to the row's own lengths);
+    ``causal`` / ``window`` apply to those positions; padded queries see nothing (zero rows).
+    """
+
+    constructor: ClassVar[str] = "padded"
+
+    @property
+    def batch(self) -> int | None:
+        return self.q_lengths.numel() if self.q_lengths.numel() > 1 else None
+
+    def check_size(self, L: int, S: int) -> None:
+        if int(self.q_lengths.max()) > L or int(self.k_lengths.max()) > S:
+            raise ValueError(
+                f"padded() has rows of up to {int(self.q_lengths.max())} queries and {int(self.k_lengths.max())} "
+                f"keys, the inputs have L={L} and S={S}"
+            )
+
+    def _rows(
+        self, b: torch.Tensor, q_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(p, lo, hi) of queries q_idx in rows b; lo > hi for padded queries."""
+        q_lengths, k_lengths = self.q_lengths.to(q_idx.device), self.k_lengths.to(q_idx.device)
+        rows = batch_index(b, q_lengths.shape[0])
+        q_len, k_len = q_lengths[rows], k_lengths[rows]
+        p = q_idx + k_len - q_len
+        lo, hi = _local_interval(p, k_len, self.causal, self.window)
+        return p, lo, torch.where(q_idx < q_len, hi, lo - 1)
+
+    def row_intervals(self, L: int, S: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
+        b = torch.arange(self.q_lengths.numel(), device=device)[:, None]  # (B, 1)
+        _, lo, hi = self._rows(b, torch.arange(L, device=device)[None, :])
+        return lo.clamp(min=0), hi.clamp(max=S - 1)  # (B, L) each
+
+    def query_positions(self, L: int, S: int, device: Device = None) -> torch.Tensor:
+        b = torch.arange(self.q_lengths.numel(), device=device)[:, None]  # (B, 1)
+        return self._rows(b, torch.arange(L, device=device)[None, :])[0]  # (B, L)
+
+    def visible(
+        self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, L: int, S: int
+    ) -> torch.Tensor:
+        _, lo, hi = self._rows(b, q_idx)
+        return (kv_idx >= lo) & (kv_idx <= hi)
+
+
+def padded(
+    q_lengths: torch.Tensor | list[int],
+    k_lengths: torch.Tensor | list[int] | None = None,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+) -> Padded:
+    """A padded batch: row b's first q_lengths[b] queries and k_lengths[b] keys are real.
+
+    Causal and window align bottom-right to each row's own lengths (as `varlen`); padded
+    keys are hidden and padded queries see nothing (their output rows are zeros).
+
+    Row 0 holds 2 queries over 3 keys, row 1 one query over 2 keys, causal:
+
+    >>> print(padded([2, 1], [3, 2], causal=True).to_dense(2, 3).int()[:, 0])
+    tensor([[[1, 1, 0],
+             [1, 1, 1]],
+    <BLANKLINE>
+            [[1, 1, 0],
+             [0, 0, 0]]], dtype=torch.int32)
+    """
+    return Padded(*_variable_lengths(q_lengths, k_lengths, causal, window, "padded"))
+
+
+def _lengths_text(q_lengths: torch.Tensor, k_lengths: torch.Tensor) -> str:
+    def short(x: torch.Tensor) -> str:
+        return str(x.tolist()) if x.numel() <= 8 else f"{x.numel()} lengths, total {int(x.sum())}"
+
+    same = q_lengths.shape == k_lengths.shape and bool((q_lengths == k_lengths).all())
+    return short(q_lengths) if same else f"{short(q_lengths)}, {short(k_lengths)}"
+
+
+def _options_text(causal: bool, window: tuple[int, int] | None) -> str:
+    return (", causal=True" if causal else "") + (f", window={window}" if window is not None else "")
+
+
+def _variable_lengths(
+    q_lengths: object, k_lengths: object, causal: object, window: object, name: str
+) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[int, int] | None]:
+    q = _check_lengths(q_lengths, "q_lengths")
+    k = q if k_lengths is None else _check_lengths(k_lengths, "k_lengths")
+    if k.shape != q.shape:
+        raise ValueError(f"{name}: q_lengths has {q.numel()} entries but k_lengths has {k.numel()}")
+    if k.device != q.device:
+        raise ValueError(f"{name}: q_lengths are on {q.device} but k_lengths on {k.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
+    return q, k, causal, _check_window(window)
