@@ -170,13 +170,17 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    """Whether every entry of x is finite. One reduction (a 2-norm is finite only when every
-    entry is); only when it overflows on finite entries is each entry tested."""
+def _largest_magnitude(x: torch.Tensor) -> float:
+    """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN). One reduction over x
+    in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
+    as much as the attention itself for bf16 inputs of the tile engine)."""
+    if x.numel() == 0:
+        return 0.0
     with torch.no_grad():
-        if math.isfinite(float(torch.linalg.vector_norm(x, dtype=accumulation_dtype(x.dtype)))):
-            return True
-        return bool(torch.isfinite(x).all())
+        low, high = (float(t) for t in torch.aminmax(compact(x)))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return math.inf
+    return max(-low, high)
 
 
 def _largest_row_norm(x: torch.Tensor) -> float:
@@ -190,9 +194,9 @@ def _check_magnitudes(
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
-    |scale * q_i . k_j| <= max(1, |scale|) * ||Q|| ||K|| (Cauchy-Schwarz, Frobenius norms:
-    one cheap reduction each); only when that bound is too large is the tight one,
-    max_i ||q_i|| * max_j ||k_j||, computed. Scores, plus the largest value of a float mask,
+    |scale * q_i . k_j| <= max(1, |scale|) * E * max|q| * max|k| (one cheap reduction per
+    tensor, which also tells whether it is finite); only when that bound is too large is the
+    tight one, max_i ||q_i|| * max_j ||k_j||, computed. Scores, plus the largest value of a float mask,
     must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
@@ -201,7 +205,8 @@ def _check_magnitudes(
     """
     if torch.compiler.is_compiling():
         return False
-    finite = [_all_finite(x) for x in (q, k, v)]
+    magnitudes = [_largest_magnitude(x) for x in (q, k, v)]
+    finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
         with torch.no_grad():
@@ -211,10 +216,7 @@ def _check_magnitudes(
     acc = accumulation_dtype(q.dtype)
     limit = torch.finfo(acc).max / 2
     factor = max(1.0, abs(scale))
-    with torch.no_grad():
-        loose = factor * float(torch.linalg.vector_norm(q, dtype=torch.float64)) * float(
-            torch.linalg.vector_norm(k, dtype=torch.float64)
-        )
+    loose = factor * q.shape[-1] * magnitudes[0] * magnitudes[1]
     if loose + top > limit:
         q_norm, k_norm = _largest_row_norm(q), _largest_row_norm(k)
         bound = factor * q_norm * k_norm
