@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from qkv.kernels.heads import expand_kv_heads
 from qkv.kernels.lse_grad import with_lse_gradient
+from qkv.kernels.matmul_backward import call_gradients, suits
 from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
@@ -240,7 +241,9 @@ def _backward(
     """dq, dk, dv (N, H, *, D) from the final output and lse (FlashAttention-2 recomputation),
     with the gradient of lse (N, H, L) added when ``grad_lse`` is given.
 
-    Low-precision inputs run the float32 kernel on exact float32 copies (`_BACKWARD_DTYPE`).
+    bf16 calls whose pieces hold all keys of their rows take the matrix-product backward
+    (`qkv.kernels.matmul_backward`) on the inputs as they are; the other calls run the flash
+    kernel, low-precision inputs on exact float32 copies (`_BACKWARD_DTYPE`).
     """
     dtypes = q.dtype, k.dtype, v.dtype
     D_in = q.shape[3]
@@ -249,23 +252,35 @@ def _backward(
     N, H, L, D = q.shape
     S = k.shape[2]
     acc_dtype = accumulation_dtype(q.dtype)
-    kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
-    grad_out, q, k, v, out = (x.to(kernel_dtype) for x in (grad_out, q, k, v, out))
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    by_products = [suits(q.dtype, call.merge, grad_lse is not None) for call in run.plan.calls]
+    kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
+    if not all(by_products):
+        # the flash kernel's inputs (N, H, *, D), converted once for all its calls
+        flash_in = tuple(x.to(kernel_dtype) for x in (grad_out, q, k, v, out))
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     dq = torch.zeros(N, H, L, D, dtype=acc_dtype)
     dk = torch.zeros(N, H, S, D, dtype=acc_dtype)
     dv = torch.zeros(N, H, S, D, dtype=acc_dtype)
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    for call in run.plan.calls:
-        bias = _tile(run, call, L, S, kernel_dtype)[0] if call.masked else None
-        gq, gk, gv = flash_backward(
-            _items(grad_out, call, keys=False), _items(q, call, keys=False),
-            _items(k, call, keys=True), _items(v, call, keys=True),
-            _items(out, call, keys=False), _rows(lse, call), 0.0, False, attn_mask=bias, scale=run.scale,
-        )  # (items, H, q_len, D), (items, H, width, D) x 2
+    for call, products in zip(run.plan.calls, by_products, strict=True):
+        if products:
+            # bf16 products on the matrix units (qkv.kernels.matmul_backward), not the flash kernel
+            bias, empty = _tile(run, call, L, S, q.dtype) if call.masked else (None, None)
+            gq, gk, gv = call_gradients(
+                _items(grad_out, call, keys=False), _items(q, call, keys=False),
+                _items(k, call, keys=True), _items(v, call, keys=True), bias, empty, run.scale, run.plan.config.call_bytes,
+            )  # (items, H, q_len, D), (items, H, width, D) x 2
+        else:
+            g_, q_, k_, v_, o_ = flash_in
+            bias = _tile(run, call, L, S, kernel_dtype)[0] if call.masked else None
+            gq, gk, gv = flash_backward(
+                _items(g_, call, keys=False), _items(q_, call, keys=False),
+                _items(k_, call, keys=True), _items(v_, call, keys=True),
+                _items(o_, call, keys=False), _rows(lse, call), 0.0, False, attn_mask=bias, scale=run.scale,
+            )  # (items, H, q_len, D), (items, H, width, D) x 2
         _add_rows(dq, call, gq)
         _add_keys(dk, call, gk)
         _add_keys(dv, call, gv)
