@@ -58,15 +58,16 @@ class _Spy:
 
 
 def test_one_call_against_float64_autograd() -> None:
-    # 3 items of 2 heads, rows 0 and 5 of item 1 see no key: exact zero gradients there
+    # 3 items of 2 heads with a mask per item and head, computed one head of one item at a
+    # time (a tiny budget); rows 0 and 5 of item 1 see no key: exact zero gradients there
     gen = torch.Generator().manual_seed(0)
     items, H, q_len, width, D, scale = 3, 2, 7, 11, 5, 0.7
     q, k, v, d_out = (torch.randn(items, H, n, D, generator=gen, dtype=torch.float64)
                       for n in (q_len, width, width, q_len))
-    visible = torch.rand(items, 1, q_len, width, generator=gen) > 0.5
+    visible = torch.rand(items, H, q_len, width, generator=gen) > 0.5
     visible[1, :, [0, 5]] = False
-    bias = torch.zeros(items, 1, q_len, width).masked_fill(~visible, float("-inf"))
-    empty = ~visible.any(-1)  # (items, 1, q_len)
+    bias = torch.zeros(items, H, q_len, width).masked_fill(~visible, float("-inf"))
+    empty = ~visible.any(-1)  # (items, H, q_len)
     trace = R.attention(q.numpy(), k.numpy(), v.numpy(), visible.numpy(), scale)
     want = R.attention_grads(trace, d_out.numpy())
     # the naive bf16 comparator: empty rows see every key and pass no output gradient, which
