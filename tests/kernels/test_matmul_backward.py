@@ -8,7 +8,6 @@ entirely in bfloat16, plus a floor of 1e-3.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,23 +17,10 @@ from qkv import reference as R
 from qkv.kernels import matmul_backward
 from qkv.kernels.matmul_backward import call_gradients, suits
 from tests.kernels.test_blocks import MASKS, _problem, _reference
+from tests.kernels.test_blocks_bf16 import _err, _naive
 
 DTYPE = torch.bfloat16
-FLOOR = 1e-3
-
-
-def _naive(q, k, v, visible: torch.Tensor, scale: float):  # type: ignore[no-untyped-def]
-    """softmax(q k^T * scale) v with every op in q's dtype; GQA by repeating kv heads; rows
-    with no visible key set to 0 (the reference's rule; the naive softmax gives NaN there)."""
-    r = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) @ v
-
-
-def _err(a: torch.Tensor, b: np.ndarray | torch.Tensor) -> float:
-    want = b.numpy() if isinstance(b, torch.Tensor) else b
-    return float(np.abs(a.detach().double().numpy() - want).max())
+FLOOR = 1e-3  # the floor of tests/kernels/test_blocks_bf16.py
 
 
 def _grads(fn, q, k, v, d_out, dtype):  # type: ignore[no-untyped-def]
