@@ -17,7 +17,7 @@ from qkv import reference as R
 from qkv.kernels import matmul_backward
 from qkv.kernels.matmul_backward import call_gradients, suits
 from tests.kernels.test_blocks import MASKS, _problem, _reference
-from tests.kernels.test_blocks_bf16 import _err, _naive
+from tests.kernels.test_blocks_bf16 import _err, _naive, assert_by_the_rule
 
 DTYPE = torch.bfloat16
 FLOOR = 1e-3  # the floor of tests/kernels/test_blocks_bf16.py
@@ -115,11 +115,7 @@ def test_engine_backward_by_the_tolerance_rule(shape: str, kind: str, monkeypatc
     out, grads = _grads(lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale), q, k, v, d_out, DTYPE)
     naive_out, naive_grads = _grads(lambda a, b, c: _naive(a, b, c, dense, scale), q, k, v, d_out, DTYPE)
     assert spy.calls > 0  # the case reaches the matrix-product backward
-    assert out.dtype == DTYPE and all(g.dtype == DTYPE for g in grads)
-    assert _err(out, trace.output) <= 2 * _err(naive_out, trace.output) + FLOOR
-    for got, naive, want in zip(grads, naive_grads, ref_grads, strict=True):
-        assert not torch.isnan(got).any()
-        assert _err(got, want) <= 3 * _err(naive, want) + FLOOR
+    assert_by_the_rule(out, grads, naive_out, naive_grads, trace.output, ref_grads)
 
 
 def test_rows_without_keys_get_zero_gradients() -> None:
