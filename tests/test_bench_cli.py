@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from qkv.cli import app
 from qkv.cli._bench_suite import QUICK
-from qkv.functional import TILES
+from qkv.dispatch import TILES
 
 
 @pytest.fixture(scope="module")

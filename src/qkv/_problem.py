@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
-__all__ = ["AttentionProblem", "autocast_dtype", "compact", "describe_problem", "normalize_mask"]
+__all__ = ["AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def describe_problem(
     softcap: float | None = None,
     score_mod: ScoreMod | None = None,
 ) -> AttentionProblem:
-    """Check every input of `qkv.attention` and return the flattened problem."""
+    """Check every input of `qkv.attention` and return the flattened problem (a structured
+    mask is checked against the sizes too)."""
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -148,7 +150,7 @@ def describe_problem(
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
-    return AttentionProblem(
+    problem = AttentionProblem(
         q=q.reshape(N, H, L, E),  # (N, H, L, E)
         k=k.reshape(N, G, S, E),  # (N, G, S, E)
         v=v.reshape(N, G, S, Ev),  # (N, G, S, Ev)
@@ -160,6 +162,9 @@ def describe_problem(
         terms=terms,
         nonfinite=nonfinite,
     )
+    if isinstance(normalized, Mask):
+        normalized.validate(N, H, L, S)
+    return problem
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:
@@ -333,3 +338,35 @@ def normalize_mask(
         full = full.expand(*batch_shape, heads, full.shape[-2], full.shape[-1])
         full = full.reshape(-1, heads, full.shape[-2], full.shape[-1])  # (N, H | 1, L | 1, S | 1)
     return full.expand(full.shape[0], heads, L, S)  # (N | 1, H | 1, L, S)
+
+
+def check_indices(
+    chosen: Sequence[int] | slice | range | torch.Tensor | None, size: int, name: str, device: torch.device
+) -> torch.Tensor:
+    """Chosen indices (`qkv.attention_weights`' heads and rows) as a 1-D int64 tensor, checked
+    against range(size); None chooses all of them."""
+    if chosen is None:
+        return torch.arange(size, device=device)
+    if isinstance(chosen, slice):
+        chosen = range(size)[chosen]
+    if isinstance(chosen, (int, str, bytes)) or not isinstance(chosen, (Sequence, range, torch.Tensor)):
+        hint = f" (for the single index {chosen} pass [{chosen}])" if isinstance(chosen, int) and not isinstance(chosen, bool) else ""
+        raise TypeError(
+            f"{name} must be a sequence of ints, a range, a slice or a 1-D integer tensor, "
+            f"got {type(chosen).__name__} {chosen!r}{hint}"
+        )
+    if isinstance(chosen, torch.Tensor):
+        if chosen.dtype in (torch.bool,) or chosen.is_floating_point() or chosen.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got dtype {chosen.dtype} shape {tuple(chosen.shape)}")
+        idx = chosen.to(device=device, dtype=torch.long)
+    else:
+        values = list(chosen)
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+            raise TypeError(f"{name} must be integers, got {values!r}")
+        idx = torch.tensor(values, dtype=torch.long, device=device)
+    if idx.numel() == 0:
+        raise ValueError(f"{name} selects nothing")
+    bad = idx[(idx < 0) | (idx >= size)]
+    if bad.numel() > 0:
+        raise ValueError(f"{name} must lie in [0, {size}), got {bad.tolist()}")
+    return idx

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from qkv.bias import Bias
-from qkv.functional import Backend, attention
+from qkv.dispatch import Backend
+from qkv.functional import attention
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import varlen
 

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qkv
+import qkv.dispatch
 from qkv import masks as M
 from qkv import reference as R
 from qkv.kernels.blocks import tile_attention, tile_weights
@@ -254,13 +255,13 @@ def test_dispatch_and_explain() -> None:
     e = qkv.explain(q, k, v, window)
     assert e.path == "blocks" and "sliding_window(left=256, right=0)" in e.reason
     # row groups of block_q (< 256) rows, each computing exactly the keys its rows see: r0 - 256 .. r1 - 1
-    bq = qkv.functional.TILES.block_q
+    bq = qkv.dispatch.TILES.block_q
     pairs = sum((min(1024, r0 + bq) - r0) * (min(1024, r0 + bq) - max(0, r0 - 256)) for r0 in range(0, 1024, bq))
     assert e.flops == 2 * (16 + 16) * pairs * 2
     assert e.visited_fraction == pytest.approx(pairs / 1024**2)
-    tiles = states_from_dense(window.to_dense(1024, 1024), bq, qkv.functional.TILES.block_k)
+    tiles = states_from_dense(window.to_dense(1024, 1024), bq, qkv.dispatch.TILES.block_k)
     assert e.blocks_visited == pytest.approx(float((tiles != 0).double().mean()))
-    assert f"tiles: {bq}x{qkv.functional.TILES.block_k}" in str(e)
+    assert f"tiles: {bq}x{qkv.dispatch.TILES.block_k}" in str(e)
     # what SDPA does best stays with SDPA
     assert qkv.explain(q, k, v, M.causal()).path == "fused"
     assert qkv.explain(q, k, v, M.sliding_window(900, 900)).path == "fused"  # most tiles visible

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-import qkv.functional
+import qkv._explain
 from qkv.kernels import machine
 
 
@@ -51,7 +51,7 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(dtype)
         return {torch.float32: 400.0, torch.bfloat16: 2000.0}[dtype]
 
-    monkeypatch.setattr(qkv.functional, "matmul_gflops", fake_rate)
+    monkeypatch.setattr(qkv._explain, "matmul_gflops", fake_rate)
     plain = qkv.explain(q, q, q)
     assert plain.matmul_rates == () and calls == [] and "machine:" not in str(plain)
     measured = qkv.explain(q, q, q, measure=True)

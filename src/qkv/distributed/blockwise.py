@@ -12,7 +12,8 @@ Blockwise Transformers"; the backward follows FlashAttention-2, Dao 2023, Algori
   delta_i = sum_j dO_ij O_ij of the full output: P_ij = exp(s_ij - lse_i) is then the final
   attention probability, and dS = P * (dP - delta) needs nothing else from other blocks.
 
-Two implementations of a block, chosen in one place (`block_path`):
+Two implementations of a block, chosen by `block_path` (the dispatcher's sub-rule for ring
+blocks, `qkv.dispatch.ring_block_path`):
 
 - ``cpu-flash``: PyTorch's CPU flash-attention kernels (the ones SDPA runs on CPU), which
   return the lse and whose backward takes the output and lse as arguments, so they accept
@@ -36,12 +37,13 @@ from __future__ import annotations
 
 import torch
 
+from qkv.dispatch import ring_block_path
 from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
 
 __all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path", "merge_into"]
 
-# Use PyTorch's CPU flash kernels where they apply; False forces the tiles (tests use it to
-# run both implementations on the same cases).
+# Use PyTorch's CPU flash kernels where the dispatcher's rule allows them; False forces the
+# tiles (tests use it to run both implementations on the same cases).
 USE_CPU_FLASH = True
 
 # Query rows per tile. 256 keeps each tile's matrix products large enough to run near the
@@ -52,15 +54,9 @@ _NEG_INF = float("-inf")
 
 
 def block_path(q: torch.Tensor, v: torch.Tensor) -> str:
-    """Which implementation computes blocks of these queries and values: "cpu-flash" or "tiles"."""
-    if (
-        USE_CPU_FLASH
-        and q.device.type == "cpu"
-        and q.shape[-1] == v.shape[-1]
-        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
-    ):
-        return "cpu-flash"
-    return "tiles"
+    """Which implementation computes blocks of these queries and values: "cpu-flash" or "tiles",
+    by the dispatcher's sub-rule for ring blocks (`qkv.dispatch.ring_block_path`)."""
+    return ring_block_path(q, v, cpu_flash=USE_CPU_FLASH)
 
 
 def _future_keys(t0: int, t1: int, keys: int, device: torch.device) -> torch.Tensor:

@@ -1,1 +1,1 @@
-"""The paths that compute attention; `qkv.functional` picks one of them in one place."""
+"""The paths that compute attention; `qkv.dispatch` picks one of them in one place."""

@@ -46,7 +46,7 @@ from qkv.kernels.softmax import accumulation_dtype
 from qkv.kernels.tile_plan import Call, Piece, TilePlan
 from qkv.masks import Mask
 
-__all__ = ["flash_kernel_available", "tile_attention", "tile_lse", "tile_weights"]
+__all__ = ["engine_extra_bytes", "flash_kernel_available", "tile_attention", "tile_lse", "tile_weights"]
 
 _NEG_INF = float("-inf")
 # The dtype the backward kernel runs in, by input dtype. PyTorch's CPU flash backward in
@@ -458,3 +458,46 @@ def tile_weights(
         sums = weights.sum(dim=-1, keepdim=True)  # (N, h, r, 1)
         weights = weights / sums.masked_fill(sums == 0, 1.0)
     return weights
+
+
+def engine_extra_bytes(
+    dtype: torch.dtype,
+    *,
+    N: int,
+    H: int,
+    G: int,
+    L: int,
+    S: int,
+    E: int,
+    Ev: int,
+    plan: TilePlan | None,
+    call_bytes: int,
+    n_tiles: int,
+    mask_heads: int,
+    reuses_tiles: bool,
+) -> int:
+    """Memory the engine allocates beyond inputs and output (an estimate), with or without
+    score terms (`qkv.kernels.scored`): the lse, a float32 accumulator for a low-precision
+    output, keys and values expanded to every head / padded to max(E, Ev), then
+
+    - with its ``plan``: the largest call's temporaries (`TilePlan.max_call_bytes`) and, for a
+      mask whose tiles repeat along the diagonals (``reuses_tiles``), the tiles kept for reuse
+      (`_tile`), at most ``call_bytes``;
+    - without (a layout still to be found when attention runs): one call's temporaries, at
+      most ``call_bytes``, and the layout's byte per tile (``n_tiles``).
+    """
+    width = max(E, Ev)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    extra = N * H * L * acc  # lse
+    extra += N * H * L * width * acc if acc != itemsize else 0
+    if G != H or Ev != E:
+        extra += 2 * N * H * S * width * itemsize
+    if plan is None:
+        return extra + call_bytes + n_tiles
+    extra += plan.max_call_bytes(H, width, itemsize, mask_heads)
+    masked = [c for c in plan.calls if c.masked]
+    if masked and reuses_tiles:
+        tile = max(c.q_len * c.width for c in masked) * (itemsize + 1) * mask_heads
+        extra += min(call_bytes, tile * len(masked))
+    return extra

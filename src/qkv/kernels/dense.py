@@ -33,8 +33,10 @@ __all__ = [
     "attention_weights_dense",
     "dense_lse",
     "fused_attention",
+    "fused_extra_bytes",
     "fused_lse_available",
     "math_attention",
+    "math_extra_bytes",
 ]
 
 _NEG_INF = float("-inf")
@@ -137,6 +139,31 @@ def math_attention(
         weights.reshape(N, H, L, S),  # (N, H, L, S)
         lse.reshape(N, H, L),  # (N, H, L)
     )
+
+
+def math_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int) -> int:
+    """Memory `math_attention` allocates beyond inputs and output: scores, exponentials and
+    weights, each (N, H, L, S) in the accumulation dtype."""
+    return 3 * N * H * L * S * _acc_bytes(dtype)
+
+
+# PyTorch's CPU flash kernel works on query blocks of 256 rows (64 for short queries) and key
+# blocks of 512; one block of scores per thread is its extra memory (aten/src/ATen/native/cpu).
+_CPU_FLASH_Q_BLOCK = 256
+_CPU_FLASH_KV_BLOCK = 512
+
+
+def fused_extra_bytes(dtype: torch.dtype, device: torch.device, *, N: int, H: int, L: int, S: int, Ev: int) -> int:
+    """Memory SDPA allocates beyond inputs, output and the mask it is given (an estimate): a
+    block of scores and two of outputs per thread, and the (N, H, L) lse."""
+    acc = _acc_bytes(dtype)
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    q_block, kv_block = min(L, _CPU_FLASH_Q_BLOCK), min(S, _CPU_FLASH_KV_BLOCK)
+    return threads * (q_block * kv_block + 2 * q_block * Ev) * acc + N * H * L * acc
+
+
+def _acc_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
 
 
 def fused_lse_available(q: torch.Tensor) -> bool:

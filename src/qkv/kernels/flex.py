@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from qkv.kernels.scores import ScoreTerms
+from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import FULL, PARTIAL, BlockLayout, Mask
 
-__all__ = ["FLEX_BLOCK", "block_mask_from_layout", "flex_attention_layout", "flex_available"]
+__all__ = ["FLEX_BLOCK", "block_mask_from_layout", "flex_attention_layout", "flex_available", "flex_extra_bytes"]
 
 # FlexAttention's kernels are tuned for, and its BlockMask defaults to, 128 x 128 tiles.
 FLEX_BLOCK = 128
@@ -60,6 +61,13 @@ def flex_suits(dtype: torch.dtype, head_dims: tuple[int, ...]) -> bool:
     """Whether 'auto' may send a problem of this dtype and these head dims to FlexAttention."""
     powers_of_two = all(d >= _FLEX_AUTO_MIN_HEAD_DIM and d & (d - 1) == 0 for d in head_dims)
     return dtype in _FLEX_AUTO_DTYPES and powers_of_two
+
+
+def flex_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, n_tiles: int) -> int:
+    """Memory `flex_attention_layout` allocates beyond inputs and output (an estimate): the
+    (N, H, L) lse and the BlockMask's int32 block indices, two per tile of the layout."""
+    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    return N * H * L * acc + n_tiles * 2 * 4
 
 
 def _indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ in place: two runs give bitwise equal gradients. Bias-only calls without a bias 
 dlse use the flash kernel's backward with the same bias tile.
 
 Tensors a score_mod closes over receive no gradient here (FlexAttention's captured buffers
-do); `qkv.functional` sends such a problem to the math path instead (`closes_over_grad`).
+do); `qkv.dispatch` sends such a problem to the math path instead (`closes_over_grad`).
 """
 
 from __future__ import annotations

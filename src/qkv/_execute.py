@@ -1,0 +1,158 @@
+"""Run a `qkv.dispatch.Plan`: hand the mask and score terms to the kernel the way the Plan says.
+
+Nothing here chooses: every branch reads a field of the Plan (its path, its mask and score
+routes, the sources of weights and lse). Tensors are those of `qkv._problem`: q (N, H, L, E),
+k (N, G, S, E), v (N, G, S, Ev), outputs (N, H, L, Ev), weights (N, H, L, S), lse (N, H, L).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv._problem import AttentionProblem, normalize_mask
+from qkv.dispatch import MaskRoute, Plan, complete
+from qkv.kernels.blocks import tile_attention, tile_lse, tile_weights
+from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
+from qkv.kernels.flex import flex_attention_layout
+from qkv.kernels.scored import scored_tile_attention
+from qkv.kernels.softmax import accumulation_dtype
+from qkv.masks import Mask
+
+__all__ = ["pack", "run", "run_weights"]
+
+Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def run(problem: AttentionProblem, plan: Plan) -> Result:
+    """Run ``plan``: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
+    if plan.path in ("blocks", "flex"):
+        return _run_tiles(problem, plan)
+    q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
+    mask = _mask_tensor(problem, plan.mask)
+    if plan.path == "math":
+        return math_attention(
+            q, k, v, mask, scale, causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms
+        )
+    if plan.scores == "dense_mask":
+        mask = _join_bias(problem, mask)
+    out, lse = fused_attention(
+        q, k, v, mask, scale, is_causal=plan.mask == "is_causal", dropout=problem.dropout, need_lse=plan.lse == "kernel"
+    )
+    weights = None
+    if plan.weights == "dense":
+        weights, lse = attention_weights_dense(q, k, mask, scale, plan.causal_offset)
+    elif plan.lse == "dense":
+        # the kernel gives no lse here (a learned mask, or not on CPU): recompute it by row chunks
+        lse = dense_lse(q, k, mask, scale, plan.causal_offset)
+    return out, weights, lse
+
+
+def _mask_tensor(problem: AttentionProblem, route: MaskRoute) -> torch.Tensor | None:
+    """The mask as a tensor (N | 1, H | 1, L, S) on the "dense" route, None on every other."""
+    mask = problem.mask
+    if route != "dense" or not isinstance(mask, Mask):
+        return mask if route == "dense" else None
+    rendered = mask.to_dense(problem.L, problem.S, device=problem.q.device)  # (B | 1, H | 1, L, S)
+    normalized = normalize_mask(rendered, problem.q, problem.batch_shape, problem.H, problem.L, problem.S)
+    assert isinstance(normalized, torch.Tensor)
+    return normalized
+
+
+def _join_bias(problem: AttentionProblem, mask: torch.Tensor | None) -> torch.Tensor:
+    """The bias rendered as SDPA's float mask (N | 1, H | 1, L, S), -inf where ``mask`` hides a pair."""
+    rendered = render_bias(problem)  # (N | 1, H | 1, L, S)
+    if mask is None:
+        return rendered
+    if mask.dtype == torch.bool:
+        return rendered.masked_fill(~mask, float("-inf"))
+    return rendered + mask.to(rendered.dtype)
+
+
+def render_bias(problem: AttentionProblem) -> torch.Tensor:
+    """The bound bias as a float tensor (N | 1, H | 1, L, S) in the accumulation dtype, differentiable."""
+    terms = problem.terms
+    bias = terms.bias
+    assert bias is not None
+    device = problem.q.device
+    n = problem.N if terms.batch_varies else 1
+    heads = problem.H if bias.heads is not None else 1
+    b = torch.arange(n, device=device).view(n, 1, 1, 1)  # (N | 1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)  # (1, H, 1, 1)
+    i = torch.arange(problem.L, device=device).view(1, 1, -1, 1)  # (1, 1, L, 1)
+    j = torch.arange(problem.S, device=device).view(1, 1, 1, -1)  # (1, 1, 1, S)
+    values = bias.terms(b, h, i, j, terms.q_pos(b, i)).to(accumulation_dtype(problem.q.dtype))
+    return torch.broadcast_to(values, (n, heads, problem.L, problem.S))
+
+
+def _structured(problem: AttentionProblem) -> Mask | None:
+    mask = problem.mask
+    assert mask is None or isinstance(mask, Mask)  # the tile paths take no tensor mask (dispatch refuses it)
+    return None if mask is None else mask.to(problem.q.device)
+
+
+def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
+    """The blocks / flex paths, then the weights and lse from where the Plan says."""
+    plan = complete(problem, plan)  # a deferred plan's tiles are found now
+    mask = _structured(problem)
+    q, k, v, scale, terms = problem.q, problem.k, problem.v, problem.scale, problem.terms
+    if plan.path == "blocks":
+        assert plan.tiles is not None
+        if plan.scores == "tiles":
+            out, lse = scored_tile_attention(q, k, v, mask, plan.tiles, scale, terms)
+        else:
+            out, lse = tile_attention(q, k, v, mask, plan.tiles, scale)
+    else:
+        assert plan.layout is not None
+        out, lse = flex_attention_layout(q, k, v, mask, plan.layout, scale, need_lse=plan.lse == "kernel", terms=terms)
+    weights = None
+    if plan.weights == "dense":
+        # weights that a loss will differentiate: the dense formula, causal by offset, other masks dense
+        dense = None if plan.causal_offset is not None else _mask_tensor(problem, "dense")
+        weights, _ = attention_weights_dense(q, k, dense, scale, plan.causal_offset, terms=terms)
+    if plan.lse == "tiles" or plan.weights == "tiles":
+        assert plan.tiles is not None
+        if plan.lse == "tiles":
+            lse = tile_lse(q, k, mask, plan.tiles, scale, terms)
+        if plan.weights == "tiles":
+            heads = torch.arange(problem.H, device=q.device)
+            rows = torch.arange(problem.L, device=q.device)
+            weights = tile_weights(q, k, mask, plan.tiles, scale, heads, rows, lse, terms)
+    return out, weights, lse
+
+
+def run_weights(problem: AttentionProblem, plan: Plan, heads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The probabilities (N, h, r, S) of query heads ``heads`` and rows ``rows`` (1-D int64),
+    by `qkv.dispatch.weights_plan`, without gradient."""
+    if plan.weights == "tiles":
+        assert plan.tiles is not None
+        return tile_weights(problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, heads, rows, terms=problem.terms)
+    mask = _mask_tensor(problem, plan.mask)
+    assert mask is not None
+    heads_of_mask = heads if mask.shape[1] > 1 else heads[:1] * 0
+    picked = mask[:, heads_of_mask][:, :, rows]  # (N | 1, h | 1, r, S)
+    G, H = problem.G, problem.H
+    q_sel = problem.q[:, heads][:, :, rows]  # (N, h, r, E)
+    k_sel = problem.k[:, heads // (H // G)]  # (N, h, S, E)
+    with torch.no_grad():
+        weights, _ = attention_weights_dense(q_sel, k_sel, picked, problem.scale, terms=problem.terms, heads=heads, rows=rows)
+    return weights
+
+
+def pack(
+    problem: AttentionProblem,
+    out: torch.Tensor,
+    weights: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_weights: bool,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Restore the caller's batch dims: (N, H, L, ...) -> (..., H, L, ...)."""
+    batch, H, L, S = problem.batch_shape, problem.H, problem.L, problem.S
+    result = [out.reshape(*batch, H, L, problem.Ev)]  # (..., H, L, Ev)
+    if return_weights:
+        assert weights is not None
+        result.append(weights.reshape(*batch, H, L, S))  # (..., H, L, S)
+    if return_lse:
+        assert lse is not None
+        result.append(lse.reshape(*batch, H, L))  # (..., H, L)
+    return result[0] if len(result) == 1 else tuple(result)

@@ -1,0 +1,486 @@
+"""The one place where a path is chosen: `choose_path` returns a `Plan`, and nothing else decides.
+
+A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
+``math``: the explicit formula; ``blocks``: the CPU tile engine; ``flex``: FlexAttention with
+qkv's BlockMask), how the mask reaches that kernel, how the score terms (softcap, bias,
+score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
+executes a Plan (`qkv._execute`), `qkv.explain` describes one (`qkv._explain`) and runs no
+kernel; both read the Plan only.
+
+`choose_path` reads top to bottom: an explicit backend first, then the score terms, dropout,
+a wide float mask under autograd, and finally whether the structured engines pay off for a
+structured mask. A `predicate` mask beyond `POINTWISE_BUDGET` points is not evaluated to
+decide: it goes to the structured engine with a deferred Plan, which `complete` fills in when
+attention runs. `weights_plan` is the rule of `qkv.attention_weights`, and `ring_block_path`
+the sub-rule for one block of ring attention (`qkv.distributed.blockwise`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from qkv._problem import AttentionProblem, compact
+from qkv.kernels.blocks import flash_kernel_available
+from qkv.kernels.dense import fused_lse_available
+from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
+from qkv.kernels.scored import closes_over_grad
+from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
+from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Mask
+
+__all__ = [
+    "BACKENDS",
+    "TILES",
+    "Backend",
+    "MaskRoute",
+    "Path",
+    "Plan",
+    "ScoreRoute",
+    "Source",
+    "choose_path",
+    "complete",
+    "mask_heads",
+    "needs_grad",
+    "ring_block_path",
+    "weights_plan",
+]
+
+Backend = Literal["auto", "fused", "math", "blocks", "flex"]
+BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex")
+Path = Literal["fused", "math", "blocks", "flex"]
+# How the mask reaches the kernel: not at all (no mask, or one that hides nothing here);
+# SDPA's is_causal flag; a causal offset the formula applies itself (query i sees keys
+# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles.
+MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles"]
+# How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
+# mask; the explicit formula applies them; the tile engine applies them tile by tile;
+# FlexAttention applies them as its score_mod.
+ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod"]
+# Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
+# formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
+Source = Literal["none", "kernel", "dense", "tiles"]
+
+# The CPU tile engine's tile sizes (see TileConfig for why).
+TILES = TileConfig()
+# "auto" sends a structured mask to the tile engine / FlexAttention when they compute at
+# most this fraction of the score matrix: the engine's tiles run at about 60-80 % of the
+# dense kernel's rate per FLOP (benchmarks/sparse.py), and SDPA with a dense mask pays for
+# building and reading the L x S mask on top.
+_SPARSE_MAX_VISITED = 0.6
+# ... and when the problem has at least this many (query, key) pairs per head: below it the
+# few microseconds of SDPA beat planning and launching tiles.
+_SPARSE_MIN_PAIRS = 256 * 256
+
+# 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
+# finite values span more than this: PyTorch's CPU flash backward then misses DESIGN.md's
+# tolerance rule (3x the naive error plus 1e-6). Measured (L = S = 128..1024, E = 64): ALiBi-like
+# ramps spanning 5e3..3e4 gave 1.2x..3.4x the allowed error, random spreads of 1e4 1.4x; spans up
+# to 2e3 stayed below 0.9x, and two-valued padding masks (0 / -1e4, 0 / finfo.min) below 0.3x but
+# are routed too, for simplicity. bfloat16 / float16 stayed below 0.7x everywhere.
+_FLASH_GRAD_MAX_MASK_SPAN = 1e3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision of one attention call, and why (``reason``, which `qkv.explain` prints)."""
+
+    path: Path
+    reason: str
+    mask: MaskRoute = "none"
+    scores: ScoreRoute = "none"
+    weights: Source = "none"  # where the returned weights come from; "none" when not asked for
+    lse: Source = "none"  # where the lse comes from when the call needs one (returned, or for tile weights)
+    # the causal rule the dense formulas apply themselves when no mask tensor carries it: the
+    # math path's causal mask, SDPA's is_causal (0) for recomputed weights / lse, and the
+    # weights with gradient of the blocks / flex paths
+    causal_offset: int | None = None
+    layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
+    tiles: TilePlan | None = None  # blocks: the engine's calls; flex: the calls that recompute lse / weights
+    # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
+    # large to evaluate for a decision or an explanation); layout and tiles are None until then
+    deferred: bool = False
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+
+
+def _causal_offset(problem: AttentionProblem) -> int | None:
+    mask = problem.mask
+    return mask.offset(problem.L, problem.S) if isinstance(mask, Causal) else None
+
+
+def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
+    """The one place where a path is chosen. Read top to bottom: the first rule that fires wins."""
+    _check_backend(backend)
+    mask = problem.mask
+    causal_offset = _causal_offset(problem)
+    # SDPA's is_causal is top-left; it equals ours when the offset is zero.
+    sdpa_causal = causal_offset == 0
+    terms = problem.terms
+    scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
+    if backend == "math":
+        return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
+    if backend in ("blocks", "flex"):
+        return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)
+    if scored and backend == "fused":
+        raise ValueError(
+            "backend='fused' (PyTorch's SDPA) takes no softcap or score_mod; use 'auto', 'math' or 'blocks'"
+        )
+    if backend == "auto" and terms.active and problem.dropout == 0.0:
+        engine = _scored_engine(problem, return_weights, return_lse)
+        if engine is not None:
+            return engine
+    if scored:
+        return _math_plan(problem, f"SDPA cannot apply {terms.describe()}; the explicit formula can", return_weights, return_lse)
+    if return_weights and problem.dropout > 0.0:
+        if backend == "fused":
+            raise ValueError(
+                "return_weights=True with dropout > 0 needs the weights that produced the output, "
+                "which only backend='math' (or 'auto') can return"
+            )
+        return _math_plan(problem, "the weights after dropout must be the ones that produced the output", return_weights, return_lse)
+    if return_lse and problem.dropout > 0.0:
+        if backend == "fused":
+            raise ValueError("return_lse=True with dropout > 0 is only available with backend='math' (or 'auto')")
+        return _math_plan(problem, "the fused kernel returns no log-sum-exp under dropout", return_weights, return_lse)
+    if backend == "auto" and _wide_float_mask_with_grad(problem):
+        return _math_plan(
+            problem,
+            f"the float mask's values span more than {_FLASH_GRAD_MAX_MASK_SPAN:g} and gradients are needed: "
+            "PyTorch's CPU flash backward is less accurate than the tolerance rule allows there",
+            return_weights,
+            return_lse,
+        )
+    if backend == "auto" and isinstance(mask, Mask) and not sdpa_causal and problem.dropout == 0.0:
+        sparse = _sparse_if_it_wins(problem, return_weights, return_lse)
+        if sparse is not None:
+            return sparse
+    return _fused_plan(problem, backend, return_weights, return_lse)
+
+
+def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
+    """SDPA: the mask as is_causal, a dense tensor or nothing; a bias joins it as one float mask."""
+    mask, S = problem.mask, problem.S
+    causal_offset = _causal_offset(problem)
+    bias = problem.terms.bias
+    reason = "backend='fused' was requested" if backend == "fused" else "PyTorch's SDPA applies"
+    route: MaskRoute = "none" if mask is None else "dense"
+    if bias is not None:
+        # the mask joins the rendered bias: SDPA gets one float tensor
+        masked = "" if mask is None else f" with {_mask_name(mask)} as -inf"
+        reason += f"; {bias.describe()} is passed as a dense float mask{masked}"
+        if causal_offset is not None and causal_offset >= S - 1:
+            route = "none"
+    elif causal_offset == 0:
+        route = "is_causal"
+        reason += "; causal runs as SDPA is_causal (L == S or top-left alignment), no mask materialized"
+    elif causal_offset is not None and causal_offset >= S - 1:
+        # every query sees every key (a one-token decoding step over its cache): no mask is built
+        route = "none"
+        reason += "; the causal mask hides no key here (every query sees the whole cache), so none is passed"
+    elif causal_offset is not None:
+        reason += "; bottom-right causal with L != S is passed as a dense bool mask"
+    elif isinstance(mask, Mask):
+        reason += f"; {mask.describe()} is passed as a dense bool mask"
+    lse: Source = "none"
+    if return_weights or return_lse:
+        # the weights are recomputed by the dense formula, and the lse with them; alone, the lse
+        # comes from PyTorch's CPU flash kernel, except for a learned float mask, whose gradient
+        # SDPA gives and a differentiable recomputed lse
+        kernel = not return_weights and not _learned_float_mask(problem) and fused_lse_available(problem.q)
+        lse = "kernel" if kernel else "dense"
+    return Plan(
+        "fused",
+        reason,
+        mask=route,
+        scores="dense_mask" if bias is not None else "none",
+        weights="dense" if return_weights else "none",
+        lse=lse,
+        causal_offset=0 if route == "is_causal" else None,
+    )
+
+
+def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, return_lse: bool) -> Plan:
+    """The explicit formula: causal by offset, other masks dense; it returns weights and lse itself."""
+    causal_offset = _causal_offset(problem)
+    route: MaskRoute = "causal_offset" if causal_offset is not None else "none" if problem.mask is None else "dense"
+    return Plan(
+        "math",
+        reason,
+        mask=route,
+        scores="formula" if problem.terms.active else "none",
+        weights="kernel" if return_weights else "none",
+        lse="kernel",
+        causal_offset=causal_offset,
+    )
+
+
+def _learned_float_mask(problem: AttentionProblem) -> bool:
+    """Whether the float mask SDPA gets will require grad: a float mask or a bias tensor that does."""
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor) and mask.requires_grad:
+        return True
+    bias = problem.terms.bias
+    return bias is not None and torch.is_grad_enabled() and any(t.requires_grad for t in bias.tensors())
+
+
+def _mask_name(mask: torch.Tensor | Mask) -> str:
+    if isinstance(mask, Mask):
+        return mask.describe()
+    return f"a {str(mask.dtype).removeprefix('torch.')} tensor mask"
+
+
+def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
+    """A float32 problem on CPU that needs gradients, with a float mask spanning a wide range."""
+    mask = problem.mask
+    if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
+        return False
+    grad = needs_grad(problem) or (torch.is_grad_enabled() and mask.requires_grad)
+    if problem.q.dtype != torch.float32 or problem.q.device.type != "cpu" or not grad:
+        return False
+    with torch.no_grad():
+        values = compact(mask)
+        finite = values.masked_fill(torch.isinf(values), float("nan"))
+        span = float(finite.nan_to_num(nan=float("-inf")).amax()) - float(finite.nan_to_num(nan=float("inf")).amin())
+    return span > _FLASH_GRAD_MAX_MASK_SPAN
+
+
+def needs_grad(problem: AttentionProblem) -> bool:
+    """Whether autograd will ask for a backward pass through this call."""
+    inputs = (problem.q, problem.k, problem.v, *problem.terms.tensors())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
+def _too_large_to_evaluate(problem: AttentionProblem) -> bool:
+    """Whether the mask's layout would evaluate more than `POINTWISE_BUDGET` points one by one
+    (a large `predicate`): then no decision and no explanation waits for it."""
+    mask = problem.mask
+    return isinstance(mask, Mask) and mask.evaluated_points(problem.L, problem.S) > POINTWISE_BUDGET
+
+
+def _deferred_reason(problem: AttentionProblem, engine: str) -> str:
+    mask = problem.mask
+    assert isinstance(mask, Mask)
+    points = mask.evaluated_points(problem.L, problem.S)
+    return (
+        f"{mask.describe()} is evaluated point by point and has {points:,} points, more than "
+        f"{POINTWISE_BUDGET:,}: it is neither rendered as a dense mask nor evaluated to choose a path; "
+        f"{engine} finds its tiles when attention runs (one block row at a time) and skips the empty ones"
+    )
+
+
+def complete(problem: AttentionProblem, plan: Plan) -> Plan:
+    """A deferred plan with its layout and tiles, found now (attention is about to run)."""
+    if not plan.deferred:
+        return plan
+    if plan.path == "blocks":
+        layout = plan.layout if plan.layout is not None else _layout(problem, TILES.block_q, TILES.block_k)
+        tiles = plan.tiles if plan.tiles is not None else _tile_plan(problem, TILES, layout)
+    else:
+        layout = plan.layout if plan.layout is not None else _layout(problem, FLEX_BLOCK, FLEX_BLOCK)
+        tiles = None
+        if plan.lse == "tiles" or plan.weights == "tiles":
+            tiles = _tile_plan(problem, TileConfig(block_q=layout.block_q, block_k=layout.block_k), layout)
+    return replace(plan, layout=layout, tiles=tiles, deferred=False)
+
+
+def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
+    """The mask's tiles; no mask is one FULL tile grid."""
+    mask = problem.mask
+    if isinstance(mask, Mask):
+        return mask.layout(problem.L, problem.S, block_q, block_k, device=problem.q.device)
+    n_q, n_k = -(-problem.L // block_q), -(-problem.S // block_k)
+    states = torch.full((1, 1, n_q, n_k), FULL, dtype=torch.uint8)
+    return BlockLayout(states, problem.L, problem.S, block_q, block_k, name="no mask")
+
+
+def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayout) -> TilePlan:
+    """The tile engine's calls: from exact per-query key intervals when the mask has them,
+    from the block layout otherwise."""
+    mask = problem.mask
+    L, S, device = problem.L, problem.S, problem.q.device
+    D, itemsize = max(problem.E, problem.Ev), problem.q.element_size()
+    if mask is None:
+        intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+    else:
+        assert isinstance(mask, Mask)
+        intervals = mask.row_intervals(L, S, device)
+    # without a backward pass to come, calls can be larger (fewer kernel launches)
+    grad = needs_grad(problem)
+    if intervals is not None:
+        return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, grad, mask_heads(problem))
+    return plan_layout(layout, problem.N, problem.H, D, itemsize, config, mask_heads(problem), grad)
+
+
+def mask_heads(problem: AttentionProblem) -> int:
+    """Heads the mask's tiles carry: 1 unless the mask varies over heads. With score terms the
+    tiles carry every head, and the engine's own kernel holds scores and probabilities too."""
+    terms = problem.terms
+    if terms.softcap is not None or terms.score_mod is not None:
+        return 3 * problem.H
+    if terms.bias is not None:
+        return problem.H
+    mask = problem.mask
+    return mask.heads if isinstance(mask, Mask) and mask.heads else 1
+
+
+def _sparse_plan(
+    problem: AttentionProblem,
+    path: Literal["blocks", "flex"],
+    reason: str,
+    return_weights: bool,
+    return_lse: bool,
+    layout: BlockLayout | None = None,
+    tiles: TilePlan | None = None,
+    deferred: bool = False,
+) -> Plan:
+    """Plan for the tile engine (CPU) or FlexAttention; raises when they cannot take the problem.
+    ``layout`` / ``tiles``: the mask's tiles and the engine's calls when the caller already made
+    them; ``deferred``: the caller decided not to evaluate the mask (``reason`` says why)."""
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"backend={path!r} takes a qkv.masks object or None, got a {mask.dtype} tensor mask; "
+            "wrap a bool tensor with qkv.masks.dense(tensor)"
+        )
+    if problem.dropout > 0.0:
+        raise ValueError(f"backend={path!r} has no dropout (got dropout={problem.dropout}); use 'fused' or 'math'")
+    terms = problem.terms
+    grad = needs_grad(problem)
+    if terms.score_mod is not None and grad and closes_over_grad(terms.score_mod):
+        raise ValueError(
+            f"backend={path!r} differentiates q, k, v and the qkv.bias tensors only, and this score_mod "
+            "reads tensors that require grad; use backend='math', or pass them as a qkv.bias"
+        )
+    device = problem.q.device
+    if path == "blocks":
+        if device.type != "cpu":
+            raise ValueError(f"backend='blocks' is the CPU tile engine, the inputs are on {device}; use 'flex' or 'auto'")
+        if not flash_kernel_available():
+            raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
+    else:
+        if not flex_available():
+            raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
+        if device.type == "cpu" and grad:
+            raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
+    if layout is None and not deferred and _too_large_to_evaluate(problem):
+        engine = "the CPU tile engine" if path == "blocks" else "FlexAttention"
+        reason, deferred = f"{reason}; {_deferred_reason(problem, engine)}", True
+    # weights that a loss will differentiate come from the dense formula (they are L x S
+    # anyway), the others from the tiles
+    weights: Source = "none" if not return_weights else "dense" if grad else "tiles"
+    if path == "blocks":
+        lse: Source = "kernel"  # the engine always returns it
+        scores: ScoreRoute = "tiles" if terms.active else "none"
+    else:
+        # compiled FlexAttention returns an lse off CPU only; on CPU the tiles recompute it when needed
+        lse = "kernel" if device.type != "cpu" else "tiles" if return_lse or weights == "tiles" else "none"
+        scores = "score_mod" if terms.active else "none"
+    plan = Plan(
+        path, reason, mask="tiles", scores=scores, weights=weights, lse=lse,
+        causal_offset=_causal_offset(problem) if weights == "dense" else None,
+        layout=layout, tiles=tiles, deferred=True,
+    )
+    # the layout and tiles not given are found now, unless the mask is too large to evaluate
+    return plan if deferred else complete(problem, plan)
+
+
+def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' with score terms on CPU: the tile engine whenever it can take the problem and it
+    is large enough. Its alternatives materialize L x S tensors: the math path its scores and
+    weights, SDPA a rendered bias (float mask)."""
+    terms = problem.terms
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
+        return None
+    if terms.score_mod is not None and needs_grad(problem) and closes_over_grad(terms.score_mod):
+        return None
+    device = problem.q.device
+    what = "no mask" if mask is None else mask.describe()
+    if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        reason = f"{terms.describe()} with {what}: FlexAttention applies them as its score_mod"
+        return _sparse_plan(problem, "flex", reason, return_weights, return_lse)
+    if device.type != "cpu" or not flash_kernel_available():
+        return None
+    if _too_large_to_evaluate(problem):
+        reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU tile engine')}"
+        return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
+    layout = _layout(problem, TILES.block_q, TILES.block_k)
+    tiles = _tile_plan(problem, TILES, layout)
+    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    reason = (
+        f"{terms.describe()} with {what}: the CPU tile engine computes {visited:.1%} of the score matrix "
+        "with the terms applied tile by tile, never an L x S tensor"
+    )
+    return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
+
+
+def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' for a structured mask: the tile engine (CPU) or FlexAttention (CUDA), when they pay off."""
+    L, S = problem.L, problem.S
+    if L * S < _SPARSE_MIN_PAIRS:
+        return None
+    device = problem.q.device
+    if device.type == "cpu" and flash_kernel_available():
+        path: Literal["blocks", "flex"] = "blocks"
+        block_q, block_k = TILES.block_q, TILES.block_k
+    elif device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
+    else:
+        return None
+    engine = "the CPU tile engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
+    if _too_large_to_evaluate(problem):
+        return _sparse_plan(problem, path, _deferred_reason(problem, engine), return_weights, return_lse, deferred=True)
+    layout = _layout(problem, block_q, block_k)
+    tiles = None
+    if path == "blocks":
+        tiles = _tile_plan(problem, TILES, layout)
+        visited = tiles.computed_pairs() / (problem.N * L * S)
+    else:
+        visited = layout.visited_pairs() / (L * S)
+    if visited > _SPARSE_MAX_VISITED:
+        return None
+    assert isinstance(problem.mask, Mask)
+    reason = (
+        f"{problem.mask.describe()} leaves {layout.visited_block_fraction:.1%} of the "
+        f"{layout.block_q}x{layout.block_k} tiles non-empty; {engine} computes {visited:.1%} "
+        "of the score matrix and skips the rest"
+    )
+    return _sparse_plan(problem, path, reason, return_weights, return_lse, layout, tiles)
+
+
+def weights_plan(problem: AttentionProblem) -> Plan:
+    """The rule of `qkv.attention_weights`: the tiles recompute the weights of the chosen rows
+    for no mask or a structured one; a tensor mask takes the dense formula on the chosen heads
+    and rows."""
+    active = problem.terms.active
+    if problem.mask is None or isinstance(problem.mask, Mask):
+        layout = _layout(problem, TILES.block_q, TILES.block_k)
+        reason = "the weights of the chosen heads and rows, recomputed tile by tile from their lse"
+        return Plan(
+            "blocks", reason, mask="tiles", scores="tiles" if active else "none", weights="tiles", lse="tiles",
+            layout=layout, tiles=_tile_plan(problem, TILES, layout),
+        )
+    reason = "a tensor mask: the dense formula on the chosen heads and rows"
+    return Plan("math", reason, mask="dense", scores="formula" if active else "none", weights="dense", lse="dense")
+
+
+RingBlockPath = Literal["cpu-flash", "tiles"]
+
+
+def ring_block_path(q: torch.Tensor, v: torch.Tensor, cpu_flash: bool = True) -> RingBlockPath:
+    """The sub-rule for one block of ring attention (`qkv.distributed.blockwise`).
+
+    A block has no mask but a causal diagonal, no score terms and no dropout, and it always
+    needs its lse and a backward that takes the global output and lse. That is the fused
+    path's lse rule above: PyTorch's CPU flash kernel (`fused_lse_available`), here only when
+    E == Ev (the ring does not pad head dims) and ``cpu_flash`` allows it (the ring's switch
+    `blockwise.USE_CPU_FLASH`); the blockwise tiles everywhere else.
+    """
+    if cpu_flash and q.shape[-1] == v.shape[-1] and fused_lse_available(q):
+        return "cpu-flash"
+    return "tiles"

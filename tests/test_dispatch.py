@@ -1,0 +1,168 @@
+"""qkv.dispatch: every decision of a call is in its Plan, and explain runs no kernel.
+
+The expected routes are the design's (DESIGN.md, the module docstring of qkv.dispatch): SDPA's
+is_causal only for top-left-equal causal masks, no mask at all where causality hides nothing,
+tiles for the structured engines. Numbers for the memory model are counted by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+import qkv._execute
+import qkv.functional
+from qkv import masks as M
+from qkv._problem import describe_problem
+from qkv.dispatch import choose_path, ring_block_path, weights_plan
+
+
+def _plan(L: int, S: int, mask: object, *, backend: str = "auto", weights: bool = False, lse: bool = False,
+          grad: bool = False, E: int = 8, Ev: int = 8, **terms: object):
+    q = torch.randn(1, 2, L, E, requires_grad=grad)
+    k, v = torch.randn(1, 2, S, E), torch.randn(1, 2, S, Ev)
+    return choose_path(describe_problem(q, k, v, mask, **terms), backend, weights, lse)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("L", "S", "mask", "backend", "path", "route"),
+    [
+        (16, 16, None, "auto", "fused", "none"),
+        (16, 16, "causal", "auto", "fused", "is_causal"),  # offset 0: SDPA's top-left flag is ours
+        (1, 40, "causal", "auto", "fused", "none"),  # a decoding step sees its whole cache
+        (10, 40, "causal", "auto", "fused", "dense"),  # bottom-right with L != S: SDPA cannot say it
+        (16, 16, "bool", "auto", "fused", "dense"),
+        (16, 16, "window", "auto", "fused", "dense"),  # too small for the tile engine
+        (1024, 1024, "window", "auto", "blocks", "tiles"),
+        (16, 16, "causal", "math", "math", "causal_offset"),
+        (16, 16, "window", "math", "math", "dense"),
+        (16, 16, None, "blocks", "blocks", "tiles"),
+    ],
+)
+def test_each_mask_kind_reaches_the_kernel_as_the_plan_says(L, S, mask, backend, path, route) -> None:
+    made = {"causal": M.causal(), "window": M.sliding_window(32), "bool": torch.rand(L, S) > 0.5, None: None}[mask]
+    plan = _plan(L, S, made, backend=backend)
+    assert (plan.path, plan.mask) == (path, route)
+    assert (plan.layout is not None) == (route == "tiles")
+
+
+def test_score_terms_reach_each_path_as_the_plan_says() -> None:
+    assert _plan(16, 16, None, bias=qkv.bias.alibi()).scores == "dense_mask"  # joins SDPA's float mask
+    assert _plan(16, 16, None, softcap=20.0).scores == "formula"  # SDPA cannot cap: the math path
+    assert _plan(512, 512, M.causal(), softcap=20.0).scores == "tiles"  # large: the engine applies it
+    assert _plan(16, 16, None).scores == "none"
+    with pytest.raises(ValueError, match="softcap or score_mod"):
+        _plan(16, 16, None, backend="fused", softcap=20.0)
+
+
+def test_where_weights_and_lse_come_from() -> None:
+    fused = _plan(16, 16, None, lse=True)
+    assert (fused.weights, fused.lse) == ("none", "kernel")  # PyTorch's CPU flash kernel returns it
+    both = _plan(16, 16, None, weights=True, lse=True)
+    assert (both.weights, both.lse) == ("dense", "dense")  # recomputed together by the dense formula
+    math = _plan(16, 16, None, backend="math", weights=True)
+    assert (math.weights, math.lse) == ("kernel", "kernel")
+    window = M.sliding_window(32)
+    engine = _plan(1024, 1024, window, weights=True)
+    assert (engine.path, engine.weights, engine.lse) == ("blocks", "tiles", "kernel")
+    graded = _plan(1024, 1024, window, weights=True, grad=True)
+    assert (graded.path, graded.weights) == ("blocks", "dense")  # weights a loss differentiates
+    assert graded.causal_offset is None and _plan(1024, 1024, M.causal(), backend="blocks", weights=True,
+                                                   grad=True).causal_offset == 0
+
+
+def test_a_learned_float_mask_takes_its_lse_from_the_dense_formula() -> None:
+    # the CPU flash kernel gives no gradient to a float mask: the plan must not take its lse
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 11, 4), torch.randn(1, 2, 11, 4)
+    mask = torch.randn(9, 11, requires_grad=True)
+    plan = choose_path(describe_problem(q, k, v, mask), "fused", False, True)
+    assert plan.lse == "dense"
+    assert choose_path(describe_problem(q, k, v, mask.detach()), "fused", False, True).lse == "kernel"
+    out, lse = qkv.attention(q, k, v, mask, return_lse=True, backend="fused")
+    (out.sum() + lse.sum()).backward()
+    grad = mask.grad.clone()
+    mask.grad = None
+    out_m, lse_m = qkv.attention(q, k, v, mask, return_lse=True, backend="math")
+    (out_m.sum() + lse_m.sum()).backward()
+    torch.testing.assert_close(grad, mask.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_weights_plan() -> None:
+    q = torch.randn(1, 2, 8, 4)
+    assert weights_plan(describe_problem(q, q, q, M.causal())).weights == "tiles"
+    assert weights_plan(describe_problem(q, q, q, None)).mask == "tiles"
+    dense = weights_plan(describe_problem(q, q, q, torch.ones(8, 8, dtype=torch.bool)))
+    assert (dense.path, dense.mask, dense.weights) == ("math", "dense", "dense")
+
+
+def test_ring_blocks_follow_the_dispatchers_sub_rule() -> None:
+    q, v, v_narrow = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 3)
+    assert ring_block_path(q, v) == "cpu-flash"
+    assert ring_block_path(q, v_narrow) == "tiles"  # the ring does not pad head dims for the kernel
+    assert ring_block_path(q, v, cpu_flash=False) == "tiles"
+    from qkv.distributed import blockwise
+
+    assert blockwise.block_path(q, v) == "cpu-flash"
+
+
+_KERNELS = ("fused_attention", "math_attention", "tile_attention", "scored_tile_attention", "flex_attention_layout",
+            "attention_weights_dense", "dense_lse", "tile_lse", "tile_weights")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"mask": M.causal(), "return_lse": True},
+        {"mask": M.sliding_window(48), "return_weights": True},
+        {"mask": M.sliding_window(48), "softcap": 30.0, "bias": qkv.bias.alibi()},
+        {"mask": "bool", "backend": "math", "return_weights": True, "return_lse": True},
+        {"mask": M.documents(torch.arange(640) // 200), "backend": "blocks", "return_lse": True},
+    ],
+)
+def test_explain_runs_no_kernel(monkeypatch: pytest.MonkeyPatch, kwargs: dict) -> None:
+    q = torch.randn(1, 2, 640, 8)
+    kwargs = dict(kwargs)
+    if kwargs.get("mask") == "bool":
+        kwargs["mask"] = torch.rand(640, 640) > 0.5
+
+    def no_kernel(*args: object, **kw: object) -> None:
+        raise AssertionError("explain ran a kernel")
+
+    for name in _KERNELS:
+        monkeypatch.setattr(qkv._execute, name, no_kernel)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_kernel)
+    e = qkv.explain(q, q, q, **kwargs)
+    assert e.flops > 0 and e.peak_extra_bytes > 0
+    with pytest.raises(AssertionError, match="explain ran a kernel"):  # the patch does catch a kernel
+        qkv.attention(q, q, q, **kwargs)
+
+
+def test_memory_model_counts_what_the_plan_builds() -> None:
+    B, H, L, S, E = 1, 2, 1, 700, 8
+    q, k = torch.randn(B, H, L, E), torch.randn(B, H, S, E)
+    # a decoding step under causal builds no mask: the same memory as no mask at all
+    assert qkv.explain(q, k, k, M.causal()).peak_extra_bytes == qkv.explain(q, k, k).peak_extra_bytes
+    # the bool mask of a bottom-right causal step with L != S: one byte per (query, key) pair
+    q10 = torch.randn(B, H, 10, E)
+    dense = qkv.explain(q10, k, k, M.causal()).peak_extra_bytes - qkv.explain(q10, k, k).peak_extra_bytes
+    assert dense == 10 * S
+    # the math path: scores, exponentials and weights, float32, per (batch, head, query, key)
+    assert qkv.explain(q10, k, k, backend="math").peak_extra_bytes == 3 * B * H * 10 * S * 4
+
+
+def test_attention_varlen_goes_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = []
+
+    def recording(*args: object, **kwargs: object):
+        plan = choose_path(*args, **kwargs)  # type: ignore[arg-type]
+        chosen.append(plan)
+        return plan
+
+    monkeypatch.setattr(qkv.functional, "choose_path", recording)
+    q = torch.randn(600, 2, 8)
+    cu = torch.tensor([0, 200, 600], dtype=torch.int32)
+    qkv.attention_varlen(q, q, q, cu, causal=True)
+    assert [p.path for p in chosen] == ["blocks"] and chosen[0].mask == "tiles"
