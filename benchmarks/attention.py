@@ -14,19 +14,15 @@ measured in the same run (the machine's limit for that dtype).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops, time_interleaved
-
 import qkv
+from qkv.bench import fastest, matmul_gflops
 
 B, H = 1, 8
 # The math path holds three (B, H, n, n) float32 tensors: 6 GiB at n = 8192. Past this it is skipped.
@@ -56,7 +52,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     console = Console()
-    mm = matmul_gflops(dtype=dtype)
+    mm = matmul_gflops(dtype)
     console.print(f"machine: {torch.get_num_threads()} threads, {args.dtype} matmul {mm:.1f} GFLOP/s (2048^3)")
     table = Table(title=f"attention forward, B=1 H=8 {args.dtype} (GFLOP/s; higher is better)")
     for col in ("n", "E", "mask", "SDPA", "qkv auto", "qkv fused", "qkv math", "auto / SDPA", "SDPA / matmul",
@@ -68,11 +64,11 @@ def main() -> None:
         for causal in (False, True):
             fns = _candidates(q, k, v, causal)
             with torch.inference_mode():
-                seconds = time_interleaved(fns, reps=reps)
+                seconds = fastest(fns, reps, warmup=1)
                 if n <= MATH_MAX_N:
                     # Timed apart: its n^2 allocations (GiBs) would slow whichever call follows them.
                     math = {"math": lambda: qkv.attention(q, k, v, qkv.masks.causal() if causal else None, backend="math")}  # noqa: B023
-                    seconds |= time_interleaved(math, reps=reps)
+                    seconds |= fastest(math, reps, warmup=1)
             pairs = n * (n + 1) // 2 if causal else n * n
             gflops = {name: 4 * B * H * E * pairs / s / 1e9 for name, s in seconds.items()}
             ratio = seconds["sdpa"] / seconds["auto"]

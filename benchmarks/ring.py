@@ -9,8 +9,8 @@ both layouts run in one spawned gloo world each (127.0.0.1, one thread per rank)
   one-time buffers are excluded). Each rank starts with MALLOC_MMAP_THRESHOLD_
   fixed at 64 KiB, so glibc serves every tensor of 64 KiB or more with its own mapping and
   unmaps it when freed: the resident size then follows the live tensors instead of keeping
-  freed heap. Just before the call the peak counter is reset (Linux: write 5 to
-  /proc/self/clear_refs); afterwards VmHWM - VmRSS(before) is the peak extra memory. The
+  freed heap. `qkv.bench.peak_growth` resets the peak counter just before the call and
+  reports VmHWM - VmRSS(before) after it: the peak extra memory. The
   inputs (q, k, v shards) were allocated before and are listed apart. It must fall like 1/P.
 - time: `RingStats` (second call) splits each rank's wall time into compute (blocks and merges) and wait
   (for k/v blocks, dk/dv accumulators and the shape exchange). With more ranks than cores,
@@ -27,30 +27,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops
+from qkv.bench import matmul_gflops, peak_growth
 
 _HOST = "127.0.0.1"
 _MMAP_THRESHOLD = str(64 * 1024)  # bytes: tensors this large get their own mapping
-
-
-def _memory_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> None:
@@ -74,15 +61,13 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
     q.grad = k.grad = v.grad = None
     dist.barrier()
     stats = RingStats()
-    _reset_peak()
-    before = _memory_kib("VmRSS")
-    start = time.perf_counter()
-    o = ring_attention(q, k, v, causal=True, layout=layout, timeout=600.0, stats=stats)
-    o.backward(torch.ones_like(o))
-    seconds = time.perf_counter() - start
-    peak_mib = (_memory_kib("VmHWM") - before) / 1024
+    with peak_growth() as growth:
+        start = time.perf_counter()
+        o = ring_attention(q, k, v, causal=True, layout=layout, timeout=600.0, stats=stats)
+        o.backward(torch.ones_like(o))
+        seconds = time.perf_counter() - start
     result = {
-        "rank": rank, "seconds": seconds, "peak_mib": peak_mib,
+        "rank": rank, "seconds": seconds, "peak_mib": growth.bytes / 2**20,
         "inputs_mib": sum(x.numel() * x.element_size() for x in (q, k, v)) / 2**20,
         "stats": stats,
     }
@@ -92,12 +77,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
 
         del o
         q.grad = k.grad = v.grad = None
-        _reset_peak()
-        before = _memory_kib("VmRSS")
-        start = time.perf_counter()
-        o = qkv.attention(q, k, v, qkv.masks.causal())
-        o.backward(torch.ones_like(o))
-        result["sdpa"] = {"seconds": time.perf_counter() - start, "peak_mib": (_memory_kib("VmHWM") - before) / 1024}
+        with peak_growth() as growth:
+            start = time.perf_counter()
+            o = qkv.attention(q, k, v, qkv.masks.causal())
+            o.backward(torch.ones_like(o))
+            seconds = time.perf_counter() - start
+        result["sdpa"] = {"seconds": seconds, "peak_mib": growth.bytes / 2**20}
     out.put(result)
     dist.destroy_process_group()
 
@@ -129,7 +114,10 @@ def main() -> None:
     args = parser.parse_args()
     T, H, E = args.tokens, args.heads, args.dim
 
-    rate = matmul_gflops(n=1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' own setting
+    rate = matmul_gflops(side=1024)
+    torch.set_num_threads(threads)
     print(f"causal T={T}, B=1, H={H}, G={args.kv_heads}, E=Ev={E}, float32, forward + backward, "
           f"gloo on {os.cpu_count()} CPU core(s), 1 thread per rank; one-thread matmul rate {rate:.1f} GFLOP/s")
     flops_per_pair = 2 * (E + E) * H * 3.5  # forward + 2.5x backward, per visited pair

@@ -1,7 +1,8 @@
 """Score terms and variable-length sequences: qkv's CPU tile engine against its peers, one run.
 
 B = 1, H = 8, E = 64, float32 and bfloat16. Each comparison times qkv and its peer in the same
-process, interleaved, and prints peer time / qkv time (above 1: qkv is faster), with qkv's
+process (`qkv.bench.fastest`: rotating rounds, fastest run kept) and prints peer time / qkv
+time (above 1: qkv is faster), with qkv's
 GFLOP/s next to the matmul rate of the same dtype measured in the same run.
 
 - ALiBi + causal + sliding_window(256), n = 16,384: vs SDPA given the equivalent dense float
@@ -34,17 +35,16 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _timing import matmul_gflops, time_interleaved
 
 import qkv
+from qkv.bench import document_lengths, fastest, matmul_gflops, random_qkv
 
 H, E = 8, 64
 WINDOW = 256
 
 
 def _inputs(n: int, dtype: torch.dtype, grad: bool = False) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, H, n, E, generator=gen).to(dtype).requires_grad_(grad) for _ in range(3))
+    return random_qkv(n, heads=H, head_dim=E, dtype=dtype, requires_grad=grad)
 
 
 def _row(name: str, ours: float, peer: str, theirs: float, gflop: float, rate: float, goal: float | None = None, err: float | None = None) -> dict:
@@ -91,14 +91,14 @@ def alibi_window(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dic
         ours = qkv.attention(q, k, v, mask, bias=bias)
         theirs = _sdpa_per_head(q, k, v, masks)
         err = float((ours.float() - theirs.float()).abs().max())
-        t = time_interleaved(
-            {"qkv": lambda: qkv.attention(q, k, v, mask, bias=bias), "sdpa": lambda: _sdpa_per_head(q, k, v, masks)}, reps)
+        t = fastest(
+            {"qkv": lambda: qkv.attention(q, k, v, mask, bias=bias), "sdpa": lambda: _sdpa_per_head(q, k, v, masks)}, reps, warmup=1)
     rows.append(_row(f"ALiBi + causal + window({WINDOW}) forward, n={n}", t["qkv"], peer, t["sdpa"], gflop, rate, 15, err))
     qg, kg, vg = _inputs(n, dtype, grad=True)
     grad = torch.randn(qg.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    t = time_interleaved(
+    t = fastest(
         {"qkv": _fwd_bwd(lambda: qkv.attention(qg, kg, vg, mask, bias=bias), grad),
-         "sdpa": _fwd_bwd(lambda: _sdpa_per_head(qg, kg, vg, masks), grad)}, reps)
+         "sdpa": _fwd_bwd(lambda: _sdpa_per_head(qg, kg, vg, masks), grad)}, reps, warmup=1)
     rows.append(_row(f"ALiBi + causal + window({WINDOW}) fwd+bwd, n={n}", t["qkv"], peer, t["sdpa"], 3.5 * gflop, rate, 8))
     return rows
 
@@ -132,9 +132,9 @@ def _flex(n: int, dtype: torch.dtype, rate: float, reps: int, name: str, score_m
             print(f"  FlexAttention {name} {dtype}: failed ({type(error).__name__}: {str(error)[:200]})", flush=True)
             return []
         err = float((ours.float() - theirs.float()).abs().max())
-        t = time_interleaved(
+        t = fastest(
             {"qkv": lambda: qkv.attention(q, k, v, mask, **kwargs),
-             "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)}, reps)
+             "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)}, reps, warmup=1)
     return [
         _row(f"{name} forward, n={n}", t["qkv"], "FlexAttention compiled (steady)", t["flex"], gflop, rate, None, err),
         _row(f"{name} first call, n={n}", ours_first, "FlexAttention incl. block mask + compile", flex_first, gflop, rate),
@@ -150,9 +150,9 @@ def softcap_window(n: int, dtype: torch.dtype, rate: float, reps: int, flex: boo
         ours = qkv.attention(q, k, v, mask, softcap=50.0)
         theirs = qkv.attention(q, k, v, mask, softcap=50.0, backend="math")
         err = float((ours.float() - theirs.float()).abs().max())
-        t = time_interleaved(
+        t = fastest(
             {"qkv": lambda: qkv.attention(q, k, v, mask, softcap=50.0),
-             "math": lambda: qkv.attention(q, k, v, mask, softcap=50.0, backend="math")}, reps)
+             "math": lambda: qkv.attention(q, k, v, mask, softcap=50.0, backend="math")}, reps, warmup=1)
     rows.append(_row(f"softcap 50 + window({WINDOW}, {WINDOW}) forward, n={math_n}", t["qkv"], "math path", t["math"], gflop, rate, None, err))
     if flex:
         q, k, v = _inputs(n, dtype)
@@ -163,39 +163,34 @@ def softcap_window(n: int, dtype: torch.dtype, rate: float, reps: int, flex: boo
 
 
 def varlen_docs(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(2)
-    cuts = torch.randperm(n - 1, generator=gen)[:63].sort().values + 1
-    lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))  # 64 documents
+    lengths = document_lengths(n, 64, seed=2)
     mask = qkv.masks.varlen(lengths, causal=True)
     dense = mask.to_dense(n, n)  # (1, 1, n, n) bool
     q, k, v = _inputs(n, dtype)
     gflop = qkv.explain(q, k, v, mask).flops / 1e9
     with torch.no_grad():
         err = float((qkv.attention(q, k, v, mask).float() - F.scaled_dot_product_attention(q, k, v, attn_mask=dense).float()).abs().max())
-        t = time_interleaved(
+        t = fastest(
             {"qkv": lambda: qkv.attention(q, k, v, mask),
-             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}, reps)
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}, reps, warmup=1)
     rows = [_row(f"varlen causal, 64 docs, forward, n={n}", t["qkv"], "SDPA dense bool mask", t["sdpa"], gflop, rate, 20, err)]
     qg, kg, vg = _inputs(n, dtype, grad=True)
     grad = torch.randn(qg.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    t = time_interleaved(
+    t = fastest(
         {"qkv": _fwd_bwd(lambda: qkv.attention(qg, kg, vg, mask), grad),
-         "sdpa": _fwd_bwd(lambda: F.scaled_dot_product_attention(qg, kg, vg, attn_mask=dense), grad)}, reps)
+         "sdpa": _fwd_bwd(lambda: F.scaled_dot_product_attention(qg, kg, vg, attn_mask=dense), grad)}, reps, warmup=1)
     rows.append(_row(f"varlen causal, 64 docs, fwd+bwd, n={n}", t["qkv"], "SDPA dense bool mask", t["sdpa"], 3.5 * gflop, rate))
     return rows
 
 
 _PEAK = """
-import os, sys, torch, qkv
+import sys, torch, qkv
+from qkv.bench import document_lengths, peak_rss_bytes, random_qkv
 n, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-gen = torch.Generator().manual_seed(2)
-cuts = torch.randperm(n - 1, generator=gen)[:63].sort().values + 1
-lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
-q, k, v = (torch.randn(1, 8, n, 64).to(dtype).requires_grad_(True) for _ in range(3))
+lengths = document_lengths(n, 64, seed=2)
+q, k, v = random_qkv(n, dtype=dtype, requires_grad=True)
 qkv.attention(q, k, v, qkv.masks.varlen(lengths, causal=True), bias=qkv.bias.alibi()).sum().backward()
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM:"):
-        print(int(line.split()[1]) * 1024)
+print(peak_rss_bytes())
 """
 
 
@@ -214,7 +209,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=16384, help="sequence length (default 16,384)")
     parser.add_argument("--math-n", type=int, default=4096, help="length of the softcap comparison with the math path")
     parser.add_argument("--peak-n", type=int, default=65536, help="tokens of the peak-memory run")
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median kept)")
+    parser.add_argument("--reps", type=int, default=3, help="rotating rounds (fastest run kept)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -224,7 +219,7 @@ def main() -> int:
     rows: list[dict] = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        rate = matmul_gflops(2048, dtype=dtype)
+        rate = matmul_gflops(dtype)
         print(f"{name}: matmul {rate:.0f} GFLOP/s", flush=True)
         warm = _inputs(512, dtype, grad=True)
         qkv.attention(*warm, qkv.masks.causal(), bias=qkv.bias.alibi(), softcap=50.0).sum().backward()

@@ -1,9 +1,10 @@
 """Block-sparse attention: qkv's CPU tile engine against SDPA and FlexAttention, one run.
 
-B = 1, H = 8, E = 64, float32 (``--dtype bfloat16`` for the CPU's bf16 units). Every comparison times qkv and its peer in the same process,
-alternating them repetition by repetition, and reports the ratio of the fastest runs (peer
-time / qkv time: above 1 means qkv is faster). The cases and goals (issue 7) are listed in
-`qkv.cli._bench_suite`; `qkv bench` runs the same suite.
+B = 1, H = 8, E = 64, float32 (``--dtype bfloat16`` for the CPU's bf16 units). Every
+comparison times qkv and its peer in the same process by `qkv.bench.fastest` (rotating
+rounds, fastest run kept) and reports the ratio (peer time / qkv time: above 1 means qkv is
+faster), qkv's GFLOP/s and their fraction of the dtype's matmul rate measured in the same
+run. The cases and goals are listed in `qkv.bench`; `qkv bench` runs the same suite.
 
 Run: ``uv run python benchmarks/sparse.py`` (a few minutes on 2 cores: SDPA's dense masks
 cost n^2 work and FlexAttention compiles for tens of seconds), ``--quick`` for a smoke run,
@@ -19,9 +20,9 @@ import json
 import sys
 
 import torch
+from rich.console import Console
 
-from qkv.cli._bench_suite import QUICK, STANDARD, run_suite
-from qkv.cli.bench import print_report
+from qkv.bench import QUICK, STANDARD, run_suite
 
 
 def main() -> int:
@@ -51,7 +52,7 @@ def main() -> int:
         print(f"done: {done}", file=sys.stderr, flush=True)
         report = partial
     assert report is not None
-    print_report(report)
+    report.print(Console())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=2)

@@ -3,13 +3,13 @@
 The model: MistralModel with random weights, 4 layers, hidden 512, 8 query heads and 2
 key/value heads (E = 64), MLP 1,792, sliding window 1,024, float32, batch 1, no cache.
 
-- forward time: qkv and sdpa timed in this process, interleaved repetition by repetition,
-  medians; the ratio is sdpa time / qkv time (above 1: qkv is faster). Rates are FLOPs of the
+- forward time: qkv and sdpa timed in this process by `qkv.bench.fastest` (rotating rounds,
+  fastest run kept); the ratio is sdpa time / qkv time (above 1: qkv is faster). Rates are FLOPs of the
   visible work (projections, MLP, and 4 * H * E per visible (query, key) pair) per second,
   next to the float32 matrix-multiply rate measured in the same run.
 - peak memory: each (implementation, length) runs once in a fresh subprocess, which returns
-  freed heap to the system (malloc_trim), resets the kernel's peak-RSS mark (/proc/self/clear_refs)
-  and reports VmHWM - VmRSS around the forward: the growth of resident memory at its peak,
+  freed heap to the system (malloc_trim) and measures with `qkv.bench.peak_growth` (VmHWM -
+  VmRSS around the forward, the peak mark reset first): the growth of resident memory at its peak,
   model and inputs excluded. Linux only.
 - output_attentions=True: the same subprocess measurement, qkv vs eager (the only transformers
   implementation that returns maps), at a length where the returned maps themselves
@@ -23,7 +23,6 @@ run, ``--json FILE`` to keep the numbers.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -33,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops, time_interleaved
+from qkv.bench import fastest, matmul_gflops, peak_growth
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, WINDOW, VOCAB = 4, 512, 8, 2, 1792, 1024, 1000
 HEAD_DIM = HIDDEN // HEADS
@@ -68,28 +66,17 @@ def window_pairs(length: int) -> int:
     return sum(min(i + 1, WINDOW) for i in range(length))
 
 
-def _status_kib(field: str) -> int:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def measure_memory(impl: str, length: int, output_attentions: bool) -> dict[str, float]:
     """Child mode: one forward; peak RSS growth (MiB) and seconds."""
     model = build(impl)
     ids = torch.randint(0, VOCAB, (1, length))
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the forward cannot reuse it unseen
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = _status_kib("VmRSS")
-    start = time.perf_counter()
-    with torch.no_grad():
+    # trim: hand freed heap back first, so that the forward cannot reuse it unseen
+    with peak_growth(trim=True) as growth, torch.no_grad():
+        start = time.perf_counter()
         out = model(input_ids=ids, output_attentions=output_attentions, use_cache=False)
-    seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM")
+        seconds = time.perf_counter() - start
     maps = sum(a.numel() * a.element_size() for a in out.attentions) if output_attentions else 0
-    return {"peak_mib": (peak - before) / 1024, "seconds": seconds, "maps_mib": maps / 2**20}
+    return {"peak_mib": growth.bytes / 2**20, "seconds": seconds, "maps_mib": maps / 2**20}
 
 
 def child(impl: str, length: int, output_attentions: bool) -> dict[str, float]:
@@ -101,7 +88,7 @@ def child(impl: str, length: int, output_attentions: bool) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,024 and 2,048 tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per implementation (median kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per implementation (fastest kept)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per implementation first")
     parser.add_argument("--json", type=str, default=None, help="also write the numbers to this JSON file")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "LENGTH", "MAPS"), help=argparse.SUPPRESS)
@@ -115,7 +102,7 @@ def main() -> int:
     lengths = (1024, 2048) if args.quick else (8192, 16384)
     maps_length = 512 if args.quick else 4096
     load = os.getloadavg()
-    rate = matmul_gflops(2048)
+    rate = matmul_gflops()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {torch.get_num_threads()} threads; "
           f"float32 matmul {rate:.0f} GFLOP/s")
     models = {impl: build(impl) for impl in ("qkv", "sdpa")}
@@ -129,7 +116,7 @@ def main() -> int:
             with torch.no_grad():
                 models[impl](input_ids=ids, use_cache=False)
 
-        seconds = time_interleaved({impl: (lambda impl=impl: run(impl)) for impl in models}, reps=args.repeats, warmup=args.warmup)
+        seconds = fastest({impl: (lambda impl=impl: run(impl)) for impl in models}, args.repeats, warmup=args.warmup)
         memory = {impl: child(impl, length, False)["peak_mib"] for impl in models}
         useful = forward_flops(length, window_pairs(length))
         row = {

@@ -17,7 +17,7 @@ from qkv.dispatch import TILES, Plan, mask_heads
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
-from qkv.kernels.machine import emulation_note, matmul_gflops
+from qkv.kernels.machine import emulation_note
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
 
@@ -113,9 +113,11 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
     note = emulation_note(q.dtype, q.device)
     rates: tuple[tuple[str, float], ...] = ()
     if measure and q.device.type == "cpu":
+        from qkv.bench import machine_matmul_gflops  # measuring is the benchmark's business
+
         threads = torch.get_num_threads()
         rates = tuple(
-            (str(dtype).removeprefix("torch."), matmul_gflops(dtype, threads))
+            (str(dtype).removeprefix("torch."), machine_matmul_gflops(dtype, threads))
             for dtype in dict.fromkeys((torch.float32, q.dtype))
         )
     return Explanation(

@@ -152,7 +152,7 @@ def explain(
     terms (bias, softcap, score_mod) are named and their work counted apart. A note says
     when a low-precision dtype has no native products on this CPU (slow emulation). With
     ``measure=True`` the machine's float32 and input-dtype matmul rates are measured (once
-    per process, a fraction of a second; `qkv.kernels.machine`) and reported, with the time
+    per process, a fraction of a second; `qkv.bench.machine_matmul_gflops`) and reported, with the time
     this work would take at that rate.
     """
     low = autocast_dtype(q)

@@ -1,4 +1,5 @@
-"""`qkv.kernels.machine` and what `qkv.explain` says about the machine."""
+"""`qkv.kernels.machine` and what `qkv.explain` says about the machine (its flags, and the
+rates of `qkv.bench.machine_matmul_gflops` when asked)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import qkv
-import qkv._explain
+import qkv.bench
 from qkv.kernels import machine
 
 
@@ -51,7 +52,7 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(dtype)
         return {torch.float32: 400.0, torch.bfloat16: 2000.0}[dtype]
 
-    monkeypatch.setattr(qkv._explain, "matmul_gflops", fake_rate)
+    monkeypatch.setattr(qkv.bench, "machine_matmul_gflops", fake_rate)
     plain = qkv.explain(q, q, q)
     assert plain.matmul_rates == () and calls == [] and "machine:" not in str(plain)
     measured = qkv.explain(q, q, q, measure=True)
@@ -61,9 +62,3 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
     assert "machine: matmul float32 400, bfloat16 2000 GFLOP/s" in text
     # 4 * B * H * L * S * E = 4 * 2 * 8 * 8 * 4 FLOPs at 2000 GFLOP/s
     assert f"{4 * 2 * 8 * 8 * 4 / 2000e9 * 1e3:.2f} ms at the bfloat16 matmul rate" in text
-
-
-def test_a_measured_rate_is_a_real_product_rate() -> None:
-    rate = machine.matmul_gflops(torch.float32, 1)
-    assert rate > 0.1
-    assert machine.matmul_gflops(torch.float32, 1) == rate  # cached: measured once

@@ -17,7 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from qkv.cli._app import app, console, fail, say
-from qkv.cli.inspect import BUILTIN_MODEL, DtypeOption, ModelOption, load_or_fail, too_long_message
+from qkv.cli._model import load_or_fail, too_long_message
+from qkv.cli._options import BUILTIN_MODEL, DtypeOption, ModelOption
 
 __all__ = ["embed_command", "split_lines"]
 

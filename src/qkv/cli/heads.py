@@ -24,14 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from qkv.cli._app import app, check_output_file, console, fail, say
-from qkv.cli.inspect import (
-    BUILTIN_MODEL,
-    JsonOption,
-    ModelOption,
-    TruncateOption,
-    load_or_fail,
-    too_long_message,
-)
+from qkv.cli._model import load_or_fail, too_long_message
+from qkv.cli._options import BUILTIN_MODEL, JsonOption, ModelOption, TruncateOption
 
 if TYPE_CHECKING:
     from qkv.inspect import HeadRoles

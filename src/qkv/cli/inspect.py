@@ -18,107 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from qkv.cli._app import app, check_output_file, console, fail, say
+from qkv.cli._model import inspect_or_fail, load_or_fail
+from qkv.cli._options import BUILTIN_MODEL, DtypeOption, JsonOption, ModelOption, TruncateOption
 
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
-    from qkv.models import Encoder, TextTooLongError
 
 __all__ = ["context_command", "inspect_command"]
-
-BUILTIN_MODEL = "all-MiniLM-L6-v2"  # the same name as qkv.models.DEFAULT_MODEL, without importing torch
-
-ModelOption = Annotated[
-    str,
-    typer.Option(
-        "--model",
-        help=(
-            "A directory with config.json, tokenizer.json and model.safetensors, or the built-in "
-            "all-MiniLM-L6-v2. A model that is not BERT-family (Llama, GPT-2, ...) runs through "
-            "transformers on qkv (the qkv[transformers] extra)."
-        ),
-    ),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
-TruncateOption = Annotated[
-    bool, typer.Option("--truncate", help="Cut a text longer than the model's positions instead of refusing it.")
-]
-# The dtypes of the model's matrix multiplies (qkv.models.ENCODER_DTYPES, named without importing torch).
-DTYPES = ("float32", "bfloat16")
-DtypeOption = Annotated[
-    str,
-    typer.Option(
-        "--dtype",
-        help="float32 or bfloat16: the dtype of the model's matrix multiplies (bfloat16 runs on the "
-        "CPU's bf16 units; LayerNorms and results stay float32).",
-    ),
-]
-
-_encoders: dict[tuple[str, str], Encoder] = {}
-
-
-def load_or_fail(model: str, dtype: str = "float32") -> Encoder:
-    """The encoder for ``model`` in ``dtype`` (loaded once per process), or exit 2 with the reason."""
-    if dtype not in DTYPES:
-        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if (model, dtype) not in _encoders:
-        try:
-            _encoders[model, dtype] = _load(model, dtype)
-        except (OSError, ValueError, TypeError) as error:  # OSError: missing or unreadable files
-            fail(f"cannot load model {model!r}: {error}")
-    return _encoders[model, dtype]
-
-
-def _load(model: str, dtype: str) -> Encoder:
-    """qkv's own BERT-family encoder in ``dtype``, or for another model_type a transformers model
-    on qkv (float32 only: its hidden states and maps would come back in the model's dtype)."""
-    config = Path(model) / "config.json"
-    model_type = None
-    if config.is_file():
-        try:
-            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-        except (json.JSONDecodeError, AttributeError) as error:
-            raise ValueError(f"{config} is not a JSON object: {error}") from error
-    if model_type is None or model_type == "bert":
-        import torch
-
-        from qkv.models import load_encoder
-
-        return load_encoder(model, dtype=getattr(torch, dtype))
-    if dtype != "float32":
-        raise ValueError(
-            f"--dtype {dtype} applies to BERT-family encoders only; model_type {model_type!r} "
-            "runs through transformers in float32 (leave --dtype out)"
-        )
-    try:
-        from qkv.integrations.transformers import load_model
-    except ImportError as error:
-        raise ValueError(
-            f"model_type {model_type!r} runs through transformers, which is not installed "
-            "(pip install 'qkv[transformers]')"
-        ) from error
-    return load_model(model)  # type: ignore[return-value]  # an Encoder for inspection
-
-
-def too_long_message(error: TextTooLongError, what: str = "the text") -> str:
-    """The CLI's words for a text longer than the model's positions: it names --truncate."""
-    return (
-        f"{what} has {error.tokens} tokens, more than the model's {error.limit} positions "
-        f"([CLS] and [SEP] included); pass --truncate to keep the first {error.limit}"
-    )
-
-
-def inspect_or_fail(encoder: Encoder, text: str, *, truncate: bool = False, name: str = "the text") -> Inspection:
-    """Run ``text`` through the encoder, or exit 2 (empty or too long text)."""
-    from qkv.models import TextTooLongError
-
-    if not text.strip():
-        fail(f"{name} is empty; give at least one word")
-    try:
-        return encoder.inspect(text, truncate=truncate)
-    except TextTooLongError as error:
-        fail(too_long_message(error, name))
-    except ValueError as error:
-        fail(str(error))
 
 
 def _check_index(value: int | None, count: int, name: str) -> range:

@@ -3,9 +3,10 @@ four times the compute and memory").
 
 Every token scores every token: n^2 scores. Doubling n quadruples the scores, and with them
 the time and memory of the materialized path, the one that writes the whole n x n matrix
-down, as `qkv.reference` does. Here that is measured, not just stated: wall time (best of a
-few runs) and peak memory (Python's tracemalloc, which sees NumPy's allocations) of the
-reference for n = 256 ... 2048, one head of width 64.
+down, as `qkv.reference` does. Here that is measured, not just stated: wall time (the
+benchmarks' timing rule, `qkv.bench.fastest`) and peak memory (`qkv.bench.traced_peak_bytes`:
+Python's tracemalloc, which sees NumPy's allocations) of the reference for n = 256 ... 2048,
+one head of width 64.
 
 Next to it, qkv's PyTorch paths on the same inputs: ``backend="math"`` (materialized, in
 float32) and a sliding-window mask,
@@ -16,8 +17,6 @@ and what it visits.
 
 from __future__ import annotations
 
-import time
-import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,8 +40,11 @@ SUMMARY = (
 SIZES = (256, 512, 1024, 2048)
 HEAD_DIM = 64
 WINDOW_LEFT = 127  # each query sees itself and the 127 keys before it
-REPEATS = 3  # rounds over all sizes; the best time is the least disturbed by other processes
-ROUND_SECONDS = 0.01  # per call and round: repeat fast calls up to this long
+# Rounds over all sizes (a burst of load from other processes spreads over the sizes instead
+# of landing on one); the best time is the least disturbed. Within a round a fast call runs
+# again until ROUND_SECONDS have passed, so small sizes get more tries.
+REPEATS = 3
+ROUND_SECONDS = 0.01
 SEED = 0
 CHECK_N = 512  # the window path is compared with the masked reference at this n (several tiles)
 
@@ -140,33 +142,11 @@ class Result(ExampleResult):
 
 
 def _best_times(calls: list[Callable[[], object]]) -> list[float]:
-    """Best wall time of each call.
+    """Best wall time of each call, in order, by the benchmarks' timing rule (`qkv.bench.fastest`)."""
+    from qkv.bench import fastest  # imports PyTorch, like run()
 
-    Rounds go over all calls in turn, so a burst of load from other processes on a shared
-    machine spreads over the sizes instead of landing on one of them; within a round a fast
-    call runs again until ROUND_SECONDS have passed, so small sizes get more tries.
-    """
-    best = [float("inf")] * len(calls)
-    for _ in range(REPEATS):
-        for i, call in enumerate(calls):
-            spent = 0.0
-            while spent < ROUND_SECONDS:
-                start = time.perf_counter()
-                call()
-                elapsed = time.perf_counter() - start
-                best[i] = min(best[i], elapsed)
-                spent += elapsed
-    return best
-
-
-def _peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak memory allocated while fn runs (inputs allocated before are not counted)."""
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    best = fastest({str(i): call for i, call in enumerate(calls)}, REPEATS, round_seconds=ROUND_SECONDS)
+    return [best[str(i)] for i in range(len(calls))]
 
 
 def _visible_pairs(n: int, left: int) -> int:
@@ -179,6 +159,7 @@ def run() -> Result:
     import torch
 
     import qkv
+    from qkv.bench import traced_peak_bytes
 
     rng = np.random.default_rng(SEED)
     numpy_inputs = [tuple(rng.standard_normal((n, HEAD_DIM)) for _ in range(3)) for n in SIZES]  # (n, E) each
@@ -213,7 +194,7 @@ def run() -> Result:
             n=n,
             scores=n * n,
             reference_seconds=times[i],
-            reference_peak_bytes=_peak_bytes(materialized(i)),
+            reference_peak_bytes=traced_peak_bytes(materialized(i)),
             math_seconds=times[count + i],
         )
         for i, n in enumerate(SIZES)

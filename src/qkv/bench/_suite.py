@@ -1,20 +1,24 @@
 """The block-sparse benchmark behind `qkv bench` and benchmarks/sparse.py.
 
-Every comparison times qkv and its peer in the same process, alternating them ``repeats``
-times and keeping each one's fastest run, and reports the ratio (machines are shared and
-noisy; absolute times are only context). Work is counted with DESIGN.md's formula:
-forward FLOPs = 4 * B * H * L * S_visited * E, where S_visited counts only the keys of
-visited tiles for qkv; backward = 2.5 x forward. Peak memory is the high-water resident set
-(Linux VmHWM; ru_maxrss elsewhere) of a fresh subprocess that runs one problem size after
+Every comparison times qkv and its peer in the same process by the one timing rule
+(`qkv.bench.fastest`: rotating rounds, fastest run kept) and reports the ratio (machines are
+shared and noisy; absolute times are only context). Work is counted with DESIGN.md's
+formula: forward FLOPs = 4 * B * H * L * S_visited * E, where S_visited counts only the keys
+of visited tiles for qkv; backward = 2.5 x forward. Peak memory is the high-water resident
+set (`qkv.bench.peak_rss_bytes`) of a fresh subprocess that runs one problem size after
 another in increasing order, PyTorch's own footprint included.
 
-Comparisons (goals from issue 7):
-- sliding_window(256, 256), n = 16384: vs SDPA with the equivalent dense bool mask (>= 20x),
-  vs FlexAttention compiled, steady state (>= 1.2x) and including its block-mask creation
-  and compilation with an empty inductor cache (>= 20x);
-- 64 packed documents of random lengths, causal, n = 16384: vs SDPA dense mask (>= 20x);
-- causal, n = 4096 and 8192: vs SDPA is_causal (>= 0.95x);
-- forward + backward of the sliding window, n = 16384: vs SDPA dense mask (>= 10x);
+Comparisons (``case``: what each one measures, and its goal):
+- ``window``: sliding_window(256, 256), n = 16384, vs SDPA with the equivalent dense bool
+  mask (>= 20x);
+- ``window_flex`` / ``window_flex_first``: the same vs FlexAttention compiled, steady state
+  (>= 1.2x), and including its block-mask creation and compilation with an empty inductor
+  cache (>= 20x);
+- ``documents``: 64 packed documents of random lengths, causal, n = 16384, vs SDPA dense
+  mask (>= 20x);
+- ``causal``: causal, n = 4096 and 8192, vs SDPA is_causal (>= 0.95x);
+- ``window_backward``: forward + backward of the sliding window, n = 16384, vs SDPA dense
+  mask (>= 10x);
 - peak RSS of the sliding window forward at n = 65536 (< 1.5 GB);
 - achieved GFLOP/s on visited tiles as a fraction of this machine's matmul rate in the
   same dtype (float32 by default; ``dtype="bfloat16"`` for the CPU's bf16 units).
@@ -30,9 +34,31 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["QUICK", "STANDARD", "BenchConfig", "BenchReport", "Comparison", "run_suite", "steps"]
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv.bench._data import document_ids, random_qkv
+from qkv.bench._rates import matmul_gflops
+from qkv.bench._timing import fastest
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = [
+    "PEAK_RSS_GOAL_BYTES",
+    "QUICK",
+    "STANDARD",
+    "BenchConfig",
+    "BenchReport",
+    "Comparison",
+    "run_suite",
+    "steps",
+]
+
+PEAK_RSS_GOAL_BYTES = 1.5e9  # the sliding window forward at STANDARD.n_memory stays below this
 
 
 @dataclass(frozen=True)
@@ -67,12 +93,13 @@ QUICK = BenchConfig(
 class Comparison:
     """qkv against one peer on one problem: fastest times in seconds and the speedup."""
 
-    name: str
+    case: str  # which comparison of the suite (module docstring): "window", "causal", ...
+    name: str  # what a reader is shown
     n: int
     qkv_s: float
     peer: str
     peer_s: float
-    goal: float | None  # speedup asked for by the issue
+    goal: float | None  # speedup asked for
     qkv_gflops: float  # forward (+ backward) FLOPs of qkv's path per second / 1e9
     max_abs_err: float | None  # qkv against the peer's output where both are exact
 
@@ -97,6 +124,10 @@ class BenchReport:
     peak_rss_bytes: int | None = None  # sliding-window forward at n_memory
     sweep: dict[str, dict[int, float]] = field(default_factory=dict)  # series -> n -> seconds or bytes
 
+    def comparison(self, case: str) -> Comparison | None:
+        """The first comparison of ``case`` (module docstring), or None if it was not run."""
+        return next((c for c in self.comparisons if c.case == case), None)
+
     def to_json(self) -> dict[str, Any]:
         judge = self.config.judge
         comparisons = [
@@ -113,105 +144,89 @@ class BenchReport:
             "sweep": {k: {str(n): v for n, v in series.items()} for k, series in self.sweep.items()},
         }
 
+    def print(self, console: Console) -> None:
+        """The comparisons as a table, then the machine's matmul rate, the FLOP fraction and the
+        peak memory; sentences are printed unwrapped and without markup."""
+        from rich.table import Table
+        from rich.text import Text
 
-def _fastest(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Fastest wall time of each function, the functions alternating round by round."""
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+        def say(message: str) -> None:
+            console.print(Text(message), highlight=False, soft_wrap=True)
+
+        config, judge = self.config, self.config.judge
+        kind = "" if judge else "smoke run, "
+        table = Table(title=f"qkv vs peers ({kind}{config.dtype}, B=1, H={config.heads}, E={config.head_dim}, "
+                      f"{self.threads} threads, torch {self.torch_version})")
+        columns = ["case", "n", "qkv ms", "peer", "peer ms", "speedup", *(["goal"] if judge else []), "qkv GFLOP/s", "of matmul"]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("case", "peer") else "right")
+        for c in self.comparisons:
+            mark = "" if c.met is None else (" ok" if c.met else " MISSED")
+            goal = ["" if c.goal is None else f">= {c.goal:g}x{mark}"] if judge else []
+            table.add_row(
+                c.name, str(c.n), f"{c.qkv_s * 1e3:.1f}", c.peer, f"{c.peer_s * 1e3:.1f}", f"{c.speedup:.2f}x",
+                *goal, f"{c.qkv_gflops:.1f}", f"{c.qkv_gflops / self.matmul_gflops:.0%}",
+            )
+        console.print(table)
+        if not judge:
+            say("A smoke run (--quick): every comparison runs, on sizes too small and repeats too few "
+                "to judge speed against the goals; run `qkv bench` without --quick for that.")
+        say(f"{config.dtype} matmul on this machine ({config.matmul}^2, same run): {self.matmul_gflops:.1f} GFLOP/s")
+        window = self.comparison("window")
+        if window is not None:
+            say(f"sliding window forward: {window.qkv_gflops:.1f} GFLOP/s on visited tiles = "
+                f"{window.qkv_gflops / self.matmul_gflops:.0%} of the matmul rate")
+        if self.peak_rss_bytes is not None:
+            goal = f" (goal < {PEAK_RSS_GOAL_BYTES / 1e9:g} GB at n={STANDARD.n_memory})" if judge else ""
+            say(f"peak RSS, sliding window forward at n={config.n_memory}: "
+                f"{self.peak_rss_bytes / 2**30:.2f} GiB{goal}")
+
+
+def _inputs(n: int, config: BenchConfig, requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return random_qkv(n, heads=config.heads, head_dim=config.head_dim, dtype=getattr(torch, config.dtype),
+                      requires_grad=requires_grad)
 
 
 def _warm_up(config: BenchConfig, n: int = 512) -> None:
     """Run every path once, forward and backward, so that no timing pays for first-call setup."""
-    import torch
-    import torch.nn.functional as F
-
-    import qkv
-
     q, k, v = _inputs(n, config, requires_grad=True)
     window = qkv.masks.sliding_window(64, 64)
-    docs = qkv.masks.documents(_document_ids(n, 4)) & qkv.masks.causal()
+    docs = qkv.masks.documents(document_ids(n, 4)) & qkv.masks.causal()
     for mask in (window, docs, qkv.masks.causal()):
         qkv.attention(q, k, v, mask, backend="blocks").sum().backward()
         qkv.attention(q, k, v, mask).sum().backward()
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to_dense(n, n)).sum().backward()
     F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    torch.randn(64, 64) @ torch.randn(64, 64)
 
 
-def _matmul_gflops(side: int, repeats: int, dtype: str = "float32") -> float:
-    import torch
-
-    a, b = (torch.randn(side, side).to(getattr(torch, dtype)) for _ in range(2))
-    a @ b  # warm up the BLAS threads
-    seconds = _fastest({"mm": lambda: a @ b}, max(3, repeats))["mm"]
-    return 2 * side**3 / seconds / 1e9
-
-
-def _inputs(n: int, config: BenchConfig, requires_grad: bool = False, seed: int = 0) -> tuple[Any, Any, Any]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    shape = (1, config.heads, n, config.head_dim)
-    dtype = getattr(torch, config.dtype)
-    return tuple(torch.randn(shape, generator=gen).to(dtype).requires_grad_(requires_grad) for _ in range(3))  # type: ignore[return-value]
-
-
-def _document_ids(n: int, count: int, seed: int = 0) -> Any:
-    """ids (n,) of ``count`` packed documents with random lengths (at least 1 token each)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    cuts = torch.randperm(n - 1, generator=gen)[: count - 1].sort().values + 1  # count - 1 distinct cut points
-    starts = torch.zeros(n, dtype=torch.long)
-    starts[cuts] = 1
-    return torch.cumsum(starts, dim=0)  # (n,)
-
-
-def _forward_flops(q: Any, k: Any, v: Any, mask: Any) -> int:
-    import qkv
-
+def _forward_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> int:
     return qkv.explain(q, k, v, mask).flops
 
 
 def _compare_forward(
-    name: str, n: int, mask: Any, peer: str, peer_fn: Callable[..., Any], config: BenchConfig, goal: float | None
+    case: str, name: str, n: int, mask: Any, peer: str, peer_fn: Callable[..., torch.Tensor],
+    config: BenchConfig, goal: float | None,
 ) -> Comparison:
-    import torch
-
-    import qkv
-
     q, k, v = _inputs(n, config)
     with torch.no_grad():
         ours = qkv.attention(q, k, v, mask)
         theirs = peer_fn(q, k, v)
         err = float((ours - theirs).abs().max())
-        times = _fastest({"qkv": lambda: qkv.attention(q, k, v, mask), "peer": lambda: peer_fn(q, k, v)}, config.repeats)
+        times = fastest({"qkv": lambda: qkv.attention(q, k, v, mask), "peer": lambda: peer_fn(q, k, v)}, config.repeats)
     flops = _forward_flops(q, k, v, mask)
-    return Comparison(name, n, times["qkv"], peer, times["peer"], goal, flops / times["qkv"] / 1e9, err)
+    return Comparison(case, name, n, times["qkv"], peer, times["peer"], goal, flops / times["qkv"] / 1e9, err)
 
 
-def _versus_dense(name: str, n: int, mask: Any, config: BenchConfig, goal: float) -> Comparison:
+def _versus_dense(case: str, name: str, n: int, mask: Any, config: BenchConfig, goal: float) -> Comparison:
     """Forward of qkv against SDPA given the same mask as a dense (n, n) bool tensor."""
-    import torch.nn.functional as F
-
     dense = mask.to_dense(n, n)
     return _compare_forward(
-        name, n, mask, "SDPA, dense bool mask",
+        case, name, n, mask, "SDPA, dense bool mask",
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), config, goal,
     )
 
 
 def _compare_backward(name: str, n: int, mask: Any, config: BenchConfig, goal: float | None) -> Comparison:
-    import torch
-    import torch.nn.functional as F
-
-    import qkv
-
     dense = mask.to_dense(n, n)
     q, k, v = _inputs(n, config, requires_grad=True)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
@@ -222,18 +237,15 @@ def _compare_backward(name: str, n: int, mask: Any, config: BenchConfig, goal: f
     def peer() -> None:
         F.scaled_dot_product_attention(q, k, v, attn_mask=dense).backward(grad)
 
-    times = _fastest({"qkv": ours, "peer": peer}, config.repeats)
+    times = fastest({"qkv": ours, "peer": peer}, config.repeats)
     flops = 3.5 * _forward_flops(q, k, v, mask)  # forward + backward (2.5 x forward)
-    return Comparison(name, n, times["qkv"], "SDPA fwd+bwd, dense bool mask", times["peer"], goal,
+    return Comparison("window_backward", name, n, times["qkv"], "SDPA fwd+bwd, dense bool mask", times["peer"], goal,
                       flops / times["qkv"] / 1e9, None)
 
 
 def _flex_comparisons(n: int, config: BenchConfig) -> list[Comparison]:
     """Steady state, and first call including create_block_mask and compilation."""
-    import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    import qkv
 
     w = config.window
 
@@ -252,48 +264,24 @@ def _flex_comparisons(n: int, config: BenchConfig) -> list[Comparison]:
         theirs = compiled(q, k, v, block_mask=block_mask)
         flex_first = time.perf_counter() - start
         err = float((ours - theirs).abs().max())
-        times = _fastest(
+        times = fastest(
             {"qkv": lambda: qkv.attention(q, k, v, mask), "flex": lambda: compiled(q, k, v, block_mask=block_mask)},
             config.repeats,
         )
     flops = _forward_flops(q, k, v, mask)
     return [
-        Comparison(f"sliding_window({w}, {w}) forward", n, times["qkv"], "FlexAttention compiled, steady state",
-                   times["flex"], 1.2, flops / times["qkv"] / 1e9, err),
-        Comparison(f"sliding_window({w}, {w}) first call", n, ours_first,
+        Comparison("window_flex", f"sliding_window({w}, {w}) forward", n, times["qkv"],
+                   "FlexAttention compiled, steady state", times["flex"], 1.2, flops / times["qkv"] / 1e9, err),
+        Comparison("window_flex_first", f"sliding_window({w}, {w}) first call", n, ours_first,
                    "FlexAttention incl. create_block_mask + compile", flex_first, 20.0, flops / ours_first / 1e9, err),
     ]
 
 
-# Peak resident memory of the child itself: Linux's VmHWM is the high-water mark of this
-# process's memory map, reset by exec; ru_maxrss would also count the parent's peak, which
-# Linux carries across fork and exec.
-_RSS_SCRIPT = """
-import json, os, resource, sys, torch, torch.nn.functional as F, qkv
-def peak():
-    if os.path.exists("/proc/self/status"):
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-path, w, H, E, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), getattr(torch, sys.argv[5])
-torch.manual_seed(0)
-for n in map(int, sys.argv[6:]):
-    q, k, v = (torch.randn(1, H, n, E).to(dtype) for _ in range(3))
-    mask = qkv.masks.sliding_window(w, w)
-    with torch.no_grad():
-        if path == "qkv":
-            out = qkv.attention(q, k, v, mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to_dense(n, n))
-    del q, k, v, out
-    print(json.dumps([n, peak()]), flush=True)
-"""
-
-
 def _peak_rss(path: str, sizes: tuple[int, ...], config: BenchConfig) -> dict[int, int]:
-    """Peak RSS in bytes after each size (increasing), in a fresh Python process."""
-    args = [sys.executable, "-c", _RSS_SCRIPT, path, str(config.window), str(config.heads), str(config.head_dim), config.dtype]
+    """Peak RSS in bytes after each size (increasing), in a fresh Python process
+    (`qkv.bench._rss_child`)."""
+    args = [sys.executable, "-m", "qkv.bench._rss_child", path, str(config.window), str(config.heads),
+            str(config.head_dim), config.dtype]
     result = subprocess.run([*args, *map(str, sorted(sizes))], capture_output=True, text=True, check=True)
     return {int(n): int(rss) for n, rss in map(json.loads, result.stdout.splitlines())}
 
@@ -302,28 +290,25 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
     """Run the benchmark step by step, yielding (what was just done, the report so far)."""
     # compile FlexAttention from scratch: a warm inductor cache would hide its compile time
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-bench-inductor-"))
-    import torch
-    import torch.nn.functional as F
-
-    import qkv
-
     _warm_up(config)
-    rate = _matmul_gflops(config.matmul, config.repeats, config.dtype)
+    rate = matmul_gflops(getattr(torch, config.dtype), side=config.matmul, repeats=max(3, config.repeats))
     report = BenchReport(config, torch.get_num_threads(), torch.__version__, rate)
     yield "warm-up and matmul rate", report
     w, n = config.window, config.n_window
     window = qkv.masks.sliding_window(w, w)
-    report.comparisons.append(_versus_dense(f"sliding_window({w}, {w}) forward", n, window, config, 20.0))
+    report.comparisons.append(_versus_dense("window", f"sliding_window({w}, {w}) forward", n, window, config, 20.0))
     yield "sliding window vs SDPA", report
     if config.flex:
         report.comparisons.extend(_flex_comparisons(n, config))
         yield "sliding window vs FlexAttention", report
-    docs = qkv.masks.documents(_document_ids(config.n_docs, config.documents)) & qkv.masks.causal()
-    report.comparisons.append(_versus_dense(f"documents({config.documents}) & causal forward", config.n_docs, docs, config, 20.0))
+    docs = qkv.masks.documents(document_ids(config.n_docs, config.documents)) & qkv.masks.causal()
+    report.comparisons.append(
+        _versus_dense("documents", f"documents({config.documents}) & causal forward", config.n_docs, docs, config, 20.0)
+    )
     yield "documents vs SDPA", report
     for size in config.n_causal:
         report.comparisons.append(_compare_forward(
-            "causal forward", size, qkv.masks.causal(), "SDPA is_causal",
+            "causal", "causal forward", size, qkv.masks.causal(), "SDPA is_causal",
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), config, 0.95,
         ))
     yield "causal vs SDPA", report
@@ -344,16 +329,11 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
 
 def _window_times(n: int, config: BenchConfig) -> tuple[float, float]:
     """Fastest forward of the sliding window: (qkv, SDPA with the dense bool mask) in seconds."""
-    import torch
-    import torch.nn.functional as F
-
-    import qkv
-
     q, k, v = _inputs(n, config)
     window = qkv.masks.sliding_window(config.window, config.window)
     dense = window.to_dense(n, n)
     with torch.no_grad():
-        times = _fastest({
+        times = fastest({
             "qkv": lambda: qkv.attention(q, k, v, window),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         }, config.repeats)

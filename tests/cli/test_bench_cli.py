@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from qkv.bench import QUICK
 from qkv.cli import app
-from qkv.cli._bench_suite import QUICK
 from qkv.dispatch import TILES
 
 
@@ -28,13 +28,13 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 def test_quick_json_holds_every_comparison(quick_run: tuple[dict, Path]) -> None:
     data, _ = quick_run
-    names = [(c["name"], c["n"]) for c in data["comparisons"]]
+    names = [(c["case"], c["name"], c["n"]) for c in data["comparisons"]]
     w = QUICK.window
     assert names == [
-        (f"sliding_window({w}, {w}) forward", QUICK.n_window),
-        (f"documents({QUICK.documents}) & causal forward", QUICK.n_docs),
-        *[("causal forward", n) for n in QUICK.n_causal],
-        (f"sliding_window({w}, {w}) forward + backward", QUICK.n_window),
+        ("window", f"sliding_window({w}, {w}) forward", QUICK.n_window),
+        ("documents", f"documents({QUICK.documents}) & causal forward", QUICK.n_docs),
+        *[("causal", "causal forward", n) for n in QUICK.n_causal],
+        ("window_backward", f"sliding_window({w}, {w}) forward + backward", QUICK.n_window),
     ]
     for c in data["comparisons"]:
         assert c["qkv_s"] > 0 and c["peer_s"] > 0
@@ -44,24 +44,6 @@ def test_quick_json_holds_every_comparison(quick_run: tuple[dict, Path]) -> None
             assert c["max_abs_err"] < 1e-4  # qkv and SDPA compute the same attention
     assert data["matmul_gflops"] > 0 and data["threads"] >= 1
     assert data["smoke_run"] is True
-
-
-def test_quick_table_says_smoke_run_and_judges_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qkv.cli import bench
-    from qkv.cli._bench_suite import QUICK, STANDARD, BenchReport, Comparison
-
-    slow = Comparison("causal forward", 512, qkv_s=2.0, peer="SDPA is_causal", peer_s=1.0, goal=0.95,
-                      qkv_gflops=1.0, max_abs_err=0.0)
-    for config, judged in ((QUICK, False), (STANDARD, True)):
-        report = BenchReport(config=config, threads=2, torch_version="x", matmul_gflops=10.0,
-                             comparisons=[slow], peak_rss_bytes=2**30)
-        from qkv.cli._app import console
-
-        with console.capture() as captured:
-            bench.print_report(report)
-        text = captured.get()
-        assert ("MISSED" in text) == judged and (">= 0.95x" in text) == judged and ("(goal <" in text) == judged
-        assert ("smoke run" in text) == (not judged)
 
 
 def test_quick_flop_rate_follows_the_formula(quick_run: tuple[dict, Path]) -> None:
@@ -102,7 +84,7 @@ def test_plot_path_that_is_a_folder_exits_2_before_running(tmp_path: Path) -> No
 
 
 def test_a_failing_run_exits_1_with_a_message_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    import qkv.cli._bench_suite as suite
+    import qkv.bench as suite
 
     def broken_suite(config: object):
         yield "warm-up and matmul rate", None
@@ -121,16 +103,3 @@ def test_other_dtypes_are_a_usage_error_before_any_work() -> None:
     assert result.exit_code == 2
     assert "--dtype must be one of float32, bfloat16, got 'float16'" in result.output
     assert "Traceback" not in result.output
-
-
-def test_the_suite_runs_in_the_dtype_it_is_given() -> None:
-    import dataclasses
-
-    import torch
-
-    from qkv.cli._bench_suite import _inputs, _matmul_gflops
-
-    config = dataclasses.replace(QUICK, dtype="bfloat16")
-    q, k, v = _inputs(64, config, requires_grad=True)
-    assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.requires_grad and q.is_leaf
-    assert _matmul_gflops(64, 1, "bfloat16") > 0
