@@ -2,9 +2,11 @@
 
 Tokens, their character offsets and word ids, the exact attention probabilities of every
 layer and head, and the hidden state after every layer. The viewers (`qkv.viz`) and the
-CLI read this object; `Inspection.find`, `Inspection.top_attended` and `context_similarity`
-answer the seeds' questions (where does "it" look? does "bank" change with its context?); nothing is stashed inside the model (attention maps are returned,
-never kept as side state).
+CLI read this object; `Inspection.find`, `Inspection.top_attended`,
+`Inspection.attention_between` and `context_similarity` answer the seeds' questions (where
+does "it" look? does "bank" change with its context?); nothing is stashed inside the model
+(attention maps are returned, never kept as side state). `qkv.inspect_pronoun` asks the
+first of them of every head, on the Winograd trophy sentences.
 
 Three more questions are answered here, each in its own module:
 - `Inspection.steps`: the seeds' four steps (q.k, scale, softmax, mix) on one query row of
@@ -200,6 +202,16 @@ class Inspection:
         weights = self.attentions[layer, head, rows].mean(dim=0)  # (T,)
         top = torch.topk(weights, min(k, T))
         return [(int(i), float(w)) for w, i in zip(top.values, top.indices, strict=True)]
+
+    def attention_between(self, query: str, key: str, query_occurrence: int = 0, key_occurrence: int = 0) -> torch.Tensor:
+        """The weight word ``query`` gives word ``key`` in every layer and head, (layers, heads):
+        the query's pieces' rows averaged (a word looks the way its pieces look on average), the
+        key's pieces' weights summed. Words are found as by `find` (whole words, the n-th
+        occurrence); e.g. ``attention_between("it", "trophy")`` for the seeds' pronoun."""
+        rows = self.find(query, query_occurrence)
+        keys = self.find(key, key_occurrence)
+        weights = self.attentions[:, :, rows].mean(dim=2)  # (layers, heads, T): the query word's row
+        return weights[:, :, keys].sum(dim=-1)  # (layers, heads)
 
     def word_vectors(self, word: str, occurrence: int = 0) -> torch.Tensor:
         """``word``'s vector after every layer (layers + 1, D): the mean over its tokens."""

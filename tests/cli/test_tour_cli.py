@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from qkv import examples
 from qkv.cli import app
 from qkv.cli.tour import SECTIONS, Section, TourContext, run_tour
-from qkv.cli.tour_model import SENTENCES, TROPHY_BIG
+from qkv.cli.tour_model import SENTENCES
+from qkv.inspect_pronoun import TROPHY_BIG
 
 
 @pytest.fixture(scope="module")

@@ -21,22 +21,22 @@ are given in English here; the worked `apple` example keeps the Chinese.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
 
+# the sentences only: qkv.inspect_pronoun imports no torch
+from qkv.inspect_pronoun import TROPHY_BIG, TROPHY_SMALL
+
 if TYPE_CHECKING:
     from qkv.cli.tour import TourContext
     from qkv.inspect import Inspection
+    from qkv.inspect_pronoun import PronounHead
 
 __all__ = ["SENTENCES", "model_section"]
-
-TROPHY_BIG = "The trophy did not fit into the suitcase because it was too big."
-TROPHY_SMALL = "The trophy did not fit into the suitcase because it was too small."
-
 
 @dataclass(frozen=True)
 class Sentence:
@@ -67,31 +67,14 @@ COMPARE_PAIRS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _pronoun_heads(big: Inspection, small: Inspection) -> list[dict[str, Any]]:
-    """Every (layer, head) with the weight "it" gives "trophy" and "suitcase" in both sentences,
-    heaviest on "trophy" (in the "too big" sentence) first."""
-    rows = []
-    for layer in range(big.num_layers):
-        for head in range(big.num_heads):
-            row: dict[str, Any] = {"layer": layer, "head": head}
-            for name, insp in (("big", big), ("small", small)):
-                it = insp.find("it")
-                weights = insp.attentions[layer, head, it].mean(dim=0)  # (T,): "it" as a query
-                row[f"{name}_trophy"] = float(weights[insp.find("trophy")].sum())
-                row[f"{name}_suitcase"] = float(weights[insp.find("suitcase")].sum())
-            rows.append(row)
-    return sorted(rows, key=lambda r: -r["big_trophy"])
-
-
-def _heads_table(rows: list[dict[str, Any]]) -> Table:
+def _heads_table(rows: list[PronounHead]) -> Table:
     table = Table(title='Where "it" looks: the heads that send it to "trophy" (weights summed over word pieces)')
     for col in ("layer (from 0)", "head (from 0)", "too big: trophy", "too big: suitcase", "too small: trophy", "too small: suitcase"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            str(r["layer"]), str(r["head"]),
-            f"{r['big_trophy']:.3f}", f"{r['big_suitcase']:.3f}",
-            f"{r['small_trophy']:.3f}", f"{r['small_suitcase']:.3f}",
+            str(r.layer), str(r.head),
+            f"{r.big_trophy:.3f}", f"{r.big_suitcase:.3f}", f"{r.small_trophy:.3f}", f"{r.small_suitcase:.3f}",
         )
     return table
 
@@ -111,6 +94,7 @@ def _context_table(similarities: dict[str, list[float]]) -> Table:
 def model_section(context: TourContext) -> dict[str, Any]:
     """Load the embedded model, inspect the seeds' sentences, write heatmaps and viewers."""
     from qkv.inspect import context_similarity
+    from qkv.inspect_pronoun import pronoun_heads
     from qkv.models import load_encoder
 
     out = context.out
@@ -124,7 +108,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
         encoder = load_encoder()
         inspections = {s.slug: encoder.inspect(s.text) for s in SENTENCES}
 
-    heads = _pronoun_heads(inspections["trophy-big"], inspections["trophy-small"])
+    heads = pronoun_heads(inspections["trophy-big"], inspections["trophy-small"])
     best = heads[0]
     roles = _head_roles(encoder)
     similarities = {
@@ -140,12 +124,12 @@ def model_section(context: TourContext) -> dict[str, Any]:
                 out.print(Text("  " + row["sentence"]), highlight=False, soft_wrap=True)
         else:
             out.print(
-                f'"it" -> "trophy": strongest in layer {best["layer"]} head {best["head"]} '
-                f'({best["big_trophy"]:.3f}); "apple" similarity falls from '
+                f'"it" -> "trophy": strongest in layer {best.layer} head {best.head} '
+                f'({best.big_trophy:.3f}); "apple" similarity falls from '
                 f'{similarities["apple"][0]:.3f} to {similarities["apple"][-1]:.3f}'
             )
 
-    written = _write_artifacts(context.out_dir, inspections, best["layer"], best["head"])
+    written = _write_artifacts(context.out_dir, inspections, best.layer, best.head)
     if out is not None:
         # the folder on a line of its own, never wrapped: a table title would wrap a long path
         out.print(Text(f"Written to {context.out_dir}:"), highlight=False, soft_wrap=True)
@@ -164,7 +148,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
     return {
         "model": encoder.name,
         "sentences": {s.slug: s.text for s in SENTENCES},
-        "pronoun_heads": heads[:TOP_HEADS],
+        "pronoun_heads": [asdict(row) for row in heads[:TOP_HEADS]],
         "context_similarity": similarities,
         "head_roles": roles,
         "files": [str(path) for path, _ in written],
