@@ -1,7 +1,7 @@
 """qkv.MultiHeadAttention against torch.nn.MultiheadAttention, forward + backward.
 
-Self-attention, B=8, D=512, H=8 (E = 64), float32, L from 128 to 2048, dropout 0, training
-mode. Every contender runs in the same process, timed by `qkv.bench.fastest` (rotating rounds,
+Self-attention, B=8, D=512, H=8 (E = 64), float32 and bfloat16 (one table each, --dtypes),
+L from 128 to 2048, dropout 0, training mode. Every contender runs in the same process, timed by `qkv.bench.fastest` (rotating rounds,
 so that load from other processes on a shared machine hits all of them alike); the table
 reports the best of the reps (the run least disturbed by other load, as `timeit` advises) and
 ratios of those (peer time / qkv time: above 1 means qkv is faster).
@@ -18,8 +18,8 @@ Goals (issue 3): qkv >= 1.0x nn(nw=False) everywhere; qkv >= 1.5x nn(default) at
 qkv(weights) >= 0.9x nn(per-head).
 
 Work (FLOPs, DESIGN.md): attention forward 4*B*H*L^2*E, backward 2.5x that; the four D x D
-projections 8*B*L*D^2 forward, backward 2x that. GFLOP/s is printed for qkv next to the
-rate of one large float32 matrix multiply measured in the same run.
+projections 8*B*L*D^2 forward, backward 2x that. GFLOP/s is printed for qkv with its
+fraction of one large matrix multiply's rate in the same dtype, measured in the same run.
 
 Run: ``uv run python benchmarks/mha.py`` (several minutes on 2 cores) or ``--quick``. On a
 shared, busy machine ``--threads 1 --cpu-time`` gives steadier ratios.
@@ -79,26 +79,31 @@ def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> C
     return step
 
 
-def run(settings: Settings, clock: Callable[[], float] = time.perf_counter) -> None:
+def run(settings: Settings, dtype: torch.dtype = torch.float32, clock: Callable[[], float] = time.perf_counter) -> None:
+    """The table for one dtype: parameters and inputs in ``dtype`` (nn.MultiheadAttention cast
+    with ``.to(dtype)``, qkv's module converted from it), GFLOP/s against that dtype's matmul rate."""
     torch.manual_seed(0)
-    theirs = nn.MultiheadAttention(D, H, batch_first=True)
+    theirs = nn.MultiheadAttention(D, H, batch_first=True).to(dtype)
     ours = qkv.MultiHeadAttention.from_torch(theirs)
     theirs.train()
     ours.train()
     fns = contenders(theirs, ours)
-    print(f"B={B} D={D} H={H} E={E} float32, forward+backward, {torch.get_num_threads()} threads, "
-          f"best of {settings.reps}; float32 matmul rate {matmul_gflops(clock=clock):.0f} GFLOP/s")
+    name = str(dtype).removeprefix("torch.")
+    rate = matmul_gflops(dtype, clock=clock)
+    print(f"\nB={B} D={D} H={H} E={E} {name}, forward+backward, {torch.get_num_threads()} threads, "
+          f"best of {settings.reps}; {name} matmul rate {rate:.0f} GFLOP/s (2048^2, same run)")
     names = list(fns)
     header = f"{'L':>5} " + " ".join(f"{n:>13}" for n in names)
-    header += f" {'qkv GFLOP/s':>12} {'vs nw=False':>12} {'vs default':>11} {'weights vs per-head':>20}"
+    header += f" {'qkv GFLOP/s':>12} {'of matmul':>10} {'vs nw=False':>12} {'vs default':>11} {'weights vs per-head':>20}"
     print(header + "\n" + "-" * len(header))
     for L in settings.lengths:
-        x = torch.randn(B, L, D, requires_grad=True)
+        x = torch.randn(B, L, D).to(dtype).requires_grad_(True)
         # rotating rounds: no contender always runs after the same one (the weight-returning
         # calls leave large allocations behind them)
-        best = fastest({name: train_step(fn, x) for name, fn in fns.items()}, settings.reps, warmup=1, clock=clock)
+        best = fastest({n: train_step(fn, x) for n, fn in fns.items()}, settings.reps, warmup=1, clock=clock)
+        achieved = step_flops(L) / best["qkv"] / 1e9
         row = f"{L:>5} " + " ".join(f"{best[n] * 1e3:>11.1f}ms" for n in names)
-        row += f" {step_flops(L) / best['qkv'] / 1e9:>12.1f}"
+        row += f" {achieved:>12.1f} {achieved / rate:>10.1%}"
         row += f" {best['nn(nw=False)'] / best['qkv']:>11.2f}x"
         row += f" {best['nn(default)'] / best['qkv']:>10.2f}x"
         row += f" {best['nn(per-head)'] / best['qkv(weights)']:>19.2f}x"
@@ -109,6 +114,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lengths and reps (about 1-2 minutes)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per contender")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths L (default: by --quick)")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
+                        help="one table per dtype (parameters and inputs), each against its own matmul rate")
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch threads (default: torch's choice); 1 is least disturbed by other load on a shared machine",
@@ -130,7 +138,12 @@ def main() -> None:
         if args.reps <= 0:
             parser.error(f"--reps must be positive, got {args.reps}")
         settings = Settings(settings.lengths, args.reps)
-    run(settings, time.process_time if args.cpu_time else time.perf_counter)
+    if args.lengths is not None:
+        if min(args.lengths) <= 0:
+            parser.error(f"--lengths must be positive, got {args.lengths}")
+        settings = Settings(tuple(args.lengths), settings.reps)
+    for dtype in args.dtypes:
+        run(settings, getattr(torch, dtype), time.process_time if args.cpu_time else time.perf_counter)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ key/value heads (E = 64), MLP 1,792, sliding window 1,024, float32, batch 1, no 
 - forward time: qkv and sdpa timed in this process by `qkv.bench.fastest` (rotating rounds,
   fastest run kept); the ratio is sdpa time / qkv time (above 1: qkv is faster). Rates are FLOPs of the
   visible work (projections, MLP, and 4 * H * E per visible (query, key) pair) per second,
-  next to the float32 matrix-multiply rate measured in the same run.
+  with their fraction of the matrix-multiply rate in the model's dtype (--dtype float32 |
+  bfloat16) measured in the same run.
 - peak memory: each (implementation, length) runs once in a fresh subprocess, which returns
   freed heap to the system (malloc_trim) and measures with `qkv.bench.peak_growth` (VmHWM -
   VmRSS around the forward, the peak mark reset first): the growth of resident memory at its peak,
@@ -38,7 +39,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, WINDOW, VOCAB = 4, 512, 8, 2, 1792, 1024, 
 HEAD_DIM = HIDDEN // HEADS
 
 
-def build(impl: str, seed: int = 0) -> torch.nn.Module:
+def build(impl: str, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
     import transformers
 
     from qkv.integrations.transformers import register
@@ -50,7 +51,8 @@ def build(impl: str, seed: int = 0) -> torch.nn.Module:
         max_position_embeddings=1 << 15,
     )
     torch.manual_seed(seed)
-    return transformers.AutoModel.from_config(config, attn_implementation=impl).eval()
+    model = transformers.AutoModel.from_config(config, attn_implementation=impl)
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def forward_flops(length: int, visible_pairs: int) -> float:
@@ -66,9 +68,9 @@ def window_pairs(length: int) -> int:
     return sum(min(i + 1, WINDOW) for i in range(length))
 
 
-def measure_memory(impl: str, length: int, output_attentions: bool) -> dict[str, float]:
+def measure_memory(impl: str, length: int, output_attentions: bool, dtype: str) -> dict[str, float]:
     """Child mode: one forward; peak RSS growth (MiB) and seconds."""
-    model = build(impl)
+    model = build(impl, dtype)
     ids = torch.randint(0, VOCAB, (1, length))
     # trim: hand freed heap back first, so that the forward cannot reuse it unseen
     with peak_growth(trim=True) as growth, torch.no_grad():
@@ -79,8 +81,8 @@ def measure_memory(impl: str, length: int, output_attentions: bool) -> dict[str,
     return {"peak_mib": growth.bytes / 2**20, "seconds": seconds, "maps_mib": maps / 2**20}
 
 
-def child(impl: str, length: int, output_attentions: bool) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", impl, str(length), "1" if output_attentions else "0"]
+def child(impl: str, length: int, output_attentions: bool, dtype: str) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", impl, str(length), "1" if output_attentions else "0", dtype]
     result = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ})
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -91,24 +93,26 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per implementation (fastest kept)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per implementation first")
     parser.add_argument("--json", type=str, default=None, help="also write the numbers to this JSON file")
-    parser.add_argument("--child", nargs=3, metavar=("IMPL", "LENGTH", "MAPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the model's parameters; GFLOP/s are compared with this dtype's matmul rate")
+    parser.add_argument("--child", nargs=4, metavar=("IMPL", "LENGTH", "MAPS", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        impl, length, maps = args.child
-        print(json.dumps(measure_memory(impl, int(length), maps == "1")))
+        impl, length, maps, dtype = args.child
+        print(json.dumps(measure_memory(impl, int(length), maps == "1", dtype)))
         return 0
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     lengths = (1024, 2048) if args.quick else (8192, 16384)
     maps_length = 512 if args.quick else 4096
     load = os.getloadavg()
-    rate = matmul_gflops()
+    rate = matmul_gflops(getattr(torch, args.dtype))
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {torch.get_num_threads()} threads; "
-          f"float32 matmul {rate:.0f} GFLOP/s")
-    models = {impl: build(impl) for impl in ("qkv", "sdpa")}
+          f"{args.dtype} matmul {rate:.0f} GFLOP/s (2048^2, same run); model in {args.dtype}")
+    models = {impl: build(impl, args.dtype) for impl in ("qkv", "sdpa")}
     report: dict[str, object] = {"load_average": load, "matmul_gflops": rate, "forward": [], "output_attentions": []}
-    print(f"\n{'tokens':>7} {'qkv s':>8} {'sdpa s':>8} {'speedup':>8} {'qkv GF/s':>9} {'sdpa GF/s':>9}"
-          f" {'qkv MiB':>8} {'sdpa MiB':>9} {'mem ratio':>9}")
+    print(f"\n{'tokens':>7} {'qkv s':>8} {'sdpa s':>8} {'speedup':>8} {'qkv GF/s':>9} {'of mm':>6} {'sdpa GF/s':>9}"
+          f" {'of mm':>6} {'qkv MiB':>8} {'sdpa MiB':>9} {'mem ratio':>9}")
     for length in lengths:
         ids = torch.randint(0, VOCAB, (1, length))
 
@@ -117,7 +121,7 @@ def main() -> int:
                 models[impl](input_ids=ids, use_cache=False)
 
         seconds = fastest({impl: (lambda impl=impl: run(impl)) for impl in models}, args.repeats, warmup=args.warmup)
-        memory = {impl: child(impl, length, False)["peak_mib"] for impl in models}
+        memory = {impl: child(impl, length, False, args.dtype)["peak_mib"] for impl in models}
         useful = forward_flops(length, window_pairs(length))
         row = {
             "tokens": length, "seconds": seconds, "peak_mib": memory,
@@ -126,10 +130,11 @@ def main() -> int:
         }
         report["forward"].append(row)  # type: ignore[union-attr]
         print(f"{length:>7} {seconds['qkv']:>8.2f} {seconds['sdpa']:>8.2f} {row['speedup']:>7.2f}x"
-              f" {row['gflops']['qkv']:>9.0f} {row['gflops']['sdpa']:>9.0f}"
+              f" {row['gflops']['qkv']:>9.0f} {row['gflops']['qkv'] / rate:>6.0%} {row['gflops']['sdpa']:>9.0f}"
+              f" {row['gflops']['sdpa'] / rate:>6.0%}"
               f" {memory['qkv']:>8.0f} {memory['sdpa']:>9.0f} {row['memory_ratio']:>8.2f}x", flush=True)
     print(f"\noutput_attentions=True at {maps_length} tokens (maps returned: {LAYERS} x {HEADS} x L x L float32)")
-    maps = {impl: child(impl, maps_length, True) for impl in ("qkv", "eager")}
+    maps = {impl: child(impl, maps_length, True, args.dtype) for impl in ("qkv", "eager")}
     for impl, numbers in maps.items():
         print(f"  {impl:>5}: peak {numbers['peak_mib']:.0f} MiB ({numbers['maps_mib']:.0f} MiB of it the maps), "
               f"{numbers['seconds']:.2f} s")
