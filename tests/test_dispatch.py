@@ -166,3 +166,17 @@ def test_attention_varlen_goes_through_the_dispatcher(monkeypatch: pytest.Monkey
     cu = torch.tensor([0, 200, 600], dtype=torch.int32)
     qkv.attention_varlen(q, q, q, cu, causal=True)
     assert [p.path for p in chosen] == ["blocks"] and chosen[0].mask == "tiles"
+
+
+def test_explain_says_how_the_plan_routes_mask_scores_weights_and_lse() -> None:
+    q, cache = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 40, 8)
+    assert qkv.explain(q, cache, cache, M.causal()).route == "no mask is passed"  # a decoding step
+    q = torch.randn(1, 2, 16, 8)
+    assert qkv.explain(q, q, q, M.causal(), return_lse=True).route == "the mask is SDPA's is_causal; lse from the kernel"
+    biased = qkv.explain(q, q, q, M.sliding_window(4), bias=qkv.bias.alibi(), return_weights=True)
+    assert biased.route == ("the mask is a dense tensor; the bias joins SDPA's float mask; "
+                            "weights from the dense formula; lse from the dense formula")
+    long = torch.randn(1, 2, 1024, 8)
+    engine = qkv.explain(long, long, long, M.sliding_window(64), softcap=30.0, return_weights=True)
+    assert engine.route == "the mask reaches the kernel as tiles; the score terms are applied tile by tile; weights from the tiles"
+    assert "route: the mask reaches the kernel as tiles" in str(engine)

@@ -43,6 +43,9 @@ class Explanation:
     peak_extra_bytes: int
     blocks_visited: float | None = None  # blocks / flex: fraction of tiles not skipped
     tiles: str | None = None  # blocks / flex: tile size and counts
+    # how the mask and the score terms reach the kernel, and where weights and lse come from
+    # (the Plan's routes, `qkv.dispatch`)
+    route: str = ""
     scores: str = ""  # the score terms beyond scale * q.k (softcap, bias, score_mod), '' for none
     score_flops: int = 0  # their operations on the visited pairs, not included in flops
     # the mask's tiles were not evaluated (Plan.deferred): flops, the visited fraction and
@@ -63,6 +66,8 @@ class Explanation:
         ]
         if self.scores:
             lines.append(f"scores: {self.scores}, {self.score_flops / 1e9:.3f} GFLOP on the visited pairs")
+        if self.route:
+            lines.append(f"route: {self.route}")
         if self.tiles is not None:
             lines.append(f"tiles: {self.tiles}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
@@ -76,6 +81,35 @@ class Explanation:
                 f"at the {name} matmul rate"
             )
         return "\n".join(lines)
+
+
+_MASK_ROUTES = {
+    "none": "no mask is passed",
+    "is_causal": "the mask is SDPA's is_causal",
+    "causal_offset": "the causal mask is applied by the formula",
+    "dense": "the mask is a dense tensor",
+    "tiles": "the mask reaches the kernel as tiles",
+}
+_SCORE_ROUTES = {
+    "dense_mask": "the bias joins SDPA's float mask",
+    "formula": "the score terms are applied by the formula",
+    "tiles": "the score terms are applied tile by tile",
+    "score_mod": "the score terms are FlexAttention's score_mod",
+}
+_SOURCES = {"kernel": "the kernel", "dense": "the dense formula", "tiles": "the tiles"}
+
+
+def describe_route(problem: AttentionProblem, plan: Plan) -> str:
+    """The Plan's routes in words: how the mask and score terms reach the kernel, and where
+    the weights and the lse come from (only those the call returns or needs)."""
+    parts = [_MASK_ROUTES[plan.mask]]
+    if plan.scores != "none":
+        parts.append(_SCORE_ROUTES[plan.scores])
+    if plan.weights != "none":
+        parts.append(f"weights from {_SOURCES[plan.weights]}")
+    if plan.lse != "none" and (plan.path == "fused" or plan.lse != "kernel"):
+        parts.append(f"lse from {_SOURCES[plan.lse]}")  # the other kernels always give their lse
+    return "; ".join(parts)
 
 
 def _format_bytes(n: int) -> str:
@@ -130,6 +164,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         peak_extra_bytes=extra_bytes(problem, plan),
         blocks_visited=blocks_visited,
         tiles=tiles,
+        route=describe_route(problem, plan),
         scores=problem.terms.describe(),
         score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
         upper_bound=plan.deferred,
