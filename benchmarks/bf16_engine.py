@@ -1,0 +1,109 @@
+"""The CPU tile engine in bfloat16 against float32, one run: issue 15's engine goals.
+
+sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless --threads):
+- forward and forward + backward in float32 and bfloat16, each with GFLOP/s on the pairs the
+  engine computes (`qkv.explain`, backward 2.5x forward) and on the mask's visible pairs, and
+  the fraction of that dtype's own matrix-multiply rate (1024^2, measured in this run);
+- bfloat16 twice: with the matrix-product backward (`qkv.kernels.matmul_backward`, the
+  default) and with it switched off (the flash kernel in float32 on exact copies), so that
+  the two routes are compared in the same run.
+
+Goals: bf16 forward >= 30 % of the bf16 matmul rate; bf16 forward + backward >= 2x float32.
+Every contender is timed in rotating rounds, the fastest run kept; the load average is printed:
+on a shared machine compare ratios, and note that many short parallel operations (the
+matrix-product backward) suffer more from a busy machine than one long kernel call.
+
+    uv run python benchmarks/bf16_engine.py [--n 16384] [--threads 2] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+import qkv
+from qkv.kernels import matmul_backward
+
+B, H, E, WINDOW = 1, 8, 64, 256
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _fastest(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Seconds of the fastest of ``reps`` runs of each function, in rotating rounds after a warm-up."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _matmul_gflops(dtype: torch.dtype, side: int = 1024, reps: int = 5) -> float:
+    a, b = torch.randn(side, side).to(dtype), torch.randn(side, side).to(dtype)
+    seconds = _fastest({"mm": lambda: a @ b}, reps)["mm"]
+    return 2 * side**3 / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.n
+    mask = qkv.masks.sliding_window(WINDOW, WINDOW)
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(B, H, n, E, generator=gen) for _ in range(4)]
+    inputs = {d: [x.to(d).requires_grad_(True) for x in base[:3]] for d in (torch.float32, torch.bfloat16)}
+    grads = {d: base[3].to(d) for d in inputs}
+    computed = qkv.explain(*inputs[torch.float32], mask).flops
+    lo, hi = mask.row_intervals(n, n)  # (1, n) each: the keys lo..hi of every query
+    visible = 4 * B * H * E * int((hi - lo + 1).clamp(min=0).sum())
+    rates = {d: _matmul_gflops(d) for d in inputs}
+
+    def forward(d: torch.dtype) -> None:
+        with torch.no_grad():
+            qkv.attention(*inputs[d], mask)
+
+    def both(d: torch.dtype, products: bool) -> None:
+        matmul_backward.MATMUL_BACKWARD_DTYPES = (torch.bfloat16,) if products else ()
+        try:
+            qkv.attention(*inputs[d], mask).backward(grads[d])
+        finally:
+            matmul_backward.MATMUL_BACKWARD_DTYPES = (torch.bfloat16,)
+
+    fwd = _fastest({"float32": lambda: forward(torch.float32), "bfloat16": lambda: forward(torch.bfloat16)}, args.reps)
+    train = _fastest({
+        "float32": lambda: both(torch.float32, True),
+        "bfloat16": lambda: both(torch.bfloat16, True),
+        "bfloat16, flash backward": lambda: both(torch.bfloat16, False),
+    }, args.reps)
+    print(f"{args.threads} threads, torch {torch.__version__}; matmul 1024^2: float32 {rates[torch.float32]:.0f}, "
+          f"bfloat16 {rates[torch.bfloat16]:.0f} GFLOP/s (load {_load()})")
+    print(f"sliding_window({WINDOW}, {WINDOW}), n={n}, B={B} H={H} E={E}: {computed / 1e9:.2f} GFLOP forward on the "
+          f"computed pairs, {visible / 1e9:.2f} on the visible pairs")
+    print(f"{'':<30}{'ms':>9}{'GF/s comp':>11}{'GF/s vis':>10}{'vis of mm':>11}")
+    for name, seconds, factor in [(f"forward {k}", v, 1.0) for k, v in fwd.items()] + [
+        (f"fwd+bwd {k}", v, 3.5) for k, v in train.items()
+    ]:
+        dtype = torch.bfloat16 if "bfloat16" in name else torch.float32
+        g_comp, g_vis = factor * computed / seconds / 1e9, factor * visible / seconds / 1e9
+        print(f"{name:<30}{seconds * 1e3:>9.1f}{g_comp:>11.1f}{g_vis:>10.1f}{g_vis / rates[dtype]:>11.1%}")
+    print(f"bfloat16 over float32: forward {fwd['float32'] / fwd['bfloat16']:.2f}x (goal: forward >= 30 % of the bf16 "
+          f"matmul rate), forward + backward {train['float32'] / train['bfloat16']:.2f}x (goal >= 2x); with the flash "
+          f"backward {train['float32'] / train['bfloat16, flash backward']:.2f}x (load {_load()})")
+
+
+if __name__ == "__main__":
+    main()
