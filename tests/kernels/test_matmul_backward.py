@@ -29,6 +29,12 @@ def _grads(fn, q, k, v, d_out, dtype):  # type: ignore[no-untyped-def]
     return out, torch.autograd.grad(out, leaves, d_out.to(dtype))
 
 
+@pytest.fixture(autouse=True)
+def _any_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite may run on several threads; these tests are about the products, not that bound."""
+    monkeypatch.setattr(matmul_backward, "MAX_THREADS", 1 << 20)
+
+
 class _Spy:
     """Counts the engine calls that take the matrix-product backward."""
 
@@ -135,9 +141,11 @@ def test_the_backward_is_deterministic() -> None:
         assert torch.equal(first, second)
 
 
-def test_which_calls_take_it() -> None:
+def test_which_calls_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     assert suits(torch.bfloat16, merge=False, lse_gradient=False)
     assert not suits(torch.bfloat16, merge=True, lse_gradient=False)  # the piece lacks keys of its rows
     assert not suits(torch.bfloat16, merge=False, lse_gradient=True)
     assert not suits(torch.float32, merge=False, lse_gradient=False)
     assert torch.float16 not in matmul_backward.MATMUL_BACKWARD_DTYPES
+    monkeypatch.setattr(matmul_backward, "MAX_THREADS", torch.get_num_threads() - 1)
+    assert not suits(torch.bfloat16, merge=False, lse_gradient=False)  # more threads than the bound

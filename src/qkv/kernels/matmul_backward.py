@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MATMUL_BACKWARD_DTYPES", "call_gradients", "suits"]
+__all__ = ["MATMUL_BACKWARD_DTYPES", "MAX_THREADS", "call_gradients", "suits"]
 
 # Input dtypes whose calls take this backward: bfloat16, whose products the CPU's matrix
 # units run natively (amx_bf16). float16 has no such units on these CPUs (no amx_fp16) and
@@ -51,10 +51,23 @@ _SCORE_TENSORS = 3
 _CACHE_BYTES = 4 * 2**20
 
 
+# Intra-op threads up to which calls take this backward. It runs about a dozen short
+# parallel operations per item where the flash kernel runs one per call. On one thread it
+# wins (benchmarks/bf16_engine.py, n = 16,384: forward + backward 1.13-1.25x float32, against
+# 0.90-1.03x with the flash backward); on 2 threads of a busy 2-core machine (load ~9) each of
+# those operations waits for a descheduled thread, and the same step took 24 s against the
+# flash route's 3.3 s. It has not been measured on a quiet machine with 2 threads; the
+# benchmark prints both routes in one run, so that this bound can be raised on evidence.
+MAX_THREADS = 1
+
+
 def suits(dtype: torch.dtype, merge: bool, lse_gradient: bool) -> bool:
     """Whether a call of the engine in ``dtype`` takes this backward: a bf16 call whose pieces
-    hold all the keys of their rows (``merge`` False), for a loss that does not read the lse."""
-    return dtype in MATMUL_BACKWARD_DTYPES and not merge and not lse_gradient
+    hold all the keys of their rows (``merge`` False), for a loss that does not read the lse,
+    when PyTorch runs at most `MAX_THREADS` intra-op threads."""
+    return (
+        dtype in MATMUL_BACKWARD_DTYPES and not merge and not lse_gradient and torch.get_num_threads() <= MAX_THREADS
+    )
 
 
 def call_gradients(
