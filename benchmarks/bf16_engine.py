@@ -10,7 +10,7 @@ sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless -
   the same run whatever the thread count.
 
 Goals: bf16 forward >= 30 % of the bf16 matmul rate; bf16 forward + backward >= 2x float32.
-Every contender is timed in rotating rounds, the fastest run kept; the load average is printed:
+Every contender is timed interleaved with the others, the median kept; the load average is printed:
 on a shared machine compare ratios, and note that many short parallel operations (the
 matrix-product backward) suffer more from a busy machine than one long kernel call.
 
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import matmul_gflops, time_interleaved
 
 import qkv
 from qkv.kernels import matmul_backward
@@ -34,25 +37,6 @@ B, H, E, WINDOW = 1, 8, 64, 256
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _fastest(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Seconds of the fastest of ``reps`` runs of each function, in rotating rounds after a warm-up."""
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def _matmul_gflops(dtype: torch.dtype, side: int = 1024, reps: int = 5) -> float:
-    a, b = torch.randn(side, side).to(dtype), torch.randn(side, side).to(dtype)
-    seconds = _fastest({"mm": lambda: a @ b}, reps)["mm"]
-    return 2 * side**3 / seconds / 1e9
 
 
 def main() -> None:
@@ -71,7 +55,7 @@ def main() -> None:
     computed = qkv.explain(*inputs[torch.float32], mask).flops
     lo, hi = mask.row_intervals(n, n)  # (1, n) each: the keys lo..hi of every query
     visible = 4 * B * H * E * int((hi - lo + 1).clamp(min=0).sum())
-    rates = {d: _matmul_gflops(d) for d in inputs}
+    rates = {d: matmul_gflops(1024, dtype=d) for d in inputs}
 
     def forward(d: torch.dtype) -> None:
         with torch.no_grad():
@@ -86,8 +70,8 @@ def main() -> None:
         finally:
             matmul_backward.MAX_THREADS = default_bound
 
-    fwd = _fastest({"float32": lambda: forward(torch.float32), "bfloat16": lambda: forward(torch.bfloat16)}, args.reps)
-    train = _fastest({
+    fwd = time_interleaved({"float32": lambda: forward(torch.float32), "bfloat16": lambda: forward(torch.bfloat16)}, args.reps)
+    train = time_interleaved({
         "float32": lambda: both(torch.float32, True),
         "bfloat16, product backward": lambda: both(torch.bfloat16, True),
         "bfloat16, flash backward": lambda: both(torch.bfloat16, False),
