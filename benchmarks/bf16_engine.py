@@ -10,9 +10,10 @@ sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless -
   the same run whatever the thread count.
 
 Goals: bf16 forward >= 30 % of the bf16 matmul rate; bf16 forward + backward >= 2x float32.
-Every contender is timed interleaved with the others, the median kept; the load average is printed:
-on a shared machine compare ratios, and note that many short parallel operations (the
-matrix-product backward) suffer more from a busy machine than one long kernel call.
+Every contender is timed by `qkv.bench.fastest` (rotating rounds, fastest run kept) and the
+load average is printed: on a shared machine compare ratios, and note that many short
+parallel operations (the matrix-product backward) suffer more from a busy machine than one
+long kernel call.
 
     uv run python benchmarks/bf16_engine.py [--n 16384] [--threads 2] [--reps 3]
 """
@@ -21,15 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import matmul_gflops, time_interleaved
-
 import qkv
+from qkv.bench import fastest, matmul_gflops
 from qkv.kernels import matmul_backward
 
 B, H, E, WINDOW = 1, 8, 64, 256
@@ -55,7 +52,7 @@ def main() -> None:
     computed = qkv.explain(*inputs[torch.float32], mask).flops
     lo, hi = mask.row_intervals(n, n)  # (1, n) each: the keys lo..hi of every query
     visible = 4 * B * H * E * int((hi - lo + 1).clamp(min=0).sum())
-    rates = {d: matmul_gflops(1024, dtype=d) for d in inputs}
+    rates = {d: matmul_gflops(d, side=1024) for d in inputs}
 
     def forward(d: torch.dtype) -> None:
         with torch.no_grad():
@@ -70,12 +67,12 @@ def main() -> None:
         finally:
             matmul_backward.MAX_THREADS = default_bound
 
-    fwd = time_interleaved({"float32": lambda: forward(torch.float32), "bfloat16": lambda: forward(torch.bfloat16)}, args.reps)
-    train = time_interleaved({
+    fwd = fastest({"float32": lambda: forward(torch.float32), "bfloat16": lambda: forward(torch.bfloat16)}, args.reps, warmup=1)
+    train = fastest({
         "float32": lambda: both(torch.float32, True),
         "bfloat16, product backward": lambda: both(torch.bfloat16, True),
         "bfloat16, flash backward": lambda: both(torch.bfloat16, False),
-    }, args.reps)
+    }, args.reps, warmup=1)
     print(f"{args.threads} threads, torch {torch.__version__}; matmul 1024^2: float32 {rates[torch.float32]:.0f}, "
           f"bfloat16 {rates[torch.bfloat16]:.0f} GFLOP/s (load {_load()})")
     print(f"sliding_window({WINDOW}, {WINDOW}), n={n}, B={B} H={H} E={E}: {computed / 1e9:.2f} GFLOP forward on the "
