@@ -1,4 +1,4 @@
-"""The CPU tile engine in bfloat16 against float32, one run: issue 15's engine goals.
+"""The CPU block engine in bfloat16 against float32, one run: issue 15's engine goals.
 
 sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless --threads):
 - forward and forward + backward in float32 and bfloat16, each with GFLOP/s on the pairs the

@@ -2,7 +2,7 @@
 each dtype's own matrix-multiply rate, measured in the same run.
 
 Cases (B = 1, H = 8, E = 64 unless --head-dim):
-- the CPU tile engine, sliding_window(256, 256) at n = 16,384: forward, and forward +
+- the CPU block engine, sliding_window(256, 256) at n = 16,384: forward, and forward +
   backward; FLOPs on the pairs the engine computes (`qkv.explain`), backward 2.5x forward;
 - dense attention without a mask at n = 4,096: qkv auto against SDPA in each dtype.
 
@@ -56,7 +56,7 @@ def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, floa
         qkv.attention(q, k, v, mask).backward(grads[dtype])
 
     both = fastest({_name(d): (lambda d=d: step(d)) for d in DTYPES}, reps, warmup=1)
-    print(f"\ntile engine, sliding_window({window}, {window}), n={n}, E={E}: {flops / 1e9:.2f} GFLOP forward "
+    print(f"\nblock engine, sliding_window({window}, {window}), n={n}, E={E}: {flops / 1e9:.2f} GFLOP forward "
           f"on the computed pairs (load {_load()})")
     print(f"{'dtype':<10}{'fwd ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'fwd+bwd ms':>12}{'GFLOP/s':>9}{'of mm':>7}")
     for dtype in DTYPES:

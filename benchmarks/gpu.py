@@ -3,7 +3,7 @@
 One prepared script for a machine with a GPU (it exits with status 2 and "no CUDA device"
 elsewhere). Within about five minutes it
 
-1. checks every path (auto, fused, math, flex on the GPU; the CPU tile engine "blocks" on
+1. checks every path (auto, fused, math, flex on the GPU; the CPU block engine "blocks" on
    the same inputs) on fresh random bf16 inputs against `qkv.reference` (NumPy, float64),
    forward and gradients, with DESIGN.md's rule: error at most 2x (forward) / 3x (gradients)
    that of a naive bf16 implementation, plus a small floor;

@@ -1,4 +1,4 @@
-"""Score terms and variable-length sequences: qkv's CPU tile engine against its peers, one run.
+"""Score terms and variable-length sequences: qkv's CPU block engine against its peers, one run.
 
 B = 1, H = 8, E = 64, float32 and bfloat16. Each comparison times qkv and its peer in the same
 process (`qkv.bench.fastest`: rotating rounds, fastest run kept) and prints peer time / qkv

@@ -1,4 +1,4 @@
-"""Block-sparse attention: qkv's CPU tile engine against SDPA and FlexAttention, one run.
+"""Block-sparse attention: qkv's CPU block engine against SDPA and FlexAttention, one run.
 
 B = 1, H = 8, E = 64, float32 (``--dtype bfloat16`` for the CPU's bf16 units). Every
 comparison times qkv and its peer in the same process by `qkv.bench.fastest` (rotating

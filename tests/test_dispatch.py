@@ -33,7 +33,7 @@ def _plan(L: int, S: int, mask: object, *, backend: str = "auto", weights: bool 
         (1, 40, "causal", "auto", "fused", "none"),  # a decoding step sees its whole cache
         (10, 40, "causal", "auto", "fused", "dense"),  # bottom-right with L != S: SDPA cannot say it
         (16, 16, "bool", "auto", "fused", "dense"),
-        (16, 16, "window", "auto", "fused", "dense"),  # too small for the tile engine
+        (16, 16, "window", "auto", "fused", "dense"),  # too small for the block engine
         (1024, 1024, "window", "auto", "blocks", "tiles"),
         (16, 16, "causal", "math", "math", "causal_offset"),
         (16, 16, "window", "math", "math", "dense"),
@@ -107,8 +107,8 @@ def test_ring_blocks_follow_the_dispatchers_sub_rule() -> None:
     assert blockwise.block_path(q, v) == "cpu-flash"
 
 
-_KERNELS = ("fused_attention", "math_attention", "tile_attention", "scored_tile_attention", "flex_attention_layout",
-            "attention_weights_dense", "dense_lse", "tile_lse", "tile_weights")
+_KERNELS = ("fused_attention", "math_attention", "block_attention", "scored_block_attention", "flex_attention_layout",
+            "attention_weights_dense", "dense_lse", "block_lse", "block_weights")
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,7 @@ def test_the_bias_tensors_are_the_modules() -> None:
     assert "position_bias_1" in dict(mha.named_buffers())
     mha.double()
     assert mha.position_bias_1.dtype == torch.float64  # the buffer followed .to()
-    out = mha(torch.randn(2, 300, 16, dtype=torch.float64), mask=qkv.masks.sliding_window(64))  # the tile engine
+    out = mha(torch.randn(2, 300, 16, dtype=torch.float64), mask=qkv.masks.sliding_window(64))  # the block engine
     out.square().sum().backward()
     assert table.grad is not None and table.grad.abs().sum() > 0
     assert "position_bias=relative(4 heads" in repr(mha)

@@ -80,7 +80,7 @@ def _mask(kind: str | None, case: Case) -> object:
 def test_lse_is_differentiable_on_every_path(case: Case, kind: str | None, backend: str, dtype: torch.dtype) -> None:
     mask = _mask(kind, case)
     if backend == "blocks" and isinstance(mask, torch.Tensor):
-        return  # the tile engine takes qkv.masks objects; tensors are refused (test_functional)
+        return  # the block engine takes qkv.masks objects; tensors are refused (test_functional)
     q, k, v = (t.requires_grad_(True) for t in case.tensors(dtype, seed=3))
     gen = torch.Generator().manual_seed(4)
     d_out = torch.randn(case.B, case.H, case.L, case.Ev, generator=gen, dtype=dtype)

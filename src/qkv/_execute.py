@@ -11,10 +11,10 @@ import torch
 
 from qkv._problem import AttentionProblem, normalize_mask
 from qkv.dispatch import MaskRoute, Plan, complete
-from qkv.kernels.blocks import tile_attention, tile_lse, tile_weights
+from qkv.kernels.blocks import block_attention, block_lse, block_weights
 from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.kernels.flex import flex_attention_layout
-from qkv.kernels.scored import scored_tile_attention
+from qkv.kernels.scored import scored_block_attention
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
@@ -98,9 +98,9 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     if plan.path == "blocks":
         assert plan.tiles is not None
         if plan.scores == "tiles":
-            out, lse = scored_tile_attention(q, k, v, mask, plan.tiles, scale, terms)
+            out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms)
         else:
-            out, lse = tile_attention(q, k, v, mask, plan.tiles, scale)
+            out, lse = block_attention(q, k, v, mask, plan.tiles, scale)
     else:
         assert plan.layout is not None
         out, lse = flex_attention_layout(q, k, v, mask, plan.layout, scale, need_lse=plan.lse == "kernel", terms=terms)
@@ -112,11 +112,11 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     if plan.lse == "tiles" or plan.weights == "tiles":
         assert plan.tiles is not None
         if plan.lse == "tiles":
-            lse = tile_lse(q, k, mask, plan.tiles, scale, terms)
+            lse = block_lse(q, k, mask, plan.tiles, scale, terms)
         if plan.weights == "tiles":
             heads = torch.arange(problem.H, device=q.device)
             rows = torch.arange(problem.L, device=q.device)
-            weights = tile_weights(q, k, mask, plan.tiles, scale, heads, rows, lse, terms)
+            weights = block_weights(q, k, mask, plan.tiles, scale, heads, rows, lse, terms)
     return out, weights, lse
 
 
@@ -125,7 +125,7 @@ def run_weights(problem: AttentionProblem, plan: Plan, heads: torch.Tensor, rows
     by `qkv.dispatch.weights_plan`, without gradient."""
     if plan.weights == "tiles":
         assert plan.tiles is not None
-        return tile_weights(problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, heads, rows, terms=problem.terms)
+        return block_weights(problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, heads, rows, terms=problem.terms)
     mask = _mask_tensor(problem, plan.mask)
     assert mask is not None
     heads_of_mask = heads if mask.shape[1] > 1 else heads[:1] * 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qkv._problem import AttentionProblem
-from qkv.dispatch import TILES, Plan, mask_heads
+from qkv.dispatch import BLOCKS, Plan, mask_heads
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
@@ -197,13 +197,13 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
         n_tiles = plan.layout.states.numel()
     else:
         assert plan.deferred and isinstance(mask, Mask)
-        block_q, block_k = (TILES.block_q, TILES.block_k) if plan.path == "blocks" else (FLEX_BLOCK, FLEX_BLOCK)
+        block_q, block_k = (BLOCKS.block_q, BLOCKS.block_k) if plan.path == "blocks" else (FLEX_BLOCK, FLEX_BLOCK)
         n_tiles = (mask.batch or 1) * (mask.heads or 1) * -(-L // block_q) * -(-S // block_k)
     if plan.path == "flex":
         return flex_extra_bytes(q.dtype, N=N, H=H, L=L, n_tiles=n_tiles)
     return engine_extra_bytes(
         q.dtype, N=N, H=H, G=problem.G, L=L, S=S, E=problem.E, Ev=problem.Ev,
-        plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else TILES.call_bytes,
+        plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else BLOCKS.call_bytes,
         n_tiles=n_tiles, mask_heads=mask_heads(problem),
         reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant,
     )

@@ -178,7 +178,7 @@ def compact(x: torch.Tensor) -> torch.Tensor:
 def _largest_magnitude(x: torch.Tensor) -> float:
     """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN). One reduction over x
     in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
-    as much as the attention itself for bf16 inputs of the tile engine)."""
+    as much as the attention itself for bf16 inputs of the block engine)."""
     if x.numel() == 0:
         return 0.0
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """The one place where a path is chosen: `choose_path` returns a `Plan`, and nothing else decides.
 
 A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
-``math``: the explicit formula; ``blocks``: the CPU tile engine; ``flex``: FlexAttention with
+``math``: the explicit formula; ``blocks``: the CPU block engine; ``flex``: FlexAttention with
 qkv's BlockMask), how the mask reaches that kernel, how the score terms (softcap, bias,
 score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
 executes a Plan (`qkv._execute`), `qkv.explain` describes one (`qkv._explain`) and runs no
@@ -23,16 +23,16 @@ from typing import Literal
 import torch
 
 from qkv._problem import AttentionProblem, compact
+from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_intervals, plan_layout
 from qkv.kernels.blocks import flash_kernel_available
 from qkv.kernels.dense import fused_lse_available
 from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.kernels.scored import closes_over_grad
-from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Mask
 
 __all__ = [
     "BACKENDS",
-    "TILES",
+    "BLOCKS",
     "Backend",
     "MaskRoute",
     "Path",
@@ -55,16 +55,16 @@ Path = Literal["fused", "math", "blocks", "flex"]
 # j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles.
 MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles"]
 # How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
-# mask; the explicit formula applies them; the tile engine applies them tile by tile;
+# mask; the explicit formula applies them; the block engine applies them tile by tile;
 # FlexAttention applies them as its score_mod.
 ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod"]
 # Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
 # formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
 Source = Literal["none", "kernel", "dense", "tiles"]
 
-# The CPU tile engine's tile sizes (see TileConfig for why).
-TILES = TileConfig()
-# "auto" sends a structured mask to the tile engine / FlexAttention when they compute at
+# The CPU block engine's tile and call sizes (see BlockConfig for why).
+BLOCKS = BlockConfig()
+# "auto" sends a structured mask to the block engine / FlexAttention when they compute at
 # most this fraction of the score matrix: the engine's tiles run at about 60-80 % of the
 # dense kernel's rate per FLOP (benchmarks/sparse.py), and SDPA with a dense mask pays for
 # building and reading the L x S mask on top.
@@ -97,7 +97,7 @@ class Plan:
     # weights with gradient of the blocks / flex paths
     causal_offset: int | None = None
     layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
-    tiles: TilePlan | None = None  # blocks: the engine's calls; flex: the calls that recompute lse / weights
+    tiles: BlockPlan | None = None  # blocks: the engine's calls; flex: the calls that recompute lse / weights
     # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
     # large to evaluate for a decision or an explanation); layout and tiles are None until then
     deferred: bool = False
@@ -278,13 +278,13 @@ def complete(problem: AttentionProblem, plan: Plan) -> Plan:
     if not plan.deferred:
         return plan
     if plan.path == "blocks":
-        layout = plan.layout if plan.layout is not None else _layout(problem, TILES.block_q, TILES.block_k)
-        tiles = plan.tiles if plan.tiles is not None else _tile_plan(problem, TILES, layout)
+        layout = plan.layout if plan.layout is not None else _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+        tiles = plan.tiles if plan.tiles is not None else _block_plan(problem, BLOCKS, layout)
     else:
         layout = plan.layout if plan.layout is not None else _layout(problem, FLEX_BLOCK, FLEX_BLOCK)
         tiles = None
         if plan.lse == "tiles" or plan.weights == "tiles":
-            tiles = _tile_plan(problem, TileConfig(block_q=layout.block_q, block_k=layout.block_k), layout)
+            tiles = _block_plan(problem, BlockConfig(block_q=layout.block_q, block_k=layout.block_k), layout)
     return replace(plan, layout=layout, tiles=tiles, deferred=False)
 
 
@@ -298,22 +298,24 @@ def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayou
     return BlockLayout(states, problem.L, problem.S, block_q, block_k, name="no mask")
 
 
-def _tile_plan(problem: AttentionProblem, config: TileConfig, layout: BlockLayout) -> TilePlan:
-    """The tile engine's calls: from exact per-query key intervals when the mask has them,
+def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLayout) -> BlockPlan:
+    """The block engine's calls: from exact per-query key intervals when the mask has them,
     from the block layout otherwise."""
     mask = problem.mask
     L, S, device = problem.L, problem.S, problem.q.device
-    D, itemsize = max(problem.E, problem.Ev), problem.q.element_size()
+    # without a backward pass to come, calls can be larger (fewer kernel launches)
+    sizes = BlockSizes(
+        N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
+        mask_heads=mask_heads(problem), need_grad=needs_grad(problem),
+    )
     if mask is None:
         intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
     else:
         assert isinstance(mask, Mask)
         intervals = mask.row_intervals(L, S, device)
-    # without a backward pass to come, calls can be larger (fewer kernel launches)
-    grad = needs_grad(problem)
     if intervals is not None:
-        return plan_intervals(*intervals, L, S, problem.N, problem.H, D, itemsize, config, grad, mask_heads(problem))
-    return plan_layout(layout, problem.N, problem.H, D, itemsize, config, mask_heads(problem), grad)
+        return plan_intervals(*intervals, sizes, config)
+    return plan_layout(layout, sizes, config)
 
 
 def mask_heads(problem: AttentionProblem) -> int:
@@ -335,10 +337,10 @@ def _sparse_plan(
     return_weights: bool,
     return_lse: bool,
     layout: BlockLayout | None = None,
-    tiles: TilePlan | None = None,
+    tiles: BlockPlan | None = None,
     deferred: bool = False,
 ) -> Plan:
-    """Plan for the tile engine (CPU) or FlexAttention; raises when they cannot take the problem.
+    """Plan for the block engine (CPU) or FlexAttention; raises when they cannot take the problem.
     ``layout`` / ``tiles``: the mask's tiles and the engine's calls when the caller already made
     them; ``deferred``: the caller decided not to evaluate the mask (``reason`` says why)."""
     mask = problem.mask
@@ -359,7 +361,7 @@ def _sparse_plan(
     device = problem.q.device
     if path == "blocks":
         if device.type != "cpu":
-            raise ValueError(f"backend='blocks' is the CPU tile engine, the inputs are on {device}; use 'flex' or 'auto'")
+            raise ValueError(f"backend='blocks' is the CPU block engine, the inputs are on {device}; use 'flex' or 'auto'")
         if not flash_kernel_available():
             raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
     else:
@@ -368,7 +370,7 @@ def _sparse_plan(
         if device.type == "cpu" and grad:
             raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
     if layout is None and not deferred and _too_large_to_evaluate(problem):
-        engine = "the CPU tile engine" if path == "blocks" else "FlexAttention"
+        engine = "the CPU block engine" if path == "blocks" else "FlexAttention"
         reason, deferred = f"{reason}; {_deferred_reason(problem, engine)}", True
     # weights that a loss will differentiate come from the dense formula (they are L x S
     # anyway), the others from the tiles
@@ -390,7 +392,7 @@ def _sparse_plan(
 
 
 def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
-    """'auto' with score terms on CPU: the tile engine whenever it can take the problem and it
+    """'auto' with score terms on CPU: the block engine whenever it can take the problem and it
     is large enough. Its alternatives materialize L x S tensors: the math path its scores and
     weights, SDPA a rendered bias (float mask)."""
     terms = problem.terms
@@ -407,38 +409,38 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     if device.type != "cpu" or not flash_kernel_available():
         return None
     if _too_large_to_evaluate(problem):
-        reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU tile engine')}"
+        reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU block engine')}"
         return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
-    layout = _layout(problem, TILES.block_q, TILES.block_k)
-    tiles = _tile_plan(problem, TILES, layout)
+    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+    tiles = _block_plan(problem, BLOCKS, layout)
     visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
     reason = (
-        f"{terms.describe()} with {what}: the CPU tile engine computes {visited:.1%} of the score matrix "
+        f"{terms.describe()} with {what}: the CPU block engine computes {visited:.1%} of the score matrix "
         "with the terms applied tile by tile, never an L x S tensor"
     )
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
 
 
 def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
-    """'auto' for a structured mask: the tile engine (CPU) or FlexAttention (CUDA), when they pay off."""
+    """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
     L, S = problem.L, problem.S
     if L * S < _SPARSE_MIN_PAIRS:
         return None
     device = problem.q.device
     if device.type == "cpu" and flash_kernel_available():
         path: Literal["blocks", "flex"] = "blocks"
-        block_q, block_k = TILES.block_q, TILES.block_k
+        block_q, block_k = BLOCKS.block_q, BLOCKS.block_k
     elif device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
         path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
     else:
         return None
-    engine = "the CPU tile engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
+    engine = "the CPU block engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
     if _too_large_to_evaluate(problem):
         return _sparse_plan(problem, path, _deferred_reason(problem, engine), return_weights, return_lse, deferred=True)
     layout = _layout(problem, block_q, block_k)
     tiles = None
     if path == "blocks":
-        tiles = _tile_plan(problem, TILES, layout)
+        tiles = _block_plan(problem, BLOCKS, layout)
         visited = tiles.computed_pairs() / (problem.N * L * S)
     else:
         visited = layout.visited_pairs() / (L * S)
@@ -459,11 +461,11 @@ def weights_plan(problem: AttentionProblem) -> Plan:
     and rows."""
     active = problem.terms.active
     if problem.mask is None or isinstance(problem.mask, Mask):
-        layout = _layout(problem, TILES.block_q, TILES.block_k)
+        layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
         reason = "the weights of the chosen heads and rows, recomputed tile by tile from their lse"
         return Plan(
             "blocks", reason, mask="tiles", scores="tiles" if active else "none", weights="tiles", lse="tiles",
-            layout=layout, tiles=_tile_plan(problem, TILES, layout),
+            layout=layout, tiles=_block_plan(problem, BLOCKS, layout),
         )
     reason = "a tensor mask: the dense formula on the chosen heads and rows"
     return Plan("math", reason, mask="dense", scores="formula" if active else "none", weights="dense", lse="dense")

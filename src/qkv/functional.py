@@ -6,7 +6,7 @@ heads, L query length, S key length, E q/k head dim, Ev value head dim.
 Paths, chosen in one place (`qkv.dispatch.choose_path`):
 - ``fused``: PyTorch's scaled_dot_product_attention, the kernels people run.
 - ``math``: the explicit formula, scores and weights materialized in float32 or wider.
-- ``blocks``: the CPU tile engine (`qkv.kernels.blocks`): only the tiles a structured mask
+- ``blocks``: the CPU block engine (`qkv.kernels.blocks`): only the tiles a structured mask
   leaves visible are computed, forward and backward.
 - ``flex``: PyTorch's FlexAttention with a BlockMask built from the mask's layout
   (`qkv.kernels.flex`), for structured masks on CUDA.
@@ -76,7 +76,7 @@ def attention(
             output (after dropout when dropout > 0), in float32 or wider.
         return_lse: also return log sum_j exp(score_ij) (..., H, L), float32 or wider.
         backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
-            (SDPA), "math" (the explicit formula), "blocks" (the CPU tile engine, `qkv.masks`
+            (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
             objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
 
     Returns:

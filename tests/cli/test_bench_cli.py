@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from qkv.bench import QUICK
 from qkv.cli import app
-from qkv.dispatch import TILES
+from qkv.dispatch import BLOCKS
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_quick_flop_rate_follows_the_formula(quick_run: tuple[dict, Path]) -> No
     data, _ = quick_run
     window = data["comparisons"][0]
     n, H, E, w = QUICK.n_window, QUICK.heads, QUICK.head_dim, QUICK.window
-    # row groups [r0, r1) of the tile engine's block_q rows visit the keys r0 - w .. r1 - 1 + w in [0, n)
-    bq = TILES.block_q
+    # row groups [r0, r1) of the block engine's block_q rows visit the keys r0 - w .. r1 - 1 + w in [0, n)
+    bq = BLOCKS.block_q
     groups = [(r0, min(n, r0 + bq)) for r0 in range(0, n, bq)]
     visited = sum((r1 - r0) * (min(n, r1 + w) - max(0, r0 - w)) for r0, r1 in groups)
     assert window["qkv_gflops"] == pytest.approx(4 * H * visited * E / window["qkv_s"] / 1e9)

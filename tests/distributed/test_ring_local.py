@@ -16,9 +16,10 @@ import torch
 import qkv
 from qkv.distributed import RingStats, ring_attention
 from qkv.distributed import blockwise as blockwise_module
-from qkv.distributed.blockwise import block_forward, merge_into
+from qkv.distributed.blockwise import block_forward
 from qkv.distributed.layout import shard_chunks
 from qkv.distributed.ring import _schedule
+from qkv.kernels.merge import merge_partial
 from tests.distributed._ring_cases import RingCase, block_settings, naive, reference, single_process
 
 
@@ -107,13 +108,13 @@ def test_merge_of_two_key_halves_is_exact_and_empty_rows_stay_zero() -> None:
     out = torch.zeros(1, 2, 5, 3, dtype=torch.float64)
     lse = torch.full((1, 2, 5), float("-inf"), dtype=torch.float64)
     for keys in (slice(0, 4), slice(4, 9)):
-        merge_into(out, lse, *block_forward(q, k[:, :, keys], v[:, :, keys], 0.5, False))
+        merge_partial(out, lse, *block_forward(q, k[:, :, keys], v[:, :, keys], 0.5, False))
     expected, expected_lse = qkv.attention(q, k, v, scale=0.5, return_lse=True)  # type: ignore[misc]
     assert torch.allclose(out, expected, atol=1e-13, rtol=0)
     assert torch.allclose(lse, expected_lse, atol=1e-13, rtol=0)
     # a row that has seen no key merged with a block of no key: zeros and -inf, no NaN
     empty_out, empty_lse = torch.zeros(1, 1, 1, 3), torch.full((1, 1, 1), float("-inf"))
-    merge_into(empty_out, empty_lse, torch.zeros(1, 1, 1, 3), torch.full((1, 1, 1), float("-inf")))
+    merge_partial(empty_out, empty_lse, torch.zeros(1, 1, 1, 3), torch.full((1, 1, 1), float("-inf")))
     assert torch.equal(empty_out, torch.zeros(1, 1, 1, 3)) and math.isinf(empty_lse.item())
 
 

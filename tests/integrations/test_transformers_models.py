@@ -199,7 +199,7 @@ def test_packed_sequences_match_separate_sequences() -> None:
 
 
 def test_structured_path_runs_for_sliding_window_layers() -> None:
-    """At 320 tokens with window 16, Gemma 2's sliding layer runs on the CPU tile engine with a
+    """At 320 tokens with window 16, Gemma 2's sliding layer runs on the CPU block engine with a
     sliding_window(15) mask, a small fraction of the score matrix, and its full layer there
     too with causal() (SDPA takes no softcap); both agree with eager, gradients included."""
     models = {impl: m for impl, m in tiny.trio(tiny.gemma2(window=16)).items() if impl != "sdpa"}

@@ -1,4 +1,4 @@
-"""The CPU tile engine against the float64 NumPy reference on the dense mask, forward and backward.
+"""The CPU block engine against the float64 NumPy reference on the dense mask, forward and backward.
 
 Expected values come from `qkv.reference` (NumPy, float64) given ``mask.to_dense(L, S)``,
 independently of the engine's tiles, plans and merges. Tile sizes cover 1 x 1, 16 x 16, a
@@ -17,16 +17,16 @@ import qkv
 import qkv.dispatch
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels.blocks import tile_attention, tile_weights
-from qkv.kernels.tile_plan import TileConfig, TilePlan, plan_intervals, plan_layout
+from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_intervals, plan_layout
+from qkv.kernels.blocks import block_attention, block_weights
 from qkv.masks._layout import states_from_dense
 
 CONFIGS = {
-    "1x1": TileConfig(block_q=1, block_k=1),
-    "16x16": TileConfig(block_q=16, block_k=16),
-    "16x8-split": TileConfig(block_q=16, block_k=8, masked_span=8, min_rows=1),  # runs split, pieces merged
-    "default": TileConfig(),
-    "larger-than-n": TileConfig(block_q=256, block_k=256),
+    "1x1": BlockConfig(block_q=1, block_k=1),
+    "16x16": BlockConfig(block_q=16, block_k=16),
+    "16x8-split": BlockConfig(block_q=16, block_k=8, masked_span=8, min_rows=1),  # runs split, pieces merged
+    "default": BlockConfig(),
+    "larger-than-n": BlockConfig(block_q=256, block_k=256),
 }
 
 
@@ -82,12 +82,13 @@ def _assert_matches(out, lse, grads, trace, ref_grads, tol: float) -> None:
         np.testing.assert_allclose(got.double().numpy(), want, atol=tol, rtol=tol)
 
 
-def _plan(planner: str, mask: M.Mask, N: int, H: int, L: int, S: int, D: int, cfg: TileConfig) -> TilePlan:
+def _plan(planner: str, mask: M.Mask, N: int, H: int, L: int, S: int, Ep: int, cfg: BlockConfig) -> BlockPlan:
     if planner == "layout":
-        return plan_layout(mask.layout(L, S, cfg.block_q, cfg.block_k), N, H, D, 8, cfg, mask.heads or 1)
+        sizes = BlockSizes(N=N, H=H, L=L, S=S, Ep=Ep, itemsize=8, mask_heads=mask.heads or 1)
+        return plan_layout(mask.layout(L, S, cfg.block_q, cfg.block_k), sizes, cfg)
     intervals = mask.row_intervals(L, S)
     assert intervals is not None
-    return plan_intervals(*intervals, L, S, N, H, D, 8, cfg)
+    return plan_intervals(*intervals, BlockSizes(N=N, H=H, L=L, S=S, Ep=Ep, itemsize=8), cfg)
 
 
 # masks whose queries each see one interval of keys, so that both planners apply
@@ -108,7 +109,7 @@ def test_engine_matches_the_reference(planner: str, kind: str, config: str, size
     q, k, v, d_out = _problem(N, H, G, L, S, E, Ev)
     tiles = _plan(planner, mask, N, H, L, S, max(E, Ev), CONFIGS[config])
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out, lse = tile_attention(q, k, v, mask, tiles, scale)
+    out, lse = block_attention(q, k, v, mask, tiles, scale)
     # a loss that reads the output and the lse: both gradients flow back (d lse_i / d s_ij = p_ij)
     d_lse = torch.randn(N, H, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     grads = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
@@ -116,7 +117,7 @@ def test_engine_matches_the_reference(planner: str, kind: str, config: str, size
     _assert_matches(out, lse, grads, trace, ref_grads, 1e-10)
     # exact probabilities of chosen heads and rows, block by block, from the saved lse
     heads, rows = torch.tensor([3, 0]), torch.tensor([L - 1, 0, L // 2])
-    weights = tile_weights(q.detach(), k.detach(), mask, tiles, scale, heads, rows, lse.detach())
+    weights = block_weights(q.detach(), k.detach(), mask, tiles, scale, heads, rows, lse.detach())
     np.testing.assert_allclose(weights.numpy(), trace.weights[:, [3, 0]][:, :, [L - 1, 0, L // 2]], atol=1e-12)
 
 
@@ -242,7 +243,8 @@ def test_interval_masks_know_their_intervals_and_the_others_do_not() -> None:
 def test_interval_plan_follows_documents() -> None:
     # one row group per document (documents longer than min_rows), each fully visible: no mask
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 17, 100, 30]))
-    plan = plan_intervals(*M.documents(ids).row_intervals(187, 187), 187, 187, 1, 2, 8, 4, TileConfig())
+    sizes = BlockSizes(N=1, H=2, L=187, S=187, Ep=8, itemsize=4)
+    plan = plan_intervals(*M.documents(ids).row_intervals(187, 187), sizes, BlockConfig())
     assert [(p.q0, p.q1, p.k0, p.k1, p.masked) for p in plan.pieces[0]] == [
         (0, 40, 0, 40, False), (40, 57, 40, 57, False), (57, 157, 57, 157, False), (157, 187, 157, 187, False),
     ]
@@ -255,13 +257,13 @@ def test_dispatch_and_explain() -> None:
     e = qkv.explain(q, k, v, window)
     assert e.path == "blocks" and "sliding_window(left=256, right=0)" in e.reason
     # row groups of block_q (< 256) rows, each computing exactly the keys its rows see: r0 - 256 .. r1 - 1
-    bq = qkv.dispatch.TILES.block_q
+    bq = qkv.dispatch.BLOCKS.block_q
     pairs = sum((min(1024, r0 + bq) - r0) * (min(1024, r0 + bq) - max(0, r0 - 256)) for r0 in range(0, 1024, bq))
     assert e.flops == 2 * (16 + 16) * pairs * 2
     assert e.visited_fraction == pytest.approx(pairs / 1024**2)
-    tiles = states_from_dense(window.to_dense(1024, 1024), bq, qkv.dispatch.TILES.block_k)
+    tiles = states_from_dense(window.to_dense(1024, 1024), bq, qkv.dispatch.BLOCKS.block_k)
     assert e.blocks_visited == pytest.approx(float((tiles != 0).double().mean()))
-    assert f"tiles: {bq}x{qkv.dispatch.TILES.block_k}" in str(e)
+    assert f"tiles: {bq}x{qkv.dispatch.BLOCKS.block_k}" in str(e)
     # what SDPA does best stays with SDPA
     assert qkv.explain(q, k, v, M.causal()).path == "fused"
     assert qkv.explain(q, k, v, M.sliding_window(900, 900)).path == "fused"  # most tiles visible
@@ -303,22 +305,23 @@ def test_no_allocation_grows_with_n_squared() -> None:
 def test_tiles_of_unsorted_documents_are_not_kept(grad: bool) -> None:
     """Memory stays O(n x block): tiles that never repeat (no shift invariance) are rebuilt
     when needed, not kept for the whole call; shift-invariant ones are kept within call_bytes."""
-    from qkv.kernels.blocks import _forward, _Run
+    from qkv.kernels.block_calls import BlockRun
+    from qkv.kernels.blocks import _forward
 
     N, H, L, D = 1, 2, 700, 8
     ids = torch.randperm(12, generator=torch.Generator().manual_seed(0))[torch.arange(L) // 61]
-    cfg = TileConfig(block_q=64, block_k=32, call_bytes=64 * 2**10)
+    cfg = BlockConfig(block_q=64, block_k=32, call_bytes=64 * 2**10)
     q, k, v, _ = _problem(N, H, H, L, L, D, D)
     for mask, kept in ((M.documents(ids), False), (M.sliding_window(100), True)):
         tiles = _plan("layout", mask, N, H, L, L, D, cfg)
         assert any(c.masked for c in tiles.calls)
-        run = _Run(tiles, mask, 0.5)
+        run = BlockRun(tiles, mask, 0.5)
         _forward(q, k, v, run)
         assert bool(run.tiles) == kept
         assert run.tile_bytes <= cfg.call_bytes
         # and the result is still exact, forward and backward (tiles rebuilt in the backward)
         qg, kg, vg = (t.clone().requires_grad_(grad) for t in (q, k, v))
-        out, _ = tile_attention(qg, kg, vg, mask, tiles, 0.5)
+        out, _ = block_attention(qg, kg, vg, mask, tiles, 0.5)
         trace, ref_grads = _reference(q, k, v, mask, torch.ones(N, H, L, D, dtype=torch.float64), 0.5)
         np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
         if grad:

@@ -124,7 +124,7 @@ def test_cuda_weights_and_refusals() -> None:
     expected = qkv.attention(q.cpu().double(), q.cpu().double(), q.cpu().double(), mask, backend="math", return_weights=True)
     torch.testing.assert_close(weights.cpu().double(), expected[1], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out.cpu().double(), expected[0], atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="CPU tile engine"):
+    with pytest.raises(ValueError, match="CPU block engine"):
         qkv.attention(q, q, q, mask, backend="blocks")
 
 

@@ -1,4 +1,4 @@
-"""The bf16 matrix-product backward of the tile engine (`qkv.kernels.matmul_backward`).
+"""The bf16 matrix-product backward of the block engine (`qkv.kernels.matmul_backward`).
 
 Expected values come from the float64 reference (`qkv.reference` through the engine tests'
 helpers, or float64 autograd of the formula), never from the kernel itself. The bar is

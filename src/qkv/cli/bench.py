@@ -105,7 +105,7 @@ def _plot(report: BenchReport, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"sliding_window({w}, {w}): qkv tile engine vs SDPA with a dense mask")
+    fig.suptitle(f"sliding_window({w}, {w}): qkv block engine vs SDPA with a dense mask")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -5,9 +5,10 @@ Blockwise Transformers"; the backward follows FlashAttention-2, Dao 2023, Algori
 
 - `block_forward` returns the block's normalized output and its log-sum-exp (lse), both in
   the accumulation dtype (float32, or float64 for float64 inputs);
-- `merge_into` folds a block's (output, lse) into the running (output, lse) of the same
-  query rows: out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse) with
-  lse = logaddexp(lse_a, lse_b), which is exactly the softmax over the union of the keys;
+- `qkv.kernels.merge.merge_partial` (the block engine's merge too) folds a block's (output,
+  lse) into the running (output, lse) of the same query rows: out = out_a * exp(lse_a - lse)
+  + out_b * exp(lse_b - lse) with lse = logaddexp(lse_a, lse_b), which is exactly the
+  softmax over the union of the keys;
 - `block_backward` adds a block's contribution to dq, dk and dv given the *global* lse and
   delta_i = sum_j dO_ij O_ij of the full output: P_ij = exp(s_ij - lse_i) is then the final
   attention probability, and dS = P * (dP - delta) needs nothing else from other blocks.
@@ -40,7 +41,7 @@ import torch
 from qkv.dispatch import ring_block_path
 from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
 
-__all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path", "merge_into"]
+__all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path"]
 
 # Use PyTorch's CPU flash kernels where the dispatcher's rule allows them; False forces the
 # tiles (tests use it to run both implementations on the same cases).
@@ -117,21 +118,6 @@ def _tiled_forward(
         out[:, :, t0:t1] = acc.div_(l_i).reshape(N, H, T, Ev)  # (N, H, T, Ev)
         lse[:, :, t0:t1] = (m_i + l_i.log()).reshape(N, H, T)  # (N, H, T)
     return out, lse
-
-
-def merge_into(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
-    """Fold a block's partial result into the running one, in place.
-
-    out, block_out: (N, H, L_blk, Ev); lse, block_lse: (N, H, L_blk). A running lse of -inf
-    (no key seen yet) takes the block's result as is; two -inf give zeros, never NaN.
-    """
-    merged = torch.logaddexp(lse, block_lse)  # (N, H, L_blk)
-    shift = merged.masked_fill(merged == _NEG_INF, 0.0)  # (N, H, L_blk)
-    out.mul_((lse - shift).exp_().unsqueeze(-1))  # (N, H, L_blk, Ev) *= (N, H, L_blk, 1)
-    out.add_(block_out * (block_lse - shift).exp_().unsqueeze(-1))  # (N, H, L_blk, Ev)
-    lse.copy_(merged)
 
 
 def block_backward(

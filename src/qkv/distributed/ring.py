@@ -8,8 +8,8 @@ Forward, on each of the P ranks of the ring, for step t = 0 .. P-1: the rank hol
 key/value shard of rank src = (rank - t) mod P. It first posts the non-blocking transfer of
 that shard to rank + 1 (and the receive of the next one from rank - 1), then computes its
 queries against the shard it holds (`blockwise.block_forward`), folds the block's (out, lse)
-into the running (out, lse) with log-sum-exp in float32 (`blockwise.merge_into`), and only
-then waits for the transfer: communication overlaps compute.
+into the running (out, lse) with log-sum-exp in float32 (`qkv.kernels.merge.merge_partial`),
+and only then waits for the transfer: communication overlaps compute.
 
 Backward (a custom autograd Function; only the inputs, the output and the lse are saved):
 key/value shards travel the ring again. Every rank adds its dq locally and its contribution
@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from qkv._problem import describe_problem
-from qkv.distributed.blockwise import block_backward, block_forward, merge_into
+from qkv.distributed.blockwise import block_backward, block_forward
 from qkv.distributed.layout import Chunk, Layout, check_layout, shard_chunks, shard_lengths
+from qkv.kernels.merge import merge_partial
 from qkv.kernels.softmax import accumulation_dtype
 
 __all__ = ["DEFAULT_TIMEOUT", "RingCommunicationError", "RingStats", "ring_attention"]
@@ -266,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
                 block_out, block_lse = block_forward(
                     q_acc[:, :, b.q0:b.q1], k_acc[:, :, b.k0:b.k1], v_acc[:, :, b.k0:b.k1], plan.scale, b.diagonal
                 )
-                merge_into(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], block_out, block_lse)
+                merge_partial(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], block_out, block_lse)
             compute_s += time.perf_counter() - start
             if plan.stats is not None:
                 plan.stats.chunk_pairs += computed

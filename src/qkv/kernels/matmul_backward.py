@@ -1,4 +1,4 @@
-"""The tile engine's backward for a bfloat16 call, built from the CPU's bf16 matrix products.
+"""The block engine's backward for a bfloat16 call, built from the CPU's bf16 matrix products.
 
 PyTorch's CPU flash backward gains nothing from bfloat16 although the CPU's matrix units
 (AMX) multiply bf16 about seven times faster than float32: on one block of 8 heads x 256

@@ -1,7 +1,7 @@
-"""The CPU tile engine with score terms: bias, softcap and score_mod on the visible tiles only.
+"""The CPU block engine with score terms: bias, softcap and score_mod on the visible tiles only.
 
 The plan, the strided views of the items, the placement of results and the exact lse merge are
-those of `qkv.kernels.blocks`; what changes is how one call's scores are made:
+the engine's call loop (`qkv.kernels.block_calls`); what changes is how one call's scores are made:
 
 - an additive bias alone: PyTorch's CPU flash kernel with a *bias tile* as its float mask
   (the bias of the call's pairs, -inf where the mask hides a pair), float32 or wider whatever
@@ -33,24 +33,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from qkv.kernels.blocks import (
-    _add_keys,
-    _add_rows,
-    _items,
-    _rows,
-    _Run,
-    _run_calls,
-    _tile,
-)
-from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels import block_calls as calls
+from qkv.kernels.block_plan import BlockPlan, Call
 from qkv.kernels.scores import ScoreMod, ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
-from qkv.kernels.tile_plan import Call, TilePlan
 from qkv.masks import Mask
 
-__all__ = ["closes_over_grad", "scored_tile_attention"]
+__all__ = ["closes_over_grad", "scored_block_attention"]
 
 _NEG_INF = float("-inf")
 # Bias tiles kept for reuse (by later items, calls and the backward pass), at most this many
@@ -73,14 +63,14 @@ def closes_over_grad(score_mod: ScoreMod) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class _ScoredRun:
-    """The plan, the mask's tiles (`blocks._Run`), the terms and the bias tiles built so far."""
+    """The plan, the mask's tiles (`block_calls.BlockRun`), the terms and the bias tiles built so far."""
 
-    masks: _Run
+    masks: calls.BlockRun
     terms: ScoreTerms
     bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
-    def plan(self) -> TilePlan:
+    def plan(self) -> BlockPlan:
         return self.masks.plan
 
     @property
@@ -112,7 +102,7 @@ def _scores(
     return terms.apply(s, b, h, rows, keys, inplace=inplace)
 
 
-def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The flash kernel's float mask of a call: bias (items | 1, H, q_len, width), -inf where
     hidden, in the accumulation dtype; and the rows with no visible key (or None).
 
@@ -137,7 +127,7 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.d
         tile = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
     empty = None
     if call.masked:
-        mask_bias, empty = _tile(run.masks, call, L, S, acc)
+        mask_bias, empty = calls.mask_tile(run.masks, call, acc)
         tile = tile + mask_bias
     tile = tile.expand(tile.shape[0], H, call.q_len, call.width)
     if reusable:
@@ -147,43 +137,41 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, L: int, S: int, acc: torch.d
     return tile, empty
 
 
-def _own_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, L: int, S: int, acc: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call on qkv's tile kernel: (o (items, H, q_len, D), lse (items, H, q_len)) in acc."""
-    s = _scores(_items(q, call, keys=False), _items(k, call, keys=True), call, run, run.terms, acc, inplace=True)
+def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, acc: torch.dtype) -> calls.CallResult:
+    """One call on qkv's tile kernel: (o (items, H, q_len, Ep), lse (items, H, q_len)) in acc."""
+    s = _scores(calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), call, run, run.terms, acc, inplace=True)
     if call.masked:
-        s.add_(_tile(run.masks, call, L, S, acc)[0])
+        s.add_(calls.mask_tile(run.masks, call, acc)[0])
     # softmax in place over the tile (no autograd here): s becomes exp(s - row max)
     row_max = s.amax(dim=-1, keepdim=True)  # (items, H, q_len, 1)
     row_max.masked_fill_(row_max == _NEG_INF, 0.0)  # rows with no visible key: exp(-inf) = 0
     s.sub_(row_max).exp_()
     total = s.sum(dim=-1, keepdim=True)  # (items, H, q_len, 1)
-    o = torch.matmul(s, _items(v, call, keys=True).to(acc))  # (items, H, q_len, D)
+    o = torch.matmul(s, calls.item_view(v, call, keys=True).to(acc))  # (items, H, q_len, Ep)
     o.div_(total.clamp(min=torch.finfo(acc).tiny))
     lse = (total.log() + row_max).squeeze(-1)  # (items, H, q_len): -inf where nothing is visible
     return o, lse
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (N, H, L, D) in q's dtype and lse (N, H, L) float32 or wider (as `blocks._forward`)."""
-    H, L, S = q.shape[1], q.shape[2], k.shape[2]
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> calls.CallResult:
+    """Output (N, H, L, Ep) in q's dtype and lse (N, H, L) float32 or wider (as `blocks._forward`)."""
+    H = q.shape[1]
     acc = accumulation_dtype(q.dtype)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-    def compute(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(call: Call) -> calls.CallResult:
         if not run.flash:
-            return _own_forward(q, k, v, call, run, L, S, acc)
-        tile, empty_rows = _bias_tile(run, call, H, L, S, acc)
+            return _own_forward(q, k, v, call, run, acc)
+        tile, empty_rows = _bias_tile(run, call, H, acc)
         o, lse_o = flash(
-            _items(q, call, keys=False), _items(k, call, keys=True), _items(v, call, keys=True),
+            calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
             0.0, False, attn_mask=tile, scale=run.masks.scale,
-        )[:2]  # (items, H, q_len, D), (items, H, q_len)
+        )[:2]  # (items, H, q_len, Ep), (items, H, q_len)
         if empty_rows is not None:
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    out, lse = _run_calls(q, run.plan, compute)
+    out, lse = calls.run_calls(q, run.plan, compute)
     return out.to(q.dtype), lse
 
 
@@ -199,12 +187,10 @@ def _own_backward(
     run: _ScoredRun,
     bias_tensors: tuple[torch.Tensor, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """One call's gradients: dq (items, H, q_len, D), dk, dv (items, H, width, D), d bias tensors."""
-    _N, _H, L, _D = q.shape
-    S = k.shape[2]
+    """One call's gradients: dq (items, H, q_len, Ep), dk, dv (items, H, width, Ep), d bias tensors."""
     acc = lse.dtype
-    q_t = _items(q, call, keys=False).detach().to(acc).requires_grad_(True)
-    k_t = _items(k, call, keys=True).detach().to(acc).requires_grad_(True)
+    q_t = calls.item_view(q, call, keys=False).detach().to(acc).requires_grad_(True)
+    k_t = calls.item_view(k, call, keys=True).detach().to(acc).requires_grad_(True)
     leaves = tuple(t.detach().requires_grad_(True) for t in bias_tensors)
     terms = run.terms
     if leaves:
@@ -214,15 +200,15 @@ def _own_backward(
         s = _scores(q_t, k_t, call, run, terms, acc)  # (items, H, q_len, width)
     hidden = s.detach()
     if call.masked:
-        hidden = hidden + _tile(run.masks, call, L, S, acc)[0]
-    row_lse = _rows(lse, call).unsqueeze(-1)  # (items, H, q_len, 1): finite (empty rows set to 0)
+        hidden = hidden + calls.mask_tile(run.masks, call, acc)[0]
+    row_lse = calls.row_view(lse, call).unsqueeze(-1)  # (items, H, q_len, 1): finite (empty rows set to 0)
     p = torch.exp(hidden - row_lse)  # (items, H, q_len, width): 0 where masked
-    d_o = _items(grad_out, call, keys=False).to(acc)  # (items, H, q_len, D)
-    dv = torch.matmul(p.transpose(-1, -2), d_o)  # (items, H, width, D)
-    dp = torch.matmul(d_o, _items(v, call, keys=True).to(acc).transpose(-1, -2))  # (items, H, q_len, width)
-    row_term = _rows(delta, call)
+    d_o = calls.item_view(grad_out, call, keys=False).to(acc)  # (items, H, q_len, Ep)
+    dv = torch.matmul(p.transpose(-1, -2), d_o)  # (items, H, width, Ep)
+    dp = torch.matmul(d_o, calls.item_view(v, call, keys=True).to(acc).transpose(-1, -2))  # (items, H, q_len, width)
+    row_term = calls.row_view(delta, call)
     if grad_lse is not None:
-        row_term = row_term - _rows(grad_lse, call)
+        row_term = row_term - calls.row_view(grad_lse, call)
     ds = p * (dp - row_term.unsqueeze(-1))
     grads = torch.autograd.grad(s, (q_t, k_t, *leaves), ds, allow_unused=True)
     dq_t, dk_t = grads[0], grads[1]
@@ -242,16 +228,16 @@ def _backward(
     bias_tensors: tuple[torch.Tensor, ...],
     bias_needs_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """dq, dk, dv (N, H, *, D) and the gradients of the bias tensors."""
-    N, H, L, D = q.shape
+    """dq, dk, dv (N, H, *, Ep) and the gradients of the bias tensors."""
+    N, H, L, Ep = q.shape
     S = k.shape[2]
     acc = accumulation_dtype(q.dtype)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     finite_lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # exp(-inf - 0) = 0 on rows with no key
-    dq = torch.zeros(N, H, L, D, dtype=acc)
-    dk = torch.zeros(N, H, S, D, dtype=acc)
-    dv = torch.zeros(N, H, S, D, dtype=acc)
+    dq = torch.zeros(N, H, L, Ep, dtype=acc)
+    dk = torch.zeros(N, H, S, Ep, dtype=acc)
+    dv = torch.zeros(N, H, S, Ep, dtype=acc)
     d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
     own = not run.flash or bias_needs_grad or grad_lse is not None
     delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1) if own else None  # (N, H, L)
@@ -266,20 +252,20 @@ def _backward(
                 if g is not None:
                     total += g
         else:
-            tile, _ = _bias_tile(run, call, H, L, S, acc)
+            tile, _ = _bias_tile(run, call, H, acc)
             gq, gk, gv = flash_backward(
-                _items(grad_out, call, keys=False), _items(q, call, keys=False),
-                _items(k, call, keys=True), _items(v, call, keys=True),
-                _items(out, call, keys=False), _rows(finite_lse, call), 0.0, False, attn_mask=tile, scale=run.masks.scale,
-            )  # (items, H, q_len, D), (items, H, width, D) x 2
-        _add_rows(dq, call, gq)
-        _add_keys(dk, call, gk)
-        _add_keys(dv, call, gv)
+                calls.item_view(grad_out, call, keys=False), calls.item_view(q, call, keys=False),
+                calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
+                calls.item_view(out, call, keys=False), calls.row_view(finite_lse, call), 0.0, False, attn_mask=tile, scale=run.masks.scale,
+            )  # (items, H, q_len, Ep), (items, H, width, Ep) x 2
+        calls.add_query_grads(dq, call, gq)
+        calls.add_key_grads(dk, call, gk)
+        calls.add_key_grads(dv, call, gv)
     grads_bias = tuple(g.to(t.dtype) if bias_needs_grad else None for g, t in zip(d_bias, bias_tensors, strict=True))
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads_bias)
 
 
-class _ScoredTileAttention(torch.autograd.Function):
+class _ScoredBlockAttention(torch.autograd.Function):
     """Forward and backward of the engine with score terms; lse is differentiable."""
 
     @staticmethod
@@ -300,12 +286,12 @@ class _ScoredTileAttention(torch.autograd.Function):
         return (dq, dk, dv, None, *(g if need else None for g, need in zip(d_bias, needs, strict=True)))
 
 
-def scored_tile_attention(
+def scored_block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Mask | None,
-    plan: TilePlan,
+    plan: BlockPlan,
     scale: float,
     terms: ScoreTerms,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,14 +301,7 @@ def scored_tile_attention(
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; gradients reach q, k, v and the
     tensors of ``terms.bias``.
     """
-    H, E, Ev = q.shape[1], q.shape[3], v.shape[3]
-    D = max(E, Ev)
-    # one head size for q, k and v: zero columns change no score and no output
-    q_, k_ = (F.pad(q, (0, D - E)), F.pad(k, (0, D - E))) if E < D else (q, k)
-    v_ = F.pad(v, (0, D - Ev)) if Ev < D else v
-    k_, v_ = expand_kv_heads(k_, H), expand_kv_heads(v_, H)
-    q_, k_, v_ = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_, k_, v_))
     bias_tensors = terms.tensors()
-    run = _ScoredRun(_Run(plan, mask, scale), terms)
-    out, lse = _ScoredTileAttention.apply(q_, k_, v_, run, *bias_tensors)
-    return out[..., :Ev], lse
+    run = _ScoredRun(calls.BlockRun(plan, mask, scale), terms)
+    out, lse = _ScoredBlockAttention.apply(*calls.kernel_inputs(q, k, v), run, *bias_tensors)
+    return out[..., : v.shape[3]], lse

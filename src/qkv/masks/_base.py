@@ -69,7 +69,7 @@ class Mask(ABC):
     def row_intervals(self, L: int, S: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(lo, hi), each (B | 1, L) int64: query i sees exactly the keys lo <= t <= hi (none
         when lo > hi), or None when some query's visible keys are not one interval (or the
-        mask varies over heads). O(L) work; the tile engine plans exact key ranges from it."""
+        mask varies over heads). O(L) work; the block engine plans exact key ranges from it."""
         del L, S, device
         return None
 

@@ -15,7 +15,7 @@ and ``AttentionMaskInterface`` (how the model's masks are built) under one name.
 attention goes through that interface then run on qkv:
 
 - masks arrive structured (`StructuredMask`): causal, sliding windows, padding on either
-  side, packed sequences and chunks become ``qkv.masks`` objects, so qkv's CPU tile engine
+  side, packed sequences and chunks become ``qkv.masks`` objects, so qkv's CPU block engine
   computes only the tiles they leave visible; a mask qkv does not recognise runs dense and
   `recording` says so;
 - ``output_attentions=True`` (as a forward or ``generate`` argument) returns the exact

@@ -6,7 +6,7 @@ with query (B, H, L, E), key (B, G, S, E), value (B, G, S, Ev), and expects
 `qkv.attention` call: grouped-query heads go in as they are (no repeat), the mask comes from
 qkv's mask interface as a `StructuredMask` (or as a tensor a caller built), and when the
 model was asked for ``output_attentions`` the exact probabilities come back from the same
-path (for the tile engine: recomputed tile by tile from its log-sum-exp).
+path (for the block engine: recomputed tile by tile from its log-sum-exp).
 
 Score terms go to qkv as they are: Gemma 2's ``softcap`` (logit soft-capping) as
 ``softcap=``, T5's ``position_bias`` (its relative attention bias, (B | 1, H, L, S), added to

@@ -5,7 +5,7 @@ composed in ``transformers.masking_utils`` (causal, sliding-window overlay, pack
 chunks, joined by ``and_masks`` / ``or_masks``) plus a 2-D padding mask, and hands them to
 the mask interface registered for the attention implementation. The ``sdpa`` interface
 evaluates the function on every (query, key) pair; qkv's reads the composition instead and
-returns a structured mask, so the CPU tile engine skips the tiles the mask hides and nothing
+returns a structured mask, so the CPU block engine skips the tiles the mask hides and nothing
 L x S is built.
 
 Coordinates. transformers' indices are absolute: query i of this call sits at ``i + q_offset``

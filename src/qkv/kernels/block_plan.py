@@ -1,4 +1,4 @@
-"""The work list of the CPU tile engine: which kernel calls cover a mask's visible scores.
+"""The work list of the CPU block engine: which kernel calls cover a mask's visible scores.
 
 A *piece* is a rectangle of the score matrix: query rows [q0, q1) x keys [k0, k1), computed
 without a mask when every pair in it is visible and with the mask's tile otherwise. Two
@@ -19,7 +19,8 @@ start at evenly spaced positions (a sliding window moves by block_q keys per blo
 prefix stays at 0) become *one* kernel call over strided views: no copy, one Python round
 trip for many tiles.
 
-This module only plans; `qkv.kernels.blocks` runs the plan.
+This module only plans; `qkv.kernels.blocks` runs the plan. The problem's sizes arrive as one
+`BlockSizes` (keyword-only fields), never as loose positional integers.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import torch
 
 from qkv.masks import EMPTY, FULL, BlockLayout
 
-__all__ = ["Call", "Piece", "TileConfig", "TilePlan", "plan_intervals", "plan_layout"]
+__all__ = ["BlockConfig", "BlockPlan", "BlockSizes", "Call", "Piece", "plan_intervals", "plan_layout"]
 
 
 @dataclass(frozen=True)
-class TileConfig:
-    """Sizes of the CPU tile engine (measured with benchmarks/sparse.py)."""
+class BlockConfig:
+    """Tile and call sizes of the CPU block engine (measured with benchmarks/sparse.py)."""
 
     # Query rows per kernel item (at most). PyTorch's CPU flash kernel works on chunks of 32
     # query rows below 192 rows and of 64 from 192: 192 is the smallest item with the larger
@@ -88,14 +89,33 @@ class Call:
     over_batch: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """The sizes of one problem that the planner needs, named (keyword-only): L and S, or N and
+    H, cannot be swapped unnoticed. Ep is the one head size the kernel sees."""
+
+    N: int  # batch rows (the caller's batch dims flattened)
+    H: int  # query heads; key/value heads are expanded to H before the kernel runs
+    L: int  # query length
+    S: int  # key length
+    Ep: int  # max(E, Ev): q, k and v are zero-padded to one head size for the kernel
+    itemsize: int  # bytes per element of q, k and v
+    mask_heads: int = 1  # heads (or head-sized tensors) each masked or scored tile carries
+    need_grad: bool = True  # size the calls for a backward pass too (smaller calls)
+
+    def __post_init__(self) -> None:
+        for name in ("N", "H", "L", "S", "Ep", "itemsize", "mask_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+
+
 @dataclass(frozen=True)
-class TilePlan:
+class BlockPlan:
     """Every kernel call of one problem, and the pieces of each (plan batch row)."""
 
-    config: TileConfig
-    N: int
-    L: int
-    S: int
+    config: BlockConfig
+    sizes: BlockSizes
     calls: tuple[Call, ...]
     pieces: tuple[tuple[Piece, ...], ...]  # [plan batch row (1 or N)], sorted by rows
     uncovered: tuple[tuple[tuple[int, int], ...], ...]  # [plan batch row]: row ranges with no piece
@@ -106,16 +126,17 @@ class TilePlan:
         """(query, key) pairs the calls compute, summed over batch rows (per head)."""
         return sum(c.items * c.q_len * c.width for c in self.calls)
 
-    def max_call_bytes(self, H: int, D: int, itemsize: int, mask_heads: int = 1) -> int:
+    def max_call_bytes(self) -> int:
         """Largest forward temporaries of one call: its output, lse and mask tile."""
+        z = self.sizes
         return max(
-            (c.items * H * c.q_len * (D * itemsize + 4) + (c.items * mask_heads * c.q_len * c.width * (itemsize + 1)
-                                                           if c.masked else 0) for c in self.calls),
+            (c.items * z.H * c.q_len * (z.Ep * z.itemsize + 4)
+             + (c.items * z.mask_heads * c.q_len * c.width * (z.itemsize + 1) if c.masked else 0) for c in self.calls),
             default=0,
         )
 
 
-def _split(q0: int, q1: int, kmin: int, kmax: int, full_lo: int, full_hi: int, config: TileConfig) -> list[Piece]:
+def _split(q0: int, q1: int, kmin: int, kmax: int, full_lo: int, full_hi: int, config: BlockConfig) -> list[Piece]:
     """Pieces of rows [q0, q1) whose keys are kmin..kmax, all of them visible to every row
     in full_lo..full_hi (empty when full_lo > full_hi)."""
     if full_lo == kmin and full_hi == kmax:
@@ -141,7 +162,7 @@ def _uncovered(pieces: list[Piece], L: int) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
 
 
-def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: TileConfig) -> list[Piece]:
+def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: BlockConfig) -> list[Piece]:
     """`_interval_pieces` for rows that all see some key through intervals whose ends never
     decrease (every interval mask of qkv, sorted documents): each group's end is found by
     binary search instead of row by row."""
@@ -160,7 +181,7 @@ def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: TileConfig) -> list
     return pieces
 
 
-def _interval_pieces(lo: list[int], hi: list[int], config: TileConfig) -> list[Piece]:
+def _interval_pieces(lo: list[int], hi: list[int], config: BlockConfig) -> list[Piece]:
     """Greedy row groups over one batch row's intervals (module docstring)."""
     L = len(lo)
     pieces: list[Piece] = []
@@ -184,24 +205,13 @@ def _interval_pieces(lo: list[int], hi: list[int], config: TileConfig) -> list[P
     return pieces
 
 
-def plan_intervals(
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    L: int,
-    S: int,
-    N: int,
-    H: int,
-    D: int,
-    itemsize: int,
-    config: TileConfig,
-    need_grad: bool = True,
-    mask_heads: int = 1,
-) -> TilePlan:
-    """Plan from the per-query key intervals (B | 1, L) of `Mask.row_intervals`.
+def plan_intervals(lo: torch.Tensor, hi: torch.Tensor, sizes: BlockSizes, config: BlockConfig) -> BlockPlan:
+    """Plan from the per-query key intervals lo, hi (N | 1, L) of `Mask.row_intervals`.
 
-    Without ``need_grad`` the calls are sized for the forward pass alone (fewer, larger).
-    ``mask_heads``: heads (or head-sized tensors) each masked or scored tile carries."""
-    lo, hi = lo.clamp(min=0).cpu(), hi.clamp(max=S - 1).cpu()
+    Without ``sizes.need_grad`` the calls are sized for the forward pass alone (fewer, larger)."""
+    if lo.shape != hi.shape or lo.dim() != 2 or lo.shape[1] != sizes.L or lo.shape[0] not in (1, sizes.N):
+        raise ValueError(f"key intervals of shape {tuple(lo.shape)} / {tuple(hi.shape)} do not fit (N | 1, L) for {sizes}")
+    lo, hi = lo.clamp(min=0).cpu(), hi.clamp(max=sizes.S - 1).cpu()
     rows = []
     for a, b in zip(lo.numpy(), hi.numpy(), strict=True):
         nonempty = a <= b
@@ -210,11 +220,11 @@ def plan_intervals(
             rows.append(_monotone_pieces(a, b, config))
         else:
             rows.append(_interval_pieces(a.tolist(), b.tolist(), config))
-    plan = _plan(rows, L, S, N, H, D, itemsize, config, mask_heads, need_grad)
+    plan = _plan(rows, sizes, config)
     return dataclasses.replace(plan, intervals=(lo, hi))
 
 
-def _layout_pieces(nonempty: np.ndarray, full: np.ndarray, L: int, S: int, config: TileConfig) -> list[Piece]:
+def _layout_pieces(nonempty: np.ndarray, full: np.ndarray, L: int, S: int, config: BlockConfig) -> list[Piece]:
     """Pieces of every query block from the states of its key blocks (nQ, nK)."""
     bq, bk = config.block_q, config.block_k
     pieces: list[Piece] = []
@@ -249,47 +259,29 @@ def _layout_pieces(nonempty: np.ndarray, full: np.ndarray, L: int, S: int, confi
     return pieces
 
 
-def plan_layout(
-    layout: BlockLayout,
-    N: int,
-    H: int,
-    D: int,
-    itemsize: int,
-    config: TileConfig,
-    mask_heads: int = 1,
-    need_grad: bool = True,
-) -> TilePlan:
-    """Plan the non-empty tiles of ``layout`` for N batch rows (any mask)."""
+def plan_layout(layout: BlockLayout, sizes: BlockSizes, config: BlockConfig) -> BlockPlan:
+    """Plan the non-empty tiles of ``layout`` for ``sizes.N`` batch rows (any mask)."""
     if layout.block_q != config.block_q or layout.block_k != config.block_k:
         raise ValueError(
             f"layout tiles {layout.block_q}x{layout.block_k} differ from the engine's {config.block_q}x{config.block_k}"
         )
+    if (layout.L, layout.S) != (sizes.L, sizes.S) or layout.states.shape[0] not in (1, sizes.N):
+        raise ValueError(f"a layout of {layout.L}x{layout.S} scores, batch {layout.states.shape[0]}, does not fit {sizes}")
     states = layout.states.cpu().numpy()  # (B | 1, H | 1, nQ, nK)
     nonempty = (states != EMPTY).any(axis=1)  # (B | 1, nQ, nK): union over the heads
     full = (states == FULL).all(axis=1)  # (B | 1, nQ, nK)
     rows = [_layout_pieces(nonempty[b], full[b], layout.L, layout.S, config) for b in range(nonempty.shape[0])]
-    return _plan(rows, layout.L, layout.S, N, H, D, itemsize, config, mask_heads, need_grad)
+    return _plan(rows, sizes, config)
 
 
-def _plan(
-    rows: list[list[Piece]],
-    L: int,
-    S: int,
-    N: int,
-    H: int,
-    D: int,
-    itemsize: int,
-    config: TileConfig,
-    mask_heads: int,
-    need_grad: bool,
-) -> TilePlan:
+def _plan(rows: list[list[Piece]], sizes: BlockSizes, config: BlockConfig) -> BlockPlan:
     per_batch = len(rows) > 1
     calls: list[Call] = []
     for b, pieces in enumerate(rows):
-        calls += _group(pieces, b if per_batch else None, N, H, D, itemsize, config, mask_heads, need_grad)
-    return TilePlan(
-        config, N, L, S, tuple(calls), tuple(tuple(sorted(p, key=lambda x: (x.q0, x.k0))) for p in rows),
-        tuple(_uncovered(p, L) for p in rows),
+        calls += _group(pieces, b if per_batch else None, sizes, config)
+    return BlockPlan(
+        config, sizes, tuple(calls), tuple(tuple(sorted(p, key=lambda x: (x.q0, x.k0))) for p in rows),
+        tuple(_uncovered(p, sizes.L) for p in rows),
     )
 
 
@@ -302,28 +294,20 @@ class _Shape:
     masked: bool
 
 
-def _item_bytes(H: int, D: int, shape: _Shape, mask_heads: int, itemsize: int, need_grad: bool) -> int:
+def _item_bytes(sizes: BlockSizes, shape: _Shape) -> int:
     """Temporaries of one item: output and lse, its mask tile, and for the backward pass the
     gradients of its queries, keys and values."""
-    out = H * shape.q_len * (D * itemsize + 4)
+    H, Ep, itemsize = sizes.H, sizes.Ep, sizes.itemsize
+    out = H * shape.q_len * (Ep * itemsize + 4)
     # a masked tile carries its mask; with score terms (mask_heads > 1) every tile carries
     # per-head biases or scores, masked or not
-    mask = mask_heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked or mask_heads > 1 else 0
-    grads = (2 * H * shape.width * D * itemsize + H * shape.q_len * D * itemsize) if need_grad else 0
+    heads = sizes.mask_heads
+    mask = heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked or heads > 1 else 0
+    grads = (2 * H * shape.width * Ep * itemsize + H * shape.q_len * Ep * itemsize) if sizes.need_grad else 0
     return out + mask + grads
 
 
-def _group(
-    pieces: list[Piece],
-    n: int | None,
-    N: int,
-    H: int,
-    D: int,
-    itemsize: int,
-    config: TileConfig,
-    mask_heads: int,
-    need_grad: bool,
-) -> list[Call]:
+def _group(pieces: list[Piece], n: int | None, sizes: BlockSizes, config: BlockConfig) -> list[Call]:
     """Batch pieces of adjacent row groups with evenly spaced keys into calls.
 
     ``n`` is the batch row when the plan has one per row; None when it holds for all rows.
@@ -338,7 +322,7 @@ def _group(
     calls: list[Call] = []
     for shape, members in groups.items():
         members.sort(key=lambda p: (p.q0, p.k0))
-        budget = max(1, config.call_bytes // _item_bytes(H, D, shape, mask_heads, itemsize, need_grad))
+        budget = max(1, config.call_bytes // _item_bytes(sizes, shape))
         run: list[Piece] = []
         step = 0
         for p in members:
@@ -349,9 +333,9 @@ def _group(
                     step = gap
                     run.append(p)
                     continue
-                calls += _calls_of_run(run, step, shape, n, N, budget, merged)
+                calls += _calls_of_run(run, step, shape, n, sizes.N, budget, merged)
             run, step = [p], 0
-        calls += _calls_of_run(run, step, shape, n, N, budget, merged)
+        calls += _calls_of_run(run, step, shape, n, sizes.N, budget, merged)
     return calls
 
 
