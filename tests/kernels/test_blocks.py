@@ -106,19 +106,24 @@ def test_engine_matches_the_reference(planner: str, kind: str, config: str, size
         L, S = S, L  # documents(ids) places the queries on the last positions: keep L <= S
     N, H, G, E, Ev, scale = 2, 4, 2, 8, 5, 0.3
     mask = MASKS[kind](N, S)
-    q, k, v, d_out = _problem(N, H, G, L, S, E, Ev)
     tiles = _plan(planner, mask, N, H, L, S, max(E, Ev), CONFIGS[config])
+    check_engine(mask, tiles, _problem(N, H, G, L, S, E, Ev), scale, heads=[3, 0], rows=[L - 1, 0, L // 2])
+
+
+def check_engine(mask: M.Mask, plan: BlockPlan, problem, scale: float, heads: list[int], rows: list[int]) -> None:
+    """The engine on ``plan`` against the reference: output, lse, gradients, chosen weights."""
+    q, k, v, d_out = problem
+    N, H, L = q.shape[0], q.shape[1], q.shape[2]
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out, lse = block_attention(q, k, v, mask, tiles, scale)
+    out, lse = block_attention(q, k, v, mask, plan, scale)
     # a loss that reads the output and the lse: both gradients flow back (d lse_i / d s_ij = p_ij)
     d_lse = torch.randn(N, H, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     grads = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
     trace, ref_grads = _reference(q.detach(), k.detach(), v.detach(), mask, d_out, scale, d_lse)
     _assert_matches(out, lse, grads, trace, ref_grads, 1e-10)
     # exact probabilities of chosen heads and rows, block by block, from the saved lse
-    heads, rows = torch.tensor([3, 0]), torch.tensor([L - 1, 0, L // 2])
-    weights = block_weights(q.detach(), k.detach(), mask, tiles, scale, heads, rows, lse.detach())
-    np.testing.assert_allclose(weights.numpy(), trace.weights[:, [3, 0]][:, :, [L - 1, 0, L // 2]], atol=1e-12)
+    weights = block_weights(q.detach(), k.detach(), mask, plan, scale, torch.tensor(heads), torch.tensor(rows), lse.detach())
+    np.testing.assert_allclose(weights.numpy(), trace.weights[:, heads][:, :, rows], atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", MASKS)
@@ -256,9 +261,11 @@ def test_dispatch_and_explain() -> None:
     window = M.sliding_window(256)
     e = qkv.explain(q, k, v, window)
     assert e.path == "blocks" and "sliding_window(left=256, right=0)" in e.reason
-    # row groups of block_q (< 256) rows, each computing exactly the keys its rows see: r0 - 256 .. r1 - 1
+    # rows 0..256 see keys 0..r: one causal square (its lower triangle); then row groups of
+    # block_q (< 256) rows [r0, r1), each the keys r0 - 256 .. r0 - 1 (masked) and a causal square
     bq = qkv.dispatch.BLOCKS.block_q
-    pairs = sum((min(1024, r0 + bq) - r0) * (min(1024, r0 + bq) - max(0, r0 - 256)) for r0 in range(0, 1024, bq))
+    pairs = 257 * 258 // 2 + sum((r1 - r0) * 256 + (r1 - r0) * (r1 - r0 + 1) // 2
+                                 for r0, r1 in ((r, min(1024, r + bq)) for r in range(257, 1024, bq)))
     assert e.flops == 2 * (16 + 16) * pairs * 2
     assert e.visited_fraction == pytest.approx(pairs / 1024**2)
     tiles = states_from_dense(window.to_dense(1024, 1024), bq, qkv.dispatch.BLOCKS.block_k)

@@ -120,7 +120,9 @@ def test_engine_backward_by_the_tolerance_rule(shape: str, kind: str, monkeypatc
     spy = _Spy(monkeypatch)
     out, grads = _grads(lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale), q, k, v, d_out, DTYPE)
     naive_out, naive_grads = _grads(lambda a, b, c: _naive(a, b, c, dense, scale), q, k, v, d_out, DTYPE)
-    assert spy.calls > 0  # the case reaches the matrix-product backward
+    # the case reaches the matrix-product backward; a causal mask's rows are causal squares,
+    # which stay on the flash kernel (its is_causal needs no q_len x q_len tile)
+    assert spy.calls > 0 or kind == "causal"
     assert_by_the_rule(out, grads, naive_out, naive_grads, trace.output, ref_grads)
 
 

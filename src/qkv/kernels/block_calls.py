@@ -4,7 +4,7 @@ A plan (`qkv.kernels.block_plan`) is a list of calls; a call is ``items`` pieces
 shape. This module holds what does not depend on how one call is computed:
 
 - `kernel_inputs`: q, k, v brought to one head size Ep = max(E, Ev) and to H heads;
-- `item_view` / `row_view`: strided views of a call's items, no copy;
+- `item_view` / `row_view` / `gradient_view`: strided views of a call's items, no copy;
 - `mask_tile`: the additive -inf bias of a masked call, kept for reuse when it repeats;
 - `run_calls`: runs a ``compute(call)`` for every call and places or merges
   (`qkv.kernels.merge.merge_partial`) its output and lse into the result rows;
@@ -36,6 +36,7 @@ __all__ = [
     "CallResult",
     "add_key_grads",
     "add_query_grads",
+    "gradient_view",
     "item_view",
     "kernel_inputs",
     "mask_tile",
@@ -86,6 +87,14 @@ def item_view(x: torch.Tensor, call: Call, keys: bool) -> torch.Tensor:
     s_n, s_h, s_t, s_d = x.stride()
     offset = x.storage_offset() + call.n * s_n + start * s_t
     return x.as_strided((call.items, x.shape[1], length, x.shape[3]), (step * s_t, s_h, s_t, s_d), offset)  # (items, H, len, Ep)
+
+
+def gradient_view(grad_out: torch.Tensor, call: Call, dtype: torch.dtype) -> torch.Tensor:
+    """`item_view` of the output's gradient (N, H, L, Ep) in ``dtype``, copied for this call
+    alone when its last dim is not contiguous (the broadcast gradient of ``out.sum()``) or its
+    dtype differs: never a full-size copy."""
+    view = item_view(grad_out, call, keys=False).to(dtype)  # (items, H, q_len, Ep)
+    return view if view.stride(-1) == 1 else view.contiguous()
 
 
 def row_view(x: torch.Tensor, call: Call) -> torch.Tensor:
@@ -174,25 +183,29 @@ def run_calls(q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallRe
     acc_dtype = accumulation_dtype(q.dtype)
     out = torch.empty(N, L, H, Ep, dtype=acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)
-    # rows that no piece covers, and rows that calls merge into, start as "nothing seen yet":
-    # output 0, lse -inf (rows with no visible key stay so)
+    # rows that no piece covers are "nothing seen": output 0, lse -inf (rows with no visible key)
     per_batch = len(plan.uncovered) > 1
     for n in range(N):
         for first, stop in plan.uncovered[n if per_batch else 0]:
             out[n, first:stop] = 0.0
             lse[n, first:stop] = _NEG_INF
-    for call in plan.calls:
-        if call.merge:
-            _row_slab(out, call).zero_()
-            _row_slab(lse, call).fill_(_NEG_INF)
+    # rows of several pieces: the first call to reach a row places its result, later ones merge
+    written = torch.zeros(N, L, dtype=torch.bool) if any(call.merge for call in plan.calls) else None
     for call in plan.calls:
         o, lse_o = compute(call)
         out_slab, lse_slab = _row_slab(out, call), _row_slab(lse, call)
         if call.merge:
-            merge_partial(out_slab, lse_slab, _as_slab(o, call).to(acc_dtype), _as_slab(lse_o, call).to(acc_dtype))
-        else:
-            out_slab.copy_(_as_slab(o, call))
-            lse_slab.copy_(_as_slab(lse_o, call))
+            assert written is not None
+            seen = _row_slab(written, call)  # (items * q_len,) or (items, q_len)
+            first = not bool(seen.any())
+            if not first and not bool(seen.all()):
+                out_slab[~seen], lse_slab[~seen] = 0.0, _NEG_INF
+            seen.fill_(True)
+            if not first:
+                merge_partial(out_slab, lse_slab, _as_slab(o, call).to(acc_dtype), _as_slab(lse_o, call).to(acc_dtype))
+                continue
+        out_slab.copy_(_as_slab(o, call))
+        lse_slab.copy_(_as_slab(lse_o, call))
     return out.transpose(1, 2), lse.transpose(1, 2)  # (N, H, L, Ep), (N, H, L)
 
 

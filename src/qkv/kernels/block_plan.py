@@ -14,7 +14,10 @@ planners cut the visible part of the matrix into pieces:
 
 A piece with partial visibility wider than ``masked_span`` keys is split into the part that
 every row sees (no mask) and the masked rest; pieces of the same rows are merged exactly
-through their log-sum-exp. Pieces of consecutive row groups with the same shape whose keys
+through their log-sum-exp. Where the rows' last keys follow the diagonal (causal masks, the
+causal part of documents and windows), the square under the diagonal is a *causal* piece:
+row i of it sees its keys 0..i, which the kernel's own ``is_causal`` computes without a tile
+(and without the blocks above the diagonal). Pieces of consecutive row groups with the same shape whose keys
 start at evenly spaced positions (a sliding window moves by block_q keys per block, a
 prefix stays at 0) become *one* kernel call over strided views: no copy, one Python round
 trip for many tiles.
@@ -66,6 +69,9 @@ class Piece:
     k0: int
     k1: int
     masked: bool
+    # a square (k1 - k0 == q1 - q0) whose row i sees exactly its keys k0 .. k0 + i: the
+    # kernel's is_causal (top-left), no tile
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Call:
     masked: bool
     merge: bool  # some item's rows have several pieces: merge by log-sum-exp
     over_batch: bool = False
+    causal: bool = False  # causal pieces (`Piece.causal`): the kernel's is_causal, no tile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +130,9 @@ class BlockPlan:
     intervals: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def computed_pairs(self) -> int:
-        """(query, key) pairs the calls compute, summed over batch rows (per head)."""
-        return sum(c.items * c.q_len * c.width for c in self.calls)
+        """(query, key) pairs the calls compute, summed over batch rows (per head); a causal
+        square counts its lower triangle, the part the kernel computes."""
+        return sum(c.items * (c.q_len * (c.q_len + 1) // 2 if c.causal else c.q_len * c.width) for c in self.calls)
 
     def max_call_bytes(self) -> int:
         """Largest forward temporaries of one call: its output, lse and mask tile."""
@@ -157,28 +165,53 @@ def _uncovered(pieces: list[Piece], L: int) -> tuple[tuple[int, int], ...]:
     for p in pieces:
         covered[p.q0] += 1
         covered[p.q1] -= 1
-    free = np.cumsum(covered)[:L] == 0
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], free.astype(np.int8), [0]))))
-    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
+    return tuple(_runs(np.cumsum(covered)[:L] == 0))
 
 
-def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: BlockConfig) -> list[Piece]:
+def _monotone_pieces(lo: np.ndarray, hi: np.ndarray, config: BlockConfig, causal: bool) -> list[Piece]:
     """`_interval_pieces` for rows that all see some key through intervals whose ends never
     decrease (every interval mask of qkv, sorted documents): each group's end is found by
-    binary search instead of row by row."""
+    binary search instead of row by row. With ``causal``, rows whose last keys follow the
+    diagonal get causal squares (`_diagonal_pieces`)."""
     L = len(lo)
     bq = config.block_q
     pieces: list[Piece] = []
     q0 = 0
+    # runs of rows that share their first key and whose last key moves by one per row (a
+    # causal document): each becomes one causal square, whatever its length, without merges
+    run_starts = np.append(np.flatnonzero((np.diff(lo) != 0) | (np.diff(hi) != 1)) + 1, L)
     while q0 < L:
+        run_end = int(run_starts[np.searchsorted(run_starts, q0, side="right")])
+        run = _diagonal_pieces(q0, run_end, lo, hi, config) if causal and run_end - q0 >= config.min_rows else None
+        if run is not None:
+            pieces += run
+            q0 = run_end
+            continue
         # a new document: the first row whose keys begin after the first row's keys end
         new_document = max(int(np.searchsorted(lo, hi[q0], side="right")), q0 + config.min_rows)
         drift = min(int(np.searchsorted(lo, lo[q0] + bq, side="left")), int(np.searchsorted(hi, hi[q0] + bq, side="left")))
         end = max(q0 + 1, min(L, q0 + bq, new_document, drift))
         last = end - 1
-        pieces += _split(q0, end, int(lo[q0]), int(hi[last]), int(lo[last]), int(hi[q0]), config)
+        diagonal = _diagonal_pieces(q0, end, lo, hi, config) if causal else None
+        if diagonal is None:
+            diagonal = _split(q0, end, int(lo[q0]), int(hi[last]), int(lo[last]), int(hi[q0]), config)
+        pieces += diagonal
         q0 = end
     return pieces
+
+
+def _diagonal_pieces(q0: int, q1: int, lo: np.ndarray, hi: np.ndarray, config: BlockConfig) -> list[Piece] | None:
+    """Rows [q0, q1) whose last keys follow the diagonal, hi[r] = r + c, and who all see the
+    key q0 + c: the causal square [q0 + c, q1 + c) and the pieces of the keys left of it.
+    None when the rows do not have that shape."""
+    first_key = int(hi[q0])
+    if q1 - q0 < 2 or int(lo[q1 - 1]) > first_key or not bool((np.diff(hi[q0:q1]) == 1).all()):
+        return None
+    square = Piece(q0, q1, first_key, first_key + (q1 - q0), masked=False, causal=True)
+    if int(lo[q0]) >= first_key:
+        return [square]  # a document's or sequence's first rows: nothing left of the square
+    left_last = first_key - 1
+    return [*_split(q0, q1, int(lo[q0]), left_last, int(lo[q1 - 1]), left_last, config), square]
 
 
 def _interval_pieces(lo: list[int], hi: list[int], config: BlockConfig) -> list[Piece]:
@@ -216,12 +249,24 @@ def plan_intervals(lo: torch.Tensor, hi: torch.Tensor, sizes: BlockSizes, config
     for a, b in zip(lo.numpy(), hi.numpy(), strict=True):
         nonempty = a <= b
         monotone = bool((np.diff(a[nonempty]) >= 0).all() and (np.diff(b[nonempty]) >= 0).all())
-        if monotone and nonempty.all():
-            rows.append(_monotone_pieces(a, b, config))
+        if monotone:
+            # causal squares save the tile of a mask; tiles of score terms are built anyway
+            causal = sizes.mask_heads == 1
+            pieces = []
+            for first, stop in _runs(nonempty):  # rows with no visible key belong to no piece
+                pieces += [dataclasses.replace(p, q0=p.q0 + first, q1=p.q1 + first)
+                           for p in _monotone_pieces(a[first:stop], b[first:stop], config, causal)]
+            rows.append(pieces)
         else:
             rows.append(_interval_pieces(a.tolist(), b.tolist(), config))
     plan = _plan(rows, sizes, config)
     return dataclasses.replace(plan, intervals=(lo, hi))
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """The [first, stop) ranges of consecutive True entries."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], flags.astype(np.int8), [0]))))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _layout_pieces(nonempty: np.ndarray, full: np.ndarray, L: int, S: int, config: BlockConfig) -> list[Piece]:
@@ -292,6 +337,7 @@ class _Shape:
     q_len: int
     width: int
     masked: bool
+    causal: bool
 
 
 def _item_bytes(sizes: BlockSizes, shape: _Shape) -> int:
@@ -318,7 +364,7 @@ def _group(pieces: list[Piece], n: int | None, sizes: BlockSizes, config: BlockC
     merged = {rows for rows, count in per_rows.items() if count > 1}
     groups: dict[_Shape, list[Piece]] = {}
     for p in pieces:
-        groups.setdefault(_Shape(p.q1 - p.q0, p.k1 - p.k0, p.masked), []).append(p)
+        groups.setdefault(_Shape(p.q1 - p.q0, p.k1 - p.k0, p.masked, p.causal), []).append(p)
     calls: list[Call] = []
     for shape, members in groups.items():
         members.sort(key=lambda p: (p.q0, p.k0))
@@ -348,10 +394,11 @@ def _calls_of_run(
     if n is None and N > 1 and len(run) == 1:
         # one row group: its batch rows become the items of the call
         return [
-            Call(row, first.q0, min(budget, N - row), shape.q_len, first.k0, 0, shape.width, shape.masked, merge, True)
+            Call(row, first.q0, min(budget, N - row), shape.q_len, first.k0, 0, shape.width, shape.masked, merge,
+                 over_batch=True, causal=shape.causal)
             for row in range(0, N, budget)
         ]
     return [
-        Call(row, first.q0, len(run), shape.q_len, first.k0, step, shape.width, shape.masked, merge)
+        Call(row, first.q0, len(run), shape.q_len, first.k0, step, shape.width, shape.masked, merge, causal=shape.causal)
         for row in ([n] if n is not None else range(N))
     ]

@@ -45,6 +45,7 @@ from qkv.kernels.block_calls import (
     CallResult,
     add_key_grads,
     add_query_grads,
+    gradient_view,
     item_view,
     kernel_inputs,
     mask_tile,
@@ -86,7 +87,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -
         bias, empty_rows = mask_tile(run, call, q.dtype) if call.masked else (None, None)
         o, lse_o = flash(
             item_view(q, call, keys=False), item_view(k, call, keys=True), item_view(v, call, keys=True),
-            0.0, False, attn_mask=bias, scale=run.scale,
+            0.0, call.causal, attn_mask=bias, scale=run.scale,
         )[:2]  # (items, H, q_len, Ep), (items, H, q_len)
         if empty_rows is not None:
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
@@ -119,13 +120,13 @@ def _backward(
     N, H, L, cols = q.shape  # cols: Ep, or Ep + 1 with the lse gradient's column
     S = k.shape[2]
     acc_dtype = accumulation_dtype(q.dtype)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
-    by_products = [suits(q.dtype, call.merge, grad_lse is not None) for call in run.plan.calls]
+    # causal squares stay on the flash kernel: its is_causal needs no q_len x q_len tile
+    by_products = [suits(q.dtype, call.merge, grad_lse is not None) and not call.causal for call in run.plan.calls]
     kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
     if not all(by_products):
-        # the flash kernel's inputs (N, H, *, cols), converted once for all its calls
-        flash_in = tuple(x.to(kernel_dtype) for x in (grad_out, q, k, v, out))
+        # the flash kernel's inputs (N, H, *, cols), converted once for all its calls; grad_out
+        # call by call (`gradient_view`: the gradient of out.sum() is broadcast)
+        flash_in = tuple(x.to(kernel_dtype) for x in (q, k, v, out))
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     dq = torch.zeros(N, H, L, cols, dtype=acc_dtype)
@@ -137,17 +138,17 @@ def _backward(
             # bf16 products on the matrix units (qkv.kernels.matmul_backward), not the flash kernel
             bias, empty = mask_tile(run, call, q.dtype) if call.masked else (None, None)
             gq, gk, gv = call_gradients(
-                item_view(grad_out, call, keys=False), item_view(q, call, keys=False),
+                gradient_view(grad_out, call, q.dtype), item_view(q, call, keys=False),
                 item_view(k, call, keys=True), item_view(v, call, keys=True), bias, empty, run.scale,
                 run.plan.config.call_bytes,
             )  # (items, H, q_len, cols), (items, H, width, cols) x 2
         else:
-            g_, q_, k_, v_, o_ = flash_in
+            q_, k_, v_, o_ = flash_in
             bias = mask_tile(run, call, kernel_dtype)[0] if call.masked else None
             gq, gk, gv = flash_backward(
-                item_view(g_, call, keys=False), item_view(q_, call, keys=False),
+                gradient_view(grad_out, call, kernel_dtype), item_view(q_, call, keys=False),
                 item_view(k_, call, keys=True), item_view(v_, call, keys=True),
-                item_view(o_, call, keys=False), row_view(lse, call), 0.0, False, attn_mask=bias, scale=run.scale,
+                item_view(o_, call, keys=False), row_view(lse, call), 0.0, call.causal, attn_mask=bias, scale=run.scale,
             )  # (items, H, q_len, cols), (items, H, width, cols) x 2
         add_query_grads(dq, call, gq)
         add_key_grads(dk, call, gk)
@@ -172,7 +173,7 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
-            grad_out = torch.zeros_like(out)
+            grad_out = torch.zeros((), dtype=out.dtype).expand(out.shape)  # only lse is used: no full-size zeros
         with torch.autocast(q.device.type, enabled=False):  # float32 accumulators stay float32
             dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
         return dq, dk, dv, None
@@ -231,8 +232,8 @@ def _piece_scores(
                     keys = torch.arange(p.k0, p.k1, device=device).view(1, 1, -1)  # (1, 1, width)
                     b = torch.full((1, 1, 1), n, device=device)
                     s = terms.apply(s, b, heads.view(-1, 1, 1), q_rows.view(1, -1, 1), keys)
-                if p.masked:
-                    assert mask is not None  # masked pieces come from a mask
+                if p.masked or p.causal:
+                    assert mask is not None  # masked and causal pieces come from a mask
                     b = torch.full((1, 1, 1), n if mask.batch is not None else 0, device=device)
                     h = heads.view(-1, 1, 1) if mask.heads is not None else torch.zeros(1, 1, 1, dtype=torch.long, device=device)  # (h | 1, 1, 1)
                     keys = torch.arange(p.k0, p.k1, device=device).view(1, 1, -1)  # (1, 1, width)

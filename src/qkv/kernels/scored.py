@@ -140,7 +140,7 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[t
 def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, acc: torch.dtype) -> calls.CallResult:
     """One call on qkv's tile kernel: (o (items, H, q_len, Ep), lse (items, H, q_len)) in acc."""
     s = _scores(calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), call, run, run.terms, acc, inplace=True)
-    if call.masked:
+    if call.masked or call.causal:  # this kernel has no is_causal: a causal square gets its tile
         s.add_(calls.mask_tile(run.masks, call, acc)[0])
     # softmax in place over the tile (no autograd here): s becomes exp(s - row max)
     row_max = s.amax(dim=-1, keepdim=True)  # (items, H, q_len, 1)
@@ -165,7 +165,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
         tile, empty_rows = _bias_tile(run, call, H, acc)
         o, lse_o = flash(
             calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
-            0.0, False, attn_mask=tile, scale=run.masks.scale,
+            0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
         )[:2]  # (items, H, q_len, Ep), (items, H, q_len)
         if empty_rows is not None:
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
@@ -199,7 +199,7 @@ def _own_backward(
     with torch.enable_grad():
         s = _scores(q_t, k_t, call, run, terms, acc)  # (items, H, q_len, width)
     hidden = s.detach()
-    if call.masked:
+    if call.masked or call.causal:
         hidden = hidden + calls.mask_tile(run.masks, call, acc)[0]
     row_lse = calls.row_view(lse, call).unsqueeze(-1)  # (items, H, q_len, 1): finite (empty rows set to 0)
     p = torch.exp(hidden - row_lse)  # (items, H, q_len, width): 0 where masked
@@ -232,8 +232,6 @@ def _backward(
     N, H, L, Ep = q.shape
     S = k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
     finite_lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # exp(-inf - 0) = 0 on rows with no key
     dq = torch.zeros(N, H, L, Ep, dtype=acc)
     dk = torch.zeros(N, H, S, Ep, dtype=acc)
@@ -254,9 +252,9 @@ def _backward(
         else:
             tile, _ = _bias_tile(run, call, H, acc)
             gq, gk, gv = flash_backward(
-                calls.item_view(grad_out, call, keys=False), calls.item_view(q, call, keys=False),
+                calls.gradient_view(grad_out, call, q.dtype), calls.item_view(q, call, keys=False),
                 calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
-                calls.item_view(out, call, keys=False), calls.row_view(finite_lse, call), 0.0, False, attn_mask=tile, scale=run.masks.scale,
+                calls.item_view(out, call, keys=False), calls.row_view(finite_lse, call), 0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
             )  # (items, H, q_len, Ep), (items, H, width, Ep) x 2
         calls.add_query_grads(dq, call, gq)
         calls.add_key_grads(dk, call, gk)
