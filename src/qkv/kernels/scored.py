@@ -154,7 +154,7 @@ def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, 
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> calls.CallResult:
-    """Output (N, H, L, Ep) in q's dtype and lse (N, H, L) float32 or wider (as `blocks._forward`)."""
+    """Output (N, H, L, Ep) in the accumulation dtype (not rounded to q's) and lse (N, H, L) float32 or wider."""
     H = q.shape[1]
     acc = accumulation_dtype(q.dtype)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -171,8 +171,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    out, lse = calls.run_calls(q, run.plan, compute)
-    return out.to(q.dtype), lse
+    return calls.run_calls(q, run.plan, compute)  # output in the accumulation dtype, unrounded
 
 
 def _own_backward(
@@ -238,7 +237,8 @@ def _backward(
     dv = torch.zeros(N, H, S, Ep, dtype=acc)
     d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
     own = not run.flash or bias_needs_grad or grad_lse is not None
-    delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1) if own else None  # (N, H, L)
+    delta = (grad_out.to(acc) * out).sum(dim=-1) if own else None  # (N, H, L), from the unrounded output
+    out_q = out.to(q.dtype)  # the flash kernel takes the output in the inputs' dtype
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     for call in run.plan.calls:
         if own:
@@ -254,7 +254,7 @@ def _backward(
             gq, gk, gv = flash_backward(
                 calls.gradient_view(grad_out, call, q.dtype), calls.item_view(q, call, keys=False),
                 calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
-                calls.item_view(out, call, keys=False), calls.row_view(finite_lse, call), 0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
+                calls.item_view(out_q, call, keys=False), calls.row_view(finite_lse, call), 0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
             )  # (items, H, q_len, Ep), (items, H, width, Ep) x 2
         calls.add_query_grads(dq, call, gq)
         calls.add_key_grads(dk, call, gk)
@@ -268,10 +268,11 @@ class _ScoredBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, *bias_tensors: torch.Tensor):  # type: ignore[override]
-        out, lse = _forward(q, k, v, run)
-        ctx.save_for_backward(q, k, v, out, lse, *bias_tensors)
+        # the backward's row term rowsum(dO * O) reads the unrounded output, as the block engine's
+        out_acc, lse = _forward(q, k, v, run)
+        ctx.save_for_backward(q, k, v, out_acc, lse, *bias_tensors)
         ctx.run = run
-        return out, lse
+        return out_acc.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
