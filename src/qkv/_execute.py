@@ -50,8 +50,10 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
 def _mask_tensor(problem: AttentionProblem, route: MaskRoute) -> torch.Tensor | None:
     """The mask as a tensor (N | 1, H | 1, L, S) on the "dense" route, None on every other."""
     mask = problem.mask
-    if route != "dense" or not isinstance(mask, Mask):
-        return mask if route == "dense" else None
+    if route != "dense":
+        return None
+    if not isinstance(mask, Mask):
+        return mask  # already a tensor (N | 1, H | 1, L, S)
     rendered = mask.to_dense(problem.L, problem.S, device=problem.q.device)  # (B | 1, H | 1, L, S)
     normalized = normalize_mask(rendered, problem.q, problem.batch_shape, problem.H, problem.L, problem.S)
     assert isinstance(normalized, torch.Tensor)

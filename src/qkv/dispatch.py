@@ -24,8 +24,7 @@ import torch
 
 from qkv._problem import AttentionProblem, compact
 from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_intervals, plan_layout
-from qkv.kernels.blocks import flash_kernel_available
-from qkv.kernels.dense import fused_lse_available
+from qkv.kernels.dense import flash_kernel_available, fused_lse_available
 from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.kernels.scored import closes_over_grad
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Mask

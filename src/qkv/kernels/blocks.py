@@ -59,7 +59,7 @@ from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
-__all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes", "flash_kernel_available"]
+__all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"]
 
 _NEG_INF = float("-inf")
 # The dtype the backward kernel runs in, by input dtype. PyTorch's CPU flash backward in
@@ -68,14 +68,6 @@ _NEG_INF = float("-inf")
 # so low-precision inputs are upcast once (exactly) and the float32 kernel runs; the
 # gradients are rounded to the input dtype at the end.
 _BACKWARD_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
-
-
-def flash_kernel_available() -> bool:
-    """Whether this PyTorch has the CPU flash-attention kernels the engine calls."""
-    ops = torch.ops.aten
-    return hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
-        ops, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    )
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -> CallResult:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qkv.kernels.heads import expand_kv_heads
+from qkv.kernels.block_calls import kernel_inputs
 from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype, masked_softmax
@@ -32,6 +32,7 @@ from qkv.kernels.softmax import accumulation_dtype, masked_softmax
 __all__ = [
     "attention_weights_dense",
     "dense_lse",
+    "flash_kernel_available",
     "fused_attention",
     "fused_extra_bytes",
     "fused_lse_available",
@@ -166,14 +167,18 @@ def _acc_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
 
 
+def flash_kernel_available() -> bool:
+    """Whether this PyTorch has the CPU flash-attention kernels (forward and backward) that the
+    fused path's lse and the CPU block engine call."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        ops, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
 def fused_lse_available(q: torch.Tensor) -> bool:
     """Whether the fused kernel can return the log-sum-exp: PyTorch's CPU flash kernel."""
-    ops = torch.ops.aten
-    return (
-        q.device.type == "cpu"
-        and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu")
-        and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward")
-    )
+    return q.device.type == "cpu" and flash_kernel_available()
 
 
 # Query rows per chunk when the log-sum-exp is computed apart from the output: bounds the
@@ -266,18 +271,16 @@ def fused_attention(
             # rows are zeroed below, which also zeroes their gradient.
             mask = mask | empty_rows if mask.dtype == torch.bool else mask.masked_fill(empty_rows, 0.0)
     if need_lse:
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, _NEG_INF)
         if dropout > 0.0:
             raise ValueError("the fused kernel returns no log-sum-exp under dropout")
-        E, Ev = q.shape[-1], v.shape[-1]
-        D = max(E, Ev)
-        # the kernel wants one head size for q, k and v: zero columns change no score and no output
-        q_, k_ = (F.pad(q, (0, D - E)), F.pad(k, (0, D - E))) if E < D else (q, k)
-        v_ = F.pad(v, (0, D - Ev)) if Ev < D else v
+        if mask is not None and mask.dtype == torch.bool:
+            # built once, in the accumulation dtype the kernel takes (no second copy below)
+            hidden = torch.zeros(mask.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+            mask = hidden.masked_fill(~mask, _NEG_INF)
+        Ev = v.shape[-1]
         out, lse = _FlashWithLse.apply(
-            q_, expand_kv_heads(k_, H), expand_kv_heads(v_, H), _additive_mask(mask, q), is_causal, scale
-        )  # (N, H, L, D), (N, H, L)
+            *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale
+        )  # (N, H, L, Ep), (N, H, L)
         out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
     else:
         mask = _additive_mask(mask, q)
