@@ -76,6 +76,7 @@ def test_role_grid_colours_each_cell_by_its_dominant_role(tmp_path: Path) -> Non
     [
         ("missing", "does not exist or is not a file"),
         ("blank", "holds no text"),
+        ("bom_only", "holds no text"),  # a byte-order mark is no text (as in qkv embed --file)
         ("latin1", "is not UTF-8 text"),
         ("png", "--png"),
     ],
@@ -85,6 +86,8 @@ def test_heads_usage_errors_exit_2(runner: CliRunner, tmp_path: Path, setup: str
     args = ["heads", "--texts", str(path)]
     if setup == "blank":
         path.write_text("\n  \n", encoding="utf-8")
+    elif setup == "bom_only":
+        path.write_text("\n  \n", encoding="utf-8-sig")
     elif setup == "latin1":
         path.write_bytes("caf\xe9\n".encode("latin-1"))
     elif setup == "png":

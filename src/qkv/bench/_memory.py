@@ -70,12 +70,12 @@ def peak_growth(trim: bool = False) -> Iterator[PeakGrowth]:
             work()
         print(growth.bytes)
     """
+    if not (_STATUS.exists() and _CLEAR_REFS.exists()):
+        raise OSError(f"no {_STATUS} or {_CLEAR_REFS}: the peak resident set cannot be measured here")
     if trim:
         libc = ctypes.util.find_library("c")
         if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
             ctypes.CDLL(libc).malloc_trim(0)
-    if not (_STATUS.exists() and _CLEAR_REFS.exists()):
-        raise OSError(f"no {_STATUS} or {_CLEAR_REFS}: the peak resident set cannot be measured here")
     _CLEAR_REFS.write_text(_RESET_PEAK)
     before = status_bytes("VmRSS") or 0
     growth = PeakGrowth()

@@ -26,6 +26,7 @@ from rich.text import Text
 from qkv.cli._app import app, check_output_file, console, fail, say
 from qkv.cli._model import load_or_fail, too_long_message
 from qkv.cli._options import BUILTIN_MODEL, JsonOption, ModelOption, TruncateOption
+from qkv.cli.embed import split_lines
 
 if TYPE_CHECKING:
     from qkv.inspect import HeadRoles
@@ -44,12 +45,12 @@ def read_text_lines(path: Path, option: str) -> list[str]:
     if not path.is_file():
         fail(f"{option} {path} does not exist or is not a file")
     try:
-        content = path.read_bytes().decode("utf-8")
+        content = path.read_bytes().decode("utf-8-sig")  # as `qkv embed --file`: a byte-order mark is no text
     except UnicodeDecodeError as error:
         fail(f"{option} {path} is not UTF-8 text: {error}")
     except OSError as error:
         fail(f"{option} {path} cannot be read: {error.strerror or error}")
-    texts = [line.removesuffix("\r") for line in content.split("\n") if line.strip()]
+    texts = [line for line in split_lines(content) if line.strip()]
     if not texts:
         fail(f"{option} {path} holds no text (every line is blank)")
     return texts

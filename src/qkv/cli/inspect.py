@@ -137,6 +137,8 @@ def inspect_command(
         fail("--occurrence picks an occurrence of --token; give --token WORD too")
     if compare is not None and html is None:
         fail("--compare needs --html FILE: the comparison is drawn in the viewer")
+    if steps and token is None:
+        fail("--steps needs --token WORD: the word whose query row is traced")
     check_output_file(html, "--html", (".html", ".htm"))
     check_output_file(png, "--png", (".png", ".svg"))
     encoder = load_or_fail(model, dtype)
@@ -147,8 +149,6 @@ def inspect_command(
     query: list[int] | None = None
     if token is not None:
         query = _find_or_fail(inspection, token, occurrence)
-    if steps and query is None:
-        fail("--steps needs --token WORD: the word whose query row is traced")
     rows = head_report(inspection, query, layers, heads, top) if query is not None else None
     trace = None
     if steps:
