@@ -14,6 +14,7 @@ import torch
 
 from qkv._problem import AttentionProblem
 from qkv.dispatch import BLOCKS, Plan, mask_heads
+from qkv.kernels import interval_bf16
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
@@ -51,6 +52,9 @@ class Explanation:
     # the mask's tiles were not evaluated (Plan.deferred): flops, the visited fraction and
     # score_flops count every pair, an upper bound
     upper_bound: bool = False
+    # blocks without score terms, low-precision inputs: the engine's forward kernel, or why the
+    # fused bf16 kernel does not run (`qkv.kernels.interval_bf16.describe`)
+    forward_kernel: str = ""
     notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
@@ -70,6 +74,8 @@ class Explanation:
             lines.append(f"route: {self.route}")
         if self.tiles is not None:
             lines.append(f"tiles: {self.tiles}")
+        if self.forward_kernel:
+            lines.append(f"forward kernel: {self.forward_kernel}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
         lines += [f"note: {note}" for note in self.notes]
         if self.matmul_rates:
@@ -145,6 +151,10 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         f"{str(q.dtype).removeprefix('torch.')} on {q.device}"
     )
     note = emulation_note(q.dtype, q.device)
+    forward_kernel = ""
+    if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
+        has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
+        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals)
     rates: tuple[tuple[str, float], ...] = ()
     if measure and q.device.type == "cpu":
         from qkv.bench import machine_matmul_gflops  # measuring is the benchmark's business
@@ -168,6 +178,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         scores=problem.terms.describe(),
         score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
         upper_bound=plan.deferred,
+        forward_kernel=forward_kernel,
         notes=() if note is None else (note,),
         matmul_rates=rates,
     )

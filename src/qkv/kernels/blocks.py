@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
+from qkv.kernels import interval_bf16
 from qkv.kernels.block_calls import (
     BlockRun,
     CallResult,
@@ -71,8 +72,15 @@ _BACKWARD_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -> CallResult:
-    """Output (N, H, L, Ep) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, Ep): the
+    """Output (N, H, L, Ep) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, Ep):
+    the fused bf16 kernel (`qkv.kernels.interval_bf16`) when it applies and builds, else the
     flash kernel per call."""
+    intervals = run.plan.intervals
+    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
+        assert intervals is not None
+        fused = interval_bf16.forward(q, k, v, *intervals, run.scale)
+        if fused is not None:  # None: its build or self-check failed just now (explain says why)
+            return fused
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
     def compute(call: Call) -> CallResult:

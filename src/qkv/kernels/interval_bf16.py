@@ -1,0 +1,191 @@
+"""A fused bfloat16 forward for the CPU block engine, compiled once on this machine.
+
+PyTorch's CPU flash kernel, called per tile by `qkv.kernels.blocks`, reaches about 16 % of
+the bf16 matrix-multiply rate on the engine's calls, and a tile of 192 rows computes the
+corners of a band that no row sees. This kernel (``interval_bf16.cpp``) takes the mask as one
+key interval lo..hi per query row (`Mask.row_intervals`, kept by the plan as
+``BlockPlan.intervals``) and, per block of 64 queries, computes only the 64-key panels that
+its rows' intervals touch: scores on the AMX units with a float32 result
+(``at::native::cpublas::brgemm``), an online softmax in float32 that keeps each row's own
+keys, P in bfloat16 times V on the AMX units (FlashAttention-2, algorithm 1). Python cannot
+reach that micro-kernel: PyTorch has no bf16 x bf16 -> float32 product on CPU
+(``mm(out_dtype=)`` is not implemented there), so the source is compiled with
+``torch.utils.cpp_extension`` the first time it is needed (about a minute, one message on
+stderr) and cached under PyTorch's extension directory in a folder named by the source's
+hash, so any change of the source rebuilds it.
+
+`unavailable_reason` says why it cannot run (not bf16, no AMX, no compiler, the build or
+its self-check failed) without building anything; `forward` builds on first use. The
+engine falls back to its per-tile path whenever the kernel is unavailable; the backward
+always takes the engine's own path from the saved output and lse.
+
+Shape legend: N batch rows, H heads (key/value heads expanded), L queries, S keys, E / Ev
+head dims of q, k / v.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from qkv.kernels.machine import cpu_flags
+
+__all__ = ["ENABLED", "KERNEL_NAME", "describe", "forward", "unavailable_reason"]
+
+# Switch for comparisons (benchmarks/bf16_engine.py times the per-tile path with it off);
+# the environment variable QKV_NO_COMPILED_KERNELS=1 switches it off too, without a build.
+ENABLED = True
+
+KERNEL_NAME = "fused bf16 interval kernel"
+_SOURCE = Path(__file__).with_name("interval_bf16.cpp")
+# what the compiled code executes: AVX-512 for the softmax (at::vec), AMX for the products
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
+_CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
+# E is padded to this multiple for the micro-kernel (its K dimension)
+_HEAD_MULTIPLE = 32
+
+# the outcome of the one build attempt of this process: the module, or why there is none
+_built: dict[str, ModuleType | str] = {}
+
+
+def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernel cannot run for these inputs, from facts that need no build."""
+    if not ENABLED:
+        return "it is switched off (qkv.kernels.interval_bf16.ENABLED = False)"
+    if dtype != torch.bfloat16:
+        return f"it runs bfloat16 only (inputs are {str(dtype).removeprefix('torch.')})"
+    if device.type != "cpu":
+        return "it runs on CPU only"
+    flags = cpu_flags()
+    missing = [f for f in _REQUIRED_FLAGS if flags is None or f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
+    if os.environ.get("QKV_NO_COMPILED_KERNELS"):
+        return "QKV_NO_COMPILED_KERNELS is set"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler was found (c++ or $CXX)"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (torch.utils.cpp_extension builds with it)"
+    return None
+
+
+def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
+    """Why the kernel will not run for inputs of this dtype and device, or None if it will
+    (possibly after building it on first use). ``has_intervals``: whether the engine's plan
+    knows one key interval per query (`BlockPlan.intervals`). Never builds.
+
+    >>> unavailable_reason(torch.float32, torch.device("cpu"))
+    'it runs bfloat16 only (inputs are float32)'
+    """
+    reason = _static_reason(dtype, device)
+    if reason is None and not has_intervals:
+        reason = "the mask does not give one key interval per query (Mask.row_intervals)"
+    if reason is None and isinstance(_built.get("module"), str):
+        return str(_built["module"])
+    return reason
+
+
+def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> str:
+    """The engine's forward kernel for such inputs in words (`qkv.explain`), without building.
+
+    >>> describe(torch.float32, torch.device("cpu"), True).startswith("PyTorch's CPU flash kernel")
+    True
+    """
+    reason = unavailable_reason(dtype, device, has_intervals)
+    if reason is None:
+        built = isinstance(_built.get("module"), ModuleType)
+        return f"the {KERNEL_NAME} (C++, AMX micro-kernels){'' if built else ', built on first use (about a minute, once)'}"
+    return f"PyTorch's CPU flash kernel per tile (the {KERNEL_NAME} does not run: {reason})"
+
+
+def _build() -> ModuleType | str:
+    """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
+    source = _SOURCE.read_text(encoding="utf-8")
+    digest = hashlib.sha256((source + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
+    name = f"qkv_interval_bf16_{digest}"
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # no CUDA notice on CPU builds
+    from torch.utils import cpp_extension
+
+    folder = Path(cpp_extension.get_default_build_root()) / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob(f"{name}*.so")):
+            print(f"qkv: compiling the {KERNEL_NAME} once (about a minute) into {folder}", file=sys.stderr, flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(folder),
+                with_cuda=False, verbose=False,
+            )
+    except Exception as error:  # a failed build is a reason to fall back, never a traceback
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"its build failed ({first[:200]})"
+    if not module.micro_kernel_available():
+        return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
+    error = _self_check(module)
+    if error is not None:
+        return error
+    return module
+
+
+def _self_check(module: ModuleType) -> str | None:
+    """Run the kernel once on a small problem against float64 math: None, or what went wrong.
+    A wrong packed layout on some CPU would give wrong numbers, never an error; this turns it
+    into a reason to fall back."""
+    gen = torch.Generator().manual_seed(0)
+    N, H, L, S, E, Ev = 1, 2, 70, 150, 64, 40
+    q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
+    v = torch.randn(N, H, S, Ev, generator=gen).to(torch.bfloat16)
+    rows = torch.arange(L)
+    lo, hi = (rows - 50).clamp(min=0).view(1, L), (rows + 60).view(1, L)  # (1, L) each
+    hi[0, 3] = -1  # one row that sees nothing
+    out, lse = module.forward(q, k, v, lo, hi, 0.125)
+    keys = torch.arange(S).view(1, S)
+    visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
+    s = (q.double() @ k.double().transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
+    want_lse = torch.logsumexp(s, dim=-1)  # (N, H, L)
+    want = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v.double()  # (N, H, L, Ev)
+    out_err = (out.double() - want).abs().max().item()
+    finite = torch.isfinite(want_lse)
+    lse_err = (lse.double()[finite] - want_lse[finite]).abs().max().item()
+    if not (out_err < 3e-2 and lse_err < 1e-3 and bool((lse[~finite] == float("-inf")).all())):
+        return f"its self-check failed (output error {out_err:.3g}, lse error {lse_err:.3g})"
+    return None
+
+
+def _module() -> ModuleType | str:
+    if "module" not in _built:
+        _built["module"] = _build()
+    return _built["module"]
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Output (N, H, L, Ev) and lse (N, H, L), float32, of q (N, H, L, E), k (N, H, S, E),
+    v (N, H, S, Ev) bfloat16, where query i of batch row n sees keys lo[n, i]..hi[n, i]
+    (lo, hi (N | 1, L) int64; an empty interval gives output 0 and lse -inf). None when the
+    kernel is unavailable (`unavailable_reason`): the caller falls back."""
+    if unavailable_reason(q.dtype, q.device) is not None:
+        return None
+    module = _module()
+    if isinstance(module, str):
+        return None
+    E = q.shape[3]
+    pad = -E % _HEAD_MULTIPLE
+    if pad:  # zero columns change no score
+        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))  # (N, H, *, E + pad)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    with torch.no_grad():
+        out, lse = module.forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale))
+    return out, lse

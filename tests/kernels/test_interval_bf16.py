@@ -1,0 +1,198 @@
+"""The fused bf16 interval kernel (`qkv.kernels.interval_bf16`) and its fallback.
+
+Its forward goes through the whole engine (`qkv.attention(..., backend="blocks")`), so the
+backward (the engine's own, from the kernel's output and lse) is checked too, against the
+float64 reference by DESIGN.md's tolerance rule (`assert_by_the_rule`). A spy counts the
+kernel's calls, so a test fails if the kernel silently stops running on a machine that can
+run it. On a machine that cannot (no AMX, no compiler), the same tests check the fallback
+(the per-tile flash path) and that a reason is given.
+
+The first test to need the kernel builds it (about a minute, once per source version; the
+build folder is named by the source's hash, so no earlier build of another source is used).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+from qkv.kernels import interval_bf16
+from tests.kernels.test_blocks import _problem, _reference
+from tests.kernels.test_blocks_bf16 import DTYPE, _err, _naive, assert_by_the_rule
+
+CPU = torch.device("cpu")
+
+
+def _can_run() -> bool:
+    return interval_bf16.unavailable_reason(DTYPE, CPU) is None
+
+
+class _Spy:
+    """Counts the kernel's calls that returned a result."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = interval_bf16.forward
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = real(*args, **kwargs)
+            self.calls += result is not None
+            return result
+
+        monkeypatch.setattr(interval_bf16, "forward", counted)
+
+
+def _ids(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+# (N, H, G, L, S, E, Ev, mask(N, L, S)): awkward sizes, every mask with row intervals
+CASES = {
+    "window-97x1025": (1, 2, 2, 97, 1025, 64, 64, lambda N, L, S: M.sliding_window(256, 256)),
+    "window-1025x97-E59": (1, 2, 2, 1025, 97, 59, 59, lambda N, L, S: M.sliding_window(30, 5)),
+    "causal-300-E128-Ev64": (2, 2, 1, 300, 300, 128, 64, lambda N, L, S: M.causal()),
+    "causal-one-query": (1, 4, 2, 1, 700, 64, 64, lambda N, L, S: M.causal()),
+    "gqa-6-2-window-E64-Ev128": (1, 6, 2, 200, 200, 64, 128, lambda N, L, S: M.sliding_window(40, 0)),
+    "documents&causal": (1, 2, 2, 260, 260, 32, 32, lambda N, L, S: M.documents(_ids([1, 100, 64, 95])) & M.causal()),
+    "key-padding-empty-rows": (2, 2, 2, 70, 150, 64, 40, lambda N, L, S: M.key_padding(torch.tensor([0, 77]))),
+    "prefix-no-keys-for-some": (1, 1, 1, 130, 130, 64, 64, lambda N, L, S: M.prefix_lm(3) & M.sliding_window(0, 5)),
+    "no-mask": (1, 2, 2, 65, 129, 64, 64, lambda N, L, S: None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    N, H, G, L, S, E, Ev, make = CASES[case]
+    q, k, v, d_out = _problem(N, H, G, L, S, E, Ev, seed=5)
+    mask = make(N, L, S)
+    dense_mask = mask if mask is not None else M.dense(torch.ones(1, 1, L, S, dtype=torch.bool))
+    scale = E**-0.5
+    trace, ref_grads = _reference(q, k, v, dense_mask, d_out, scale)
+    spy = _Spy(monkeypatch)
+    results = {}
+    for name, fn in {
+        "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale),
+        "naive": lambda a, b, c: _naive(a, b, c, dense_mask.to_dense(L, S), scale),
+    }.items():
+        ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+        out = fn(ql, kl, vl)
+        results[name] = out, torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
+    assert_by_the_rule(*results["blocks"], *results["naive"], trace.output, ref_grads)
+    assert spy.calls == (1 if _can_run() else 0)
+
+
+def test_lse_and_empty_rows_match_float64_on_the_rounded_inputs() -> None:
+    # the kernel keeps scores, softmax state and the output in float32: against float64 math
+    # on the same bf16 inputs only float32 rounding and P's rounding to bf16 remain
+    N, H, L, S, E = 2, 3, 200, 333, 64
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(N, H, T, E, generator=gen).to(DTYPE) for T in (L, S, S))
+    mask = M.sliding_window(100, 20) & M.key_padding(torch.tensor([333, 150]))
+    out, lse = qkv.attention(q, k, v, mask, backend="blocks", return_lse=True)
+    visible = mask.to_dense(L, S)  # (N, 1, L, S)
+    s = (q.double() @ k.double().transpose(-1, -2) * E**-0.5).masked_fill(~visible, float("-inf"))
+    want_lse = torch.logsumexp(s, dim=-1)  # (N, H, L)
+    want = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v.double()
+    empty = torch.isneginf(want_lse)
+    assert bool(empty.any()) and bool((~empty).any())
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (lse.double() - want_lse)[~empty].abs().max() < 1e-4
+    assert bool((out[empty.unsqueeze(-1).expand_as(out)] == 0).all())
+    # the output is rounded to bf16 once (half an ulp, 2^-9 relative) and P to bf16 inside
+    assert (out.double() - want).abs().max() < 2e-2
+
+
+def test_extreme_scores_stay_exact() -> None:
+    # scores of magnitude ~ 10^3 after scaling: the running max must keep exp() in range
+    L = S = 300
+    q, k, v, d_out = _problem(1, 2, 2, L, S, 64, 64, seed=9)
+    q, k = q * 12, k * 12
+    mask = M.sliding_window(70, 70)
+    trace, ref_grads = _reference(q, k, v, mask, d_out, 0.125)
+    naive_in = [t.to(DTYPE).requires_grad_(True) for t in (q, k, v)]
+    naive = _naive(*naive_in, mask.to_dense(L, S), 0.125)
+    naive_grads = torch.autograd.grad(naive, naive_in, d_out.to(DTYPE))
+    ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+    out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
+    assert torch.isfinite(out).all()
+    grads = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
+    assert_by_the_rule(out, grads, naive, naive_grads, trace.output, ref_grads)
+
+
+def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 1100
+    q, k, v, _ = _problem(1, 2, 2, n, n, 64, 64, seed=2)
+    q, k, v = (t.to(DTYPE) for t in (q, k, v))
+    mask = M.sliding_window(256, 256)
+    trace = _reference(q.double(), k.double(), v.double(), mask, torch.zeros(1, 2, n, 64, dtype=torch.float64), 0.125)[0]
+    fused, fused_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
+    monkeypatch.setattr(interval_bf16, "ENABLED", False)
+    spy = _Spy(monkeypatch)
+    tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
+    assert spy.calls == 0
+    assert "switched off" in qkv.explain(q, k, v, mask).forward_kernel
+    # both paths see the same bf16 inputs: each within the rounding of its bf16 output
+    for out in (fused, tiles):
+        assert _err(out, trace.output) < 1e-2
+    np.testing.assert_allclose(fused_lse.numpy(), tiles_lse.numpy(), atol=1e-4, rtol=1e-5)
+
+
+def test_explain_names_the_kernel_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 2, 3000, 64).to(DTYPE)
+    mask = M.sliding_window(100, 100)
+    text = str(qkv.explain(q, q, q, mask))
+    if _can_run():
+        assert f"forward kernel: the {interval_bf16.KERNEL_NAME}" in text
+    else:
+        assert "does not run: " in text
+    assert qkv.explain(q.float(), q.float(), q.float(), mask).forward_kernel == ""  # float32: nothing to say
+    per_head = M.predicate(lambda b, h, i, j: (i - j).abs() < 50, heads=2)
+    assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").forward_kernel
+    monkeypatch.setattr(interval_bf16, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert "this CPU lacks avx512bw" in qkv.explain(q, q, q, mask).forward_kernel
+    assert "amx_bf16" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
+
+
+def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
+    assert interval_bf16.unavailable_reason(DTYPE, CPU) == "QKV_NO_COMPILED_KERNELS is set"
+    q = torch.randn(1, 1, 64, 32).to(DTYPE)
+    assert interval_bf16.forward(q, q, q, torch.zeros(1, 64, dtype=torch.long), torch.zeros(1, 64, dtype=torch.long), 1.0) is None
+
+
+def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Error building extension 'x': g++ exited with 1\nmore lines")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(interval_bf16, "_built", {})
+    monkeypatch.setattr(interval_bf16, "_static_reason", lambda dtype, device: None)  # as on a machine that could run it
+    q, k, v, d_out = _problem(1, 2, 2, 300, 300, 64, 64, seed=4)
+    mask = M.sliding_window(64, 64)
+    trace, _ = _reference(q, k, v, mask, d_out, 0.125)
+    out = qkv.attention(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask, backend="blocks", scale=0.125)
+    assert _err(out, trace.output) < 2e-2  # the per-tile path ran
+    reason = interval_bf16.unavailable_reason(DTYPE, CPU)
+    assert reason == "its build failed (Error building extension 'x': g++ exited with 1)"
+    assert reason in qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask).forward_kernel
+
+
+def test_the_kernel_builds_where_nothing_is_missing() -> None:
+    # on a machine with AMX, AVX-512, a compiler and ninja the kernel must build and pass its
+    # self-check (a float64 comparison): otherwise every test above would quietly test the fallback
+    if interval_bf16._static_reason(DTYPE, CPU) is not None:
+        assert interval_bf16.unavailable_reason(DTYPE, CPU) == interval_bf16._static_reason(DTYPE, CPU)
+        return
+    q = torch.randn(1, 1, 64, 32).to(DTYPE)
+    lo, hi = torch.zeros(1, 64, dtype=torch.long), torch.arange(64).view(1, 64)  # causal
+    result = interval_bf16.forward(q, q, q, lo, hi, 1.0)
+    assert interval_bf16.unavailable_reason(DTYPE, CPU) is None
+    assert result is not None
+    out, lse = result
+    assert out.shape == (1, 1, 64, 32) and lse.shape == (1, 1, 64)
+    torch.testing.assert_close(out[0, 0, 0], q[0, 0, 0].float())  # the first query sees one key
