@@ -7,7 +7,9 @@
 //   O += P V             P rounded to bfloat16, one brgemm per 64 value columns
 // then O / l and lse = m + log l (FlashAttention-2, algorithm 1, with its m_i, l_i, acc).
 // Keys and values are first packed once per head into the VNNI panels that the micro-kernel
-// reads (cpublas::pack, 64 columns per panel: the widths oneDNN packs).
+// reads (64 columns per panel, the widths oneDNN packs; written here directly, which is
+// several times faster than a transpose plus cpublas::pack per panel, and checked against
+// cpublas::pack by `pack_matches` before the module is used).
 //
 // Shapes: q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) bfloat16 with a contiguous last
 // dim and E a multiple of 32; lo, hi (N | 1, L) int64; out (N, H, L, Ev) and lse (N, H, L)
@@ -24,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -41,33 +44,58 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Keys of one head (S, E), row stride ld, into S_pad / 64 panels of E x 64 (K transposed),
-// each packed for the micro-kernel: panel p at out + p * E * 64. Missing keys are zeros.
-void pack_keys(const BFloat16* k, int64_t ld, int64_t S, int64_t E, BFloat16* out, BFloat16* scratch) {
-  for (int64_t key0 = 0; key0 < S; key0 += kPanel) {
-    const int64_t keys = std::min(kPanel, S - key0);
-    std::fill(scratch, scratch + E * kPanel, BFloat16(0.0f));
-    for (int64_t j = 0; j < keys; ++j) {
-      const BFloat16* row = k + (key0 + j) * ld;
-      for (int64_t e = 0; e < E; ++e) scratch[e * kPanel + j] = row[e];
+// The micro-kernel reads B (K x 64, K even) in the VNNI layout: row pairs interleaved,
+// element (r, c) at (r / 2) * 128 + c * 2 + r % 2 (what cpublas::pack writes here; the
+// module's self-check compares the two, `pack_matches`).
+
+// Keys of one head (S, E), row stride ld, as S_pad / 64 panels of K^T (E x 64) in VNNI:
+// panel p at out + p * E * 64. With rows of K^T being head dims, a pair of them is one
+// 32-bit word of a key row, so each panel is a 32-bit transpose. Missing keys are zeros.
+void pack_keys(const BFloat16* k, int64_t ld, int64_t S, int64_t S_pad, int64_t E, BFloat16* out) {
+  const int64_t words = E / 2;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+  for (int64_t key0 = 0; key0 < S_pad; key0 += kPanel) {
+    uint32_t* panel = dst + key0 / kPanel * words * kPanel;
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const int64_t key = key0 + j;
+      if (key >= S) {
+        for (int64_t w = 0; w < words; ++w) panel[w * kPanel + j] = 0;
+        continue;
+      }
+      const BFloat16* row = k + key * ld;
+      for (int64_t w = 0; w < words; ++w) {
+        uint32_t pair;
+        std::memcpy(&pair, row + 2 * w, sizeof(pair));
+        panel[w * kPanel + j] = pair;
+      }
     }
-    cpublas::pack(E, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, scratch, out + (key0 / kPanel) * E * kPanel);
   }
 }
 
-// Values of one head (S, Ev), row stride ld, into Ev_pad / 64 column panels, each S_pad x 64
-// packed: panel c at out + c * S_pad * 64, keys key0.. of it at + key0 * 64 (the packed
-// layout keeps pairs of keys together, so any run of whole 64-key pieces is contiguous).
-void pack_values(const BFloat16* v, int64_t ld, int64_t S, int64_t Ev, int64_t S_pad, BFloat16* out, BFloat16* scratch) {
+// Values of one head (S, Ev), row stride ld, as Ev_pad / 64 column panels of S_pad x 64 in
+// VNNI: panel c at out + c * S_pad * 64, keys key0.. (key0 even) at + key0 * 64, so any run
+// of whole 64-key pieces is one contiguous B. Missing keys and columns are zeros.
+void pack_values(const BFloat16* v, int64_t ld, int64_t S, int64_t Ev, int64_t S_pad, BFloat16* out) {
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(v);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out);
   for (int64_t c0 = 0; c0 < Ev; c0 += kPanel) {
     const int64_t cols = std::min(kPanel, Ev - c0);
-    for (int64_t key0 = 0; key0 < S_pad; key0 += kPanel) {
-      std::fill(scratch, scratch + kPanel * kPanel, BFloat16(0.0f));
-      const int64_t keys = std::max<int64_t>(0, std::min(kPanel, S - key0));
-      for (int64_t j = 0; j < keys; ++j)
-        std::memcpy(scratch + j * kPanel, v + (key0 + j) * ld + c0, cols * sizeof(BFloat16));
-      cpublas::pack(kPanel, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, scratch,
-                    out + (c0 / kPanel) * S_pad * kPanel + key0 * kPanel);
+    uint16_t* panel = dst + c0 / kPanel * S_pad * kPanel;
+    for (int64_t key = 0; key < S_pad; key += 2) {
+      uint16_t* pair = panel + key * kPanel;
+      const uint16_t* a = src + key * ld + c0;
+      const uint16_t* b = a + ld;
+      if (key + 1 < S && cols == kPanel) {
+        for (int64_t c = 0; c < kPanel; ++c) {
+          pair[2 * c] = a[c];
+          pair[2 * c + 1] = b[c];
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < kPanel; ++c) {
+        pair[2 * c] = key < S && c < cols ? a[c] : 0;
+        pair[2 * c + 1] = key + 1 < S && c < cols ? b[c] : 0;
+      }
     }
   }
 }
@@ -152,12 +180,10 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   float* lse_p = lse.data_ptr<float>();
 
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<BFloat16> scratch(std::max(E, kPanel) * kPanel);
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / H, h = nh % H;
-      pack_keys(k_p + n * k.stride(0) + h * k.stride(1), k.stride(2), S, E, kp_p + nh * panels * E * kPanel, scratch.data());
-      pack_values(v_p + n * v.stride(0) + h * v.stride(1), v.stride(2), S, Ev, S_pad,
-                  vp_p + nh * col_panels * S_pad * kPanel, scratch.data());
+      pack_keys(k_p + n * k.stride(0) + h * k.stride(1), k.stride(2), S, S_pad, E, kp_p + nh * panels * E * kPanel);
+      pack_values(v_p + n * v.stride(0) + h * v.stride(1), v.stride(2), S, Ev, S_pad, vp_p + nh * col_panels * S_pad * kPanel);
     }
   });
 
@@ -229,9 +255,33 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 bool micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
 
+// Whether this file's VNNI layout is what oneDNN packs on this machine, on panels of keys
+// and values of a random head (S = 100: a tail panel too).
+bool pack_matches() {
+  const int64_t S = 100, E = 64, S_pad = 128;
+  const at::Tensor x = at::randn({S, E}).to(at::kBFloat16);
+  const BFloat16* src = x.const_data_ptr<BFloat16>();
+  std::vector<BFloat16> ours(S_pad * E), theirs(S_pad * E), panel(S_pad * E, BFloat16(0.0f));
+  auto same = [&]() { return std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(BFloat16)) == 0; };
+  pack_keys(src, E, S, S_pad, E, ours.data());  // K^T panels
+  for (int64_t key0 = 0; key0 < S_pad; key0 += kPanel) {
+    std::fill(panel.begin(), panel.end(), BFloat16(0.0f));
+    for (int64_t j = 0; j < kPanel && key0 + j < S; ++j)
+      for (int64_t e = 0; e < E; ++e) panel[e * kPanel + j] = src[(key0 + j) * E + e];
+    cpublas::pack(E, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, panel.data(), theirs.data() + key0 / kPanel * E * kPanel);
+  }
+  if (!same()) return false;
+  pack_values(src, E, S, E, S_pad, ours.data());  // V: one column panel of S_pad keys
+  std::fill(panel.begin(), panel.end(), BFloat16(0.0f));
+  std::copy(src, src + S * E, panel.begin());
+  cpublas::pack(S_pad, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, panel.data(), theirs.data());
+  return same();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "fused bfloat16 interval attention forward: (out, lse)");
   module.def("micro_kernel_available", &micro_kernel_available, "whether oneDNN packs bfloat16 for brgemm here");
+  module.def("pack_matches", &pack_matches, "whether this kernel's VNNI panels equal oneDNN's packing here");
 }

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -51,6 +52,8 @@ _SOURCE = Path(__file__).with_name("interval_bf16.cpp")
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
 _CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
            "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
+# a build lock older than this was left by a killed build (a build takes about a minute)
+_STALE_LOCK_SECONDS = 15 * 60
 # E is padded to this multiple for the micro-kernel (its K dimension)
 _HEAD_MULTIPLE = 32
 
@@ -119,6 +122,9 @@ def _build() -> ModuleType | str:
     folder = Path(cpp_extension.get_default_build_root()) / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
         if not any(folder.glob(f"{name}*.so")):
             print(f"qkv: compiling the {KERNEL_NAME} once (about a minute) into {folder}", file=sys.stderr, flush=True)
         with warnings.catch_warnings():
@@ -132,6 +138,8 @@ def _build() -> ModuleType | str:
         return f"its build failed ({first[:200]})"
     if not module.micro_kernel_available():
         return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
+    if not module.pack_matches():
+        return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
     error = _self_check(module)
     if error is not None:
         return error
