@@ -216,7 +216,7 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
         q.dtype, N=N, H=H, G=problem.G, L=L, S=S, E=problem.E, Ev=problem.Ev,
         plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else BLOCKS.call_bytes,
         n_tiles=n_tiles, mask_heads=mask_heads(problem),
-        reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant,
+        reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant, score_terms=plan.scores != "none",
     )
 
 

@@ -317,12 +317,14 @@ def engine_extra_bytes(
     n_tiles: int,
     mask_heads: int,
     reuses_tiles: bool,
+    score_terms: bool = False,
 ) -> int:
     """Memory the engine allocates beyond inputs and output (an estimate), with or without
     score terms (`qkv.kernels.scored`): the lse, a float32 accumulator for a low-precision
     output, keys and values expanded to every head / padded to Ep = max(E, Ev), then
 
-    - with its ``plan``: the largest call's temporaries (`BlockPlan.max_call_bytes`) and, for a
+    - with its ``plan``: the largest call's temporaries (`BlockPlan.max_call_bytes`), the packed
+      keys and values of the fused bf16 kernel where it runs (no ``score_terms``), and, for a
       mask whose tiles repeat along the diagonals (``reuses_tiles``), the tiles kept for reuse
       (`block_calls.mask_tile`), at most ``call_bytes``;
     - without (a layout still to be found when attention runs): one call's temporaries, at
@@ -338,6 +340,9 @@ def engine_extra_bytes(
     if plan is None:
         return extra + call_bytes + n_tiles
     extra += plan.max_call_bytes()
+    if not score_terms and interval_bf16.unavailable_reason(dtype, torch.device("cpu"), plan.intervals is not None) is None:
+        # the fused bf16 kernel's packed keys and values, padded to 64 keys and 64 value columns
+        extra += N * H * -(-S // 64) * 64 * (Ep + -(-Ev // 64) * 64) * itemsize
     masked = [c for c in plan.calls if c.masked]
     if masked and reuses_tiles:
         tile = max(c.q_len * c.width for c in masked) * (itemsize + 1) * mask_heads
