@@ -13,8 +13,10 @@ GFLOP/s next to the matmul rate of the same dtype measured in the same run.
 - softcap 50 + sliding_window(256, 256), n = 16,384: vs FlexAttention as above; vs the math
   path at n = 4,096 (at 16,384 the math path's three (H, n, n) float32 tensors are 25 GiB).
 - varlen causal, 64 documents, n = 16,384: vs SDPA with the dense bool mask, forward and
-  forward + backward; peak resident memory of a forward + backward at 65,536 tokens (a fresh
-  process, VmHWM).
+  forward + backward; peak resident memory at 65,536 tokens (a fresh process each, VmHWM) of
+  the forward, the forward + backward, and the forward + backward with ALiBi, each next to
+  its floor (the process after ``import torch, qkv``, the inputs, the output and the
+  gradients: what any implementation holds) and the part that is attention's own.
 
 FLOPs: 4 * H * E * (visited pairs) forward (`qkv.explain`), 3.5x that for forward + backward.
 
@@ -183,25 +185,50 @@ def varlen_docs(n: int, dtype: torch.dtype, rate: float, reps: int) -> list[dict
     return rows
 
 
+# One peak-memory case in a fresh process (VmHWM is that process's own peak): the resident
+# set after `import torch, qkv` is measured before the inputs exist, so that the floor below
+# is what any implementation must hold, and the rest is attention's own.
 _PEAK = """
-import sys, torch, qkv
-from qkv.bench import document_lengths, peak_rss_bytes, random_qkv
-n, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-lengths = document_lengths(n, 64, seed=2)
-q, k, v = random_qkv(n, dtype=dtype, requires_grad=True)
-qkv.attention(q, k, v, qkv.masks.varlen(lengths, causal=True), bias=qkv.bias.alibi()).sum().backward()
-print(peak_rss_bytes())
+import json, sys, torch, qkv
+from qkv.bench import document_lengths, peak_rss_bytes, random_qkv, status_bytes
+n, dtype, case = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
+imported = status_bytes("VmRSS")
+backward = case != "fwd"
+bias = qkv.bias.alibi() if case == "alibi-fwdbwd" else None
+mask = qkv.masks.varlen(document_lengths(n, 64, seed=2), causal=True)
+q, k, v = random_qkv(n, dtype=dtype, requires_grad=backward)
+if backward:
+    qkv.attention(q, k, v, mask, bias=bias).sum().backward()
+else:
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, mask, bias=bias)
+print(json.dumps({"peak": peak_rss_bytes(), "imported": imported}))
 """
+_PEAK_CASES = {
+    "fwd": "varlen causal, forward (inference)",
+    "fwdbwd": "varlen causal, forward + backward",
+    "alibi-fwdbwd": "varlen causal + ALiBi, forward + backward",
+}
 
 
-def peak_memory(n: int, dtype: torch.dtype) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(n), str(dtype).removeprefix("torch.")],
-                         capture_output=True, text=True, check=True)
-    peak = int(out.stdout.split()[-1])
-    inputs = 3 * H * n * E * torch.empty((), dtype=dtype).element_size()
-    print(f"  varlen causal + ALiBi fwd+bwd, 64 docs, n={n}: peak RSS {peak / 2**30:.2f} GiB "
-          f"(goal < 1.5 GB: {'met' if peak < 1.5e9 else 'NOT met'}; q, k, v themselves {inputs / 2**20:.0f} MiB)", flush=True)
-    return {"case": f"peak RSS varlen fwd+bwd n={n}", "dtype": str(dtype), "peak_bytes": peak}
+def peak_memory(n: int, dtype: torch.dtype, case: str) -> dict:
+    """Peak resident set of one case at n tokens (64 documents, H = 8, E = 64), next to its floor:
+    the process after ``import torch, qkv``, q, k, v, the output, and for a backward dq, dk, dv."""
+    name = str(dtype).removeprefix("torch.")
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(n), name, case], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    tensor = H * n * E * torch.empty((), dtype=dtype).element_size()  # one of q, k, v, out, dq, dk, dv
+    floor = got["imported"] + (7 if case != "fwd" else 4) * tensor
+    peak = got["peak"]
+    verdict = "met" if peak < 1.5e9 else "NOT met"
+    print(f"  peak RSS {_PEAK_CASES[case]}, n={n}: {peak / 1e9:.2f} GB = {peak / 2**30:.2f} GiB (goal < 1.5 GB: {verdict}); "
+          f"floor {floor / 1e9:.2f} GB (torch + qkv {got['imported'] / 1e9:.2f}, q k v + output{' + dq dk dv' if case != 'fwd' else ''} "
+          f"{(floor - got['imported']) / 1e9:.2f}); attention's own {(peak - floor) / 1e9:.2f} GB", flush=True)
+    return {"case": f"peak RSS {case} n={n}", "dtype": name, "peak_bytes": peak, "floor_bytes": floor,
+            "imported_bytes": got["imported"]}
+
+
+_CASES = ("alibi", "softcap", "varlen", "peak")
 
 
 def main() -> int:
@@ -213,7 +240,12 @@ def main() -> int:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--cases", default=",".join(_CASES), help=f"comma-separated subset of {', '.join(_CASES)}")
     args = parser.parse_args()
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(_CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(_CASES)}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-bench-inductor-"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}", flush=True)
     rows: list[dict] = []
@@ -223,12 +255,16 @@ def main() -> int:
         print(f"{name}: matmul {rate:.0f} GFLOP/s", flush=True)
         warm = _inputs(512, dtype, grad=True)
         qkv.attention(*warm, qkv.masks.causal(), bias=qkv.bias.alibi(), softcap=50.0).sum().backward()
-        rows += alibi_window(args.n, dtype, rate, args.reps)
-        if not args.no_flex:
-            rows += alibi_window_flex(args.n, dtype, rate, args.reps)
-        rows += softcap_window(args.n, dtype, rate, args.reps, not args.no_flex, args.math_n)
-        rows += varlen_docs(args.n, dtype, rate, args.reps)
-        rows.append(peak_memory(args.peak_n, dtype))
+        if "alibi" in cases:
+            rows += alibi_window(args.n, dtype, rate, args.reps)
+            if not args.no_flex:
+                rows += alibi_window_flex(args.n, dtype, rate, args.reps)
+        if "softcap" in cases:
+            rows += softcap_window(args.n, dtype, rate, args.reps, not args.no_flex, args.math_n)
+        if "varlen" in cases:
+            rows += varlen_docs(args.n, dtype, rate, args.reps)
+        if "peak" in cases:
+            rows += [peak_memory(args.peak_n, dtype, case) for case in _PEAK_CASES]
     print(f"load average at the end {os.getloadavg()}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,8 @@ shape. This module holds what does not depend on how one call is computed:
 - `mask_tile`: the additive -inf bias of a masked call, kept for reuse when it repeats;
 - `run_calls`: runs a ``compute(call)`` for every call and places or merges
   (`qkv.kernels.merge.merge_partial`) its output and lse into the result rows;
-- `add_query_grads` / `add_key_grads`: a call's gradient shares added into dq, dk, dv.
+- `add_query_grads` / `add_key_grads`: a call's gradient shares added into dq, dk, dv;
+  `rounded_in_turn`: the accumulators rounded to the inputs' dtypes one at a time.
 
 Kernels plug in as a ``compute(call) -> (out (items, H, q_len, Ep), lse (items, H, q_len))``:
 `qkv.kernels.blocks` (PyTorch's CPU flash kernel) and `qkv.kernels.scored` (score terms).
@@ -40,6 +41,7 @@ __all__ = [
     "item_view",
     "kernel_inputs",
     "mask_tile",
+    "rounded_in_turn",
     "row_view",
     "run_calls",
 ]
@@ -171,17 +173,25 @@ def _as_slab(y: torch.Tensor, call: Call) -> torch.Tensor:
     return moved if call.over_batch else moved.flatten(0, 1)  # (items * q_len, H, ...)
 
 
-def run_calls(q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult]) -> CallResult:
+def run_calls(
+    q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False
+) -> CallResult:
     """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
     ``compute(call)`` returns the call's output (items, H, q_len, Ep) and lse (items, H, q_len).
     Output (N, H, L, Ep) and lse (N, H, L), both float32 or wider (the caller rounds the
     output). Both are stored query-row major, (N, L, H, Ep) and (N, L, H), the order in which
     the kernel writes its items, so that placing a call's results is a contiguous copy.
+
+    ``rounded``: the calls' outputs are already in q's dtype (PyTorch's flash kernel rounds
+    its output). Without merges the output then stays in q's dtype: a float32 buffer would
+    hold the same values at twice the size, plus a conversion in and one out. With merges
+    it is float32 or wider, as always.
     """
     N, H, L, Ep = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
-    out = torch.empty(N, L, H, Ep, dtype=acc_dtype)
+    keep_q_dtype = rounded and not any(call.merge for call in plan.calls)
+    out = torch.empty(N, L, H, Ep, dtype=q.dtype if keep_q_dtype else acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)
     # rows that no piece covers are "nothing seen": output 0, lse -inf (rows with no visible key)
     per_batch = len(plan.uncovered) > 1
@@ -227,3 +237,14 @@ def add_key_grads(dest: torch.Tensor, call: Call, grad: torch.Tensor) -> None:
     positions = call.k0 + call.k_step * torch.arange(call.items)[:, None] + torch.arange(call.width)[None, :]
     flat = grad.transpose(0, 1).reshape(H, call.items * call.width, Ep)  # (H, items * width, Ep)
     dest[call.n].index_add_(1, positions.reshape(-1), flat.to(dest.dtype))  # positions: (items * width,)
+
+
+def rounded_in_turn(accumulators: list[torch.Tensor], Ep: int, dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
+    """Gradient accumulators (N, H, *, cols), cut to Ep columns and rounded to ``dtypes`` one
+    after the other. The list is emptied as it goes (the caller holds no other reference), so
+    each accumulator is released once rounded: one rounded copy at a time beside them, not
+    three (bf16 at 65,536 tokens, 8 heads: 64 MiB instead of 192 MiB)."""
+    done = []
+    for dtype in dtypes:
+        done.append(accumulators.pop(0)[..., :Ep].to(dtype))
+    return tuple(done)

@@ -14,7 +14,8 @@ planners cut the visible part of the matrix into pieces:
 
 A piece with partial visibility wider than ``masked_span`` keys is split into the part that
 every row sees (no mask) and the masked rest; pieces of the same rows are merged exactly
-through their log-sum-exp. Where the rows' last keys follow the diagonal (causal masks, the
+through their log-sum-exp. With score terms every piece carries a per-head tile, so pieces
+whose tile would not fit a share of ``call_bytes`` are cut along their keys as well. Where the rows' last keys follow the diagonal (causal masks, the
 causal part of documents and windows), the square under the diagonal is a *causal* piece:
 row i of it sees its keys 0..i, which the kernel's own ``is_causal`` computes without a tile
 (and without the blocks above the diagonal). Pieces of consecutive row groups with the same shape whose keys
@@ -135,13 +136,16 @@ class BlockPlan:
         return sum(c.items * (c.q_len * (c.q_len + 1) // 2 if c.causal else c.q_len * c.width) for c in self.calls)
 
     def max_call_bytes(self) -> int:
-        """Largest forward temporaries of one call: its output, lse and mask tile."""
+        """Largest forward temporaries of one call: its output, lse and mask tile (with score
+        terms: the per-head tile of every call, in the accumulation dtype)."""
         z = self.sizes
-        return max(
-            (c.items * z.H * c.q_len * (z.Ep * z.itemsize + 4)
-             + (c.items * z.mask_heads * c.q_len * c.width * (z.itemsize + 1) if c.masked else 0) for c in self.calls),
-            default=0,
-        )
+
+        def tile(c: Call) -> int:
+            if z.mask_heads > 1:
+                return c.items * c.width * _tile_bytes_per_key(z, c.q_len)
+            return c.items * c.q_len * c.width * (z.itemsize + 1) if c.masked else 0
+
+        return max((c.items * z.H * c.q_len * (z.Ep * z.itemsize + 4) + tile(c) for c in self.calls), default=0)
 
 
 def _split(q0: int, q1: int, kmin: int, kmax: int, full_lo: int, full_hi: int, config: BlockConfig) -> list[Piece]:
@@ -319,7 +323,39 @@ def plan_layout(layout: BlockLayout, sizes: BlockSizes, config: BlockConfig) -> 
     return _plan(rows, sizes, config)
 
 
+# With score terms a per-head tile (bias, or the own kernel's scores) may take at most this
+# share of call_bytes: the own kernel's backward holds several tiles of that size at once
+# (scores, probabilities, dP, dS), and a call may carry more than one item.
+_TILE_SHARE = 4
+
+
+def _tile_bytes_per_key(sizes: BlockSizes, rows: int) -> int:
+    """Bytes per key of one item's tile with score terms: mask_heads x rows values in the
+    accumulation dtype (float32 or wider, whatever the inputs' dtype) and a bool mask byte."""
+    return sizes.mask_heads * rows * (max(sizes.itemsize, 4) + 1)
+
+
+def _narrow(pieces: list[Piece], sizes: BlockSizes, config: BlockConfig) -> list[Piece]:
+    """With score terms (mask_heads > 1) every piece carries a per-head tile, also a full one:
+    pieces whose tile would exceed call_bytes / _TILE_SHARE are cut along their keys into
+    equal parts that fit, merged by log-sum-exp as any pieces of the same rows are."""
+    if sizes.mask_heads == 1:
+        return pieces
+    out: list[Piece] = []
+    for p in pieces:
+        width = p.k1 - p.k0
+        limit = max(config.block_k, config.call_bytes // _TILE_SHARE // _tile_bytes_per_key(sizes, p.q1 - p.q0))
+        if p.causal or width <= limit:
+            out.append(p)
+            continue
+        parts = -(-width // limit)
+        step = -(-width // parts)
+        out += [dataclasses.replace(p, k0=a, k1=min(a + step, p.k1)) for a in range(p.k0, p.k1, step)]
+    return out
+
+
 def _plan(rows: list[list[Piece]], sizes: BlockSizes, config: BlockConfig) -> BlockPlan:
+    rows = [_narrow(pieces, sizes, config) for pieces in rows]
     per_batch = len(rows) > 1
     calls: list[Call] = []
     for b, pieces in enumerate(rows):
@@ -348,7 +384,10 @@ def _item_bytes(sizes: BlockSizes, shape: _Shape) -> int:
     # a masked tile carries its mask; with score terms (mask_heads > 1) every tile carries
     # per-head biases or scores, masked or not
     heads = sizes.mask_heads
-    mask = heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked or heads > 1 else 0
+    if heads > 1:
+        mask = shape.width * _tile_bytes_per_key(sizes, shape.q_len)  # in the accumulation dtype
+    else:
+        mask = shape.q_len * shape.width * (itemsize + 1) if shape.masked else 0
     grads = (2 * H * shape.width * Ep * itemsize + H * shape.q_len * Ep * itemsize) if sizes.need_grad else 0
     return out + mask + grads
 

@@ -50,6 +50,7 @@ from qkv.kernels.block_calls import (
     item_view,
     kernel_inputs,
     mask_tile,
+    rounded_in_turn,
     row_view,
     run_calls,
 )
@@ -93,7 +94,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    return run_calls(q, run.plan, compute)
+    return run_calls(q, run.plan, compute, rounded=True)  # the flash kernel's output is in q's dtype
 
 
 def _backward(
@@ -123,10 +124,6 @@ def _backward(
     # causal squares stay on the flash kernel: its is_causal needs no q_len x q_len tile
     by_products = [suits(q.dtype, call.merge, grad_lse is not None) and not call.causal for call in run.plan.calls]
     kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
-    if not all(by_products):
-        # the flash kernel's inputs (N, H, *, cols), converted once for all its calls; grad_out
-        # call by call (`gradient_view`: the gradient of out.sum() is broadcast)
-        flash_in = tuple(x.to(kernel_dtype) for x in (q, k, v, out))
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     dq = torch.zeros(N, H, L, cols, dtype=acc_dtype)
@@ -143,17 +140,23 @@ def _backward(
                 run.plan.config.call_bytes,
             )  # (items, H, q_len, cols), (items, H, width, cols) x 2
         else:
-            q_, k_, v_, o_ = flash_in
+            # the call's own views in the kernel's dtype: low-precision inputs are copied call by
+            # call (exactly), never all at once (a float32 copy of q, k, v is 3 x 4 bytes a value)
+            q_, o_ = (item_view(x, call, keys=False).to(kernel_dtype) for x in (q, out))  # (items, H, q_len, cols)
+            k_, v_ = (item_view(x, call, keys=True).to(kernel_dtype) for x in (k, v))  # (items, H, width, cols)
             bias = mask_tile(run, call, kernel_dtype)[0] if call.masked else None
             gq, gk, gv = flash_backward(
-                gradient_view(grad_out, call, kernel_dtype), item_view(q_, call, keys=False),
-                item_view(k_, call, keys=True), item_view(v_, call, keys=True),
-                item_view(o_, call, keys=False), row_view(lse, call), 0.0, call.causal, attn_mask=bias, scale=run.scale,
+                gradient_view(grad_out, call, kernel_dtype), q_, k_, v_, o_, row_view(lse, call), 0.0, call.causal,
+                attn_mask=bias, scale=run.scale,
             )  # (items, H, q_len, cols), (items, H, width, cols) x 2
+            del q_, k_, v_, o_
         add_query_grads(dq, call, gq)
         add_key_grads(dk, call, gk)
         add_key_grads(dv, call, gv)
-    return dq[..., :Ep].to(dtypes[0]), dk[..., :Ep].to(dtypes[1]), dv[..., :Ep].to(dtypes[2])
+    accumulators = [dq, dk, dv]
+    del dq, dk, dv
+    return rounded_in_turn(accumulators, Ep, dtypes)  # type: ignore[return-value]
+
 
 
 class _BlockAttention(torch.autograd.Function):

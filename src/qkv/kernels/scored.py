@@ -21,7 +21,8 @@ so torch.autograd.grad carries it through score_mod, the bias and the softcap to
 bias tensors, whatever the terms are; dV = P^T dO. The dlse term is the gradient of a returned
 lse (zero when the caller does not use it). Calls run in a fixed order and add their shares
 in place: two runs give bitwise equal gradients. Bias-only calls without a bias gradient or
-dlse use the flash kernel's backward with the same bias tile.
+dlse use the flash kernel's backward with the same bias tile, in the accumulation dtype on
+each call's exact copies of low-precision inputs.
 
 Tensors a score_mod closes over receive no gradient here (FlexAttention's captured buffers
 do); `qkv.dispatch` sends such a problem to the math path instead (`closes_over_grad`).
@@ -34,9 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv.bias import Bias
 from qkv.kernels import block_calls as calls
 from qkv.kernels.block_plan import BlockPlan, Call
-from qkv.kernels.scores import ScoreMod, ScoreTerms
+from qkv.kernels.scores import ScoreMod, ScoreTerms, _broadcasts
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
@@ -47,6 +49,11 @@ _NEG_INF = float("-inf")
 # bytes: a window's few diagonals fit many times over, while a problem without a mask, whose
 # every row group is a diagonal of its own, would otherwise keep an L x S bias.
 _BIAS_CACHE_BYTES = 64 * 2**20
+# Bias tensors up to this many elements (ALiBi's slopes, a relative table) are converted once to
+# the accumulation dtype for the forward's bias tiles, so that a tile is computed in that dtype
+# (the default ALiBi slopes are float64: a float64 tile and a conversion per tile otherwise).
+# Larger ones (a dense bias) are read as they are, never copied whole.
+_SMALL_BIAS_ELEMENTS = 2**16
 
 
 def closes_over_grad(score_mod: ScoreMod) -> bool:
@@ -67,6 +74,9 @@ class _ScoredRun:
 
     masks: calls.BlockRun
     terms: ScoreTerms
+    # the bias that the forward's tiles read: ``terms.bias`` with its small tensors detached and
+    # in the accumulation dtype (`_tile_bias`)
+    tile_bias: Bias | None = None
     bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
@@ -77,6 +87,26 @@ class _ScoredRun:
     def flash(self) -> bool:
         """Whether calls run on the flash kernel (a bias alone) instead of the own tile kernel."""
         return self.terms.softcap is None and self.terms.score_mod is None
+
+
+def _tile_bias(bias: Bias | None, acc: torch.dtype) -> Bias | None:
+    """``bias`` reading detached copies of its small tensors in ``acc`` (see _SMALL_BIAS_ELEMENTS):
+    for tiles built without autograd."""
+    if bias is None:
+        return None
+    tensors = tuple(
+        t.detach().to(acc) if t.is_floating_point() and t.numel() <= _SMALL_BIAS_ELEMENTS else t.detach() for t in bias.tensors()
+    )
+    return bias.with_tensors(tensors) if tensors else bias
+
+
+def _owned(tile: torch.Tensor, bias: Bias) -> bool:
+    """Whether ``tile`` is a tensor of its own that may be overwritten: dense (no broadcast
+    stride) and sharing no memory with the bias's tensors (a bias may return a view of them)."""
+    if not tile.is_contiguous():
+        return False
+    storage = tile.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != storage for t in bias.tensors())
 
 
 def _indices(call: Call, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,12 +153,13 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[t
     if shared:
         b, rows, keys = b[:1], rows[:1], keys[:1]  # the first item's tile serves every item
     h = torch.arange(H).view(1, H, 1, 1)  # (1, H, 1, 1)
+    bias = run.tile_bias if run.tile_bias is not None else terms.bias
     with torch.no_grad():
-        tile = terms.bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
+        tile = bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
     empty = None
     if call.masked:
         mask_bias, empty = calls.mask_tile(run.masks, call, acc)
-        tile = tile + mask_bias
+        tile = tile.add_(mask_bias) if _owned(tile, bias) and _broadcasts(mask_bias, tile) else tile + mask_bias
     tile = tile.expand(tile.shape[0], H, call.q_len, call.width)
     if reusable:
         held = sum(t.shape[0] * H * t.shape[2] * t.shape[3] * t.element_size() for t, _ in run.bias_tiles.values())
@@ -154,7 +185,9 @@ def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, 
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> calls.CallResult:
-    """Output (N, H, L, Ep) in the accumulation dtype (not rounded to q's) and lse (N, H, L) float32 or wider."""
+    """Output (N, H, L, Ep) and lse (N, H, L) float32 or wider. The output is in the accumulation
+    dtype (not rounded to q's), except where every value comes from the flash kernel, rounded
+    already, and no row merges: then in q's dtype (`block_calls.run_calls`)."""
     H = q.shape[1]
     acc = accumulation_dtype(q.dtype)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -171,7 +204,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    return calls.run_calls(q, run.plan, compute)  # output in the accumulation dtype, unrounded
+    # the own kernel's output is in the accumulation dtype, unrounded; the flash kernel's is in q's
+    return calls.run_calls(q, run.plan, compute, rounded=run.flash)
 
 
 def _own_backward(
@@ -238,7 +272,6 @@ def _backward(
     d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
     own = not run.flash or bias_needs_grad or grad_lse is not None
     delta = (grad_out.to(acc) * out).sum(dim=-1) if own else None  # (N, H, L), from the unrounded output
-    out_q = out.to(q.dtype)  # the flash kernel takes the output in the inputs' dtype
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     for call in run.plan.calls:
         if own:
@@ -251,16 +284,23 @@ def _backward(
                     total += g
         else:
             tile, _ = _bias_tile(run, call, H, acc)
+            # the kernel in the accumulation dtype on this call's exact copies of low-precision
+            # inputs (as the block engine's backward): PyTorch's bf16 flash backward is slower,
+            # and its per-call float32 buffers of varying sizes fragment the heap
+            q_, o_ = (calls.item_view(x, call, keys=False).to(acc) for x in (q, out))  # (items, H, q_len, Ep)
+            k_, v_ = (calls.item_view(x, call, keys=True).to(acc) for x in (k, v))  # (items, H, width, Ep)
             gq, gk, gv = flash_backward(
-                calls.gradient_view(grad_out, call, q.dtype), calls.item_view(q, call, keys=False),
-                calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
-                calls.item_view(out_q, call, keys=False), calls.row_view(finite_lse, call), 0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
+                calls.gradient_view(grad_out, call, acc), q_, k_, v_, o_, calls.row_view(finite_lse, call), 0.0,
+                call.causal, attn_mask=tile, scale=run.masks.scale,
             )  # (items, H, q_len, Ep), (items, H, width, Ep) x 2
+            del q_, k_, v_, o_
         calls.add_query_grads(dq, call, gq)
         calls.add_key_grads(dk, call, gk)
         calls.add_key_grads(dv, call, gv)
     grads_bias = tuple(g.to(t.dtype) if bias_needs_grad else None for g, t in zip(d_bias, bias_tensors, strict=True))
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads_bias)
+    accumulators = [dq, dk, dv]
+    del dq, dk, dv
+    return (*calls.rounded_in_turn(accumulators, Ep, (q.dtype, k.dtype, v.dtype)), *grads_bias)
 
 
 class _ScoredBlockAttention(torch.autograd.Function):
@@ -268,7 +308,7 @@ class _ScoredBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, *bias_tensors: torch.Tensor):  # type: ignore[override]
-        # the backward's row term rowsum(dO * O) reads the unrounded output, as the block engine's
+        # the backward's row term rowsum(dO * O) reads the unrounded output (where any is), as the block engine's
         out_acc, lse = _forward(q, k, v, run)
         ctx.save_for_backward(q, k, v, out_acc, lse, *bias_tensors)
         ctx.run = run
@@ -301,6 +341,6 @@ def scored_block_attention(
     tensors of ``terms.bias``.
     """
     bias_tensors = terms.tensors()
-    run = _ScoredRun(calls.BlockRun(plan, mask, scale), terms)
+    run = _ScoredRun(calls.BlockRun(plan, mask, scale), terms, _tile_bias(terms.bias, accumulation_dtype(q.dtype)))
     out, lse = _ScoredBlockAttention.apply(*calls.kernel_inputs(q, k, v), run, *bias_tensors)
     return out[..., : v.shape[3]], lse
