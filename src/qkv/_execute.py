@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qkv._problem import AttentionProblem, normalize_mask
+from qkv._problem import AttentionProblem, compact, normalize_mask
 from qkv.dispatch import MaskRoute, Plan, complete
 from qkv.kernels.blocks import block_attention, block_lse, block_weights
 from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
@@ -35,8 +35,11 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
         )
     if plan.scores == "dense_mask":
         mask = _join_bias(problem, mask)
+    # the kernel broadcasts the mask itself: a key-padding mask reaches it as (N, 1, 1, S), so
+    # its empty-row check and SDPA's bool-to-float conversion read S values per item, not L x S
     out, lse = fused_attention(
-        q, k, v, mask, scale, is_causal=plan.mask == "is_causal", dropout=problem.dropout, need_lse=plan.lse == "kernel"
+        q, k, v, None if mask is None else compact(mask), scale, is_causal=plan.mask == "is_causal",
+        dropout=problem.dropout, need_lse=plan.lse == "kernel",
     )
     weights = None
     if plan.weights == "dense":

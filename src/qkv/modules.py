@@ -353,22 +353,60 @@ class MultiHeadAttention(nn.Module):
     def _project(
         self, x: torch.Tensor, context: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, L, H*E), k (B, S, G*E), v (B, S, G*Ev)."""
+        """Per-head q (B, H, L, E), k (B, G, S, E), v (B, G, S, Ev)."""
         cfg = self.config
-        rows = x.shape[0] * x.shape[1]
+        H, G, E, Ev = cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+        B, L, _ = x.shape
+        rows = B * L
         if context is not None or rows < cfg.d_model * _FUSE_ROWS_PER_WIDTH:
             source = x if context is None else context
-            return self.q_proj(x), self.k_proj(source), self.v_proj(source)
+            S = source.shape[1]
+            q = self.q_proj(x).view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
+            k = self.k_proj(source).view(B, S, G, E).transpose(1, 2)  # (B, G, S, E)
+            v = self.v_proj(source).view(B, S, G, Ev).transpose(1, 2)  # (B, G, S, Ev)
+            return q, k, v
         # Self-attention on many rows: one matrix multiply over the three weights side by side
-        # reads x once and runs a wider, more efficient product; the concatenation copies the
-        # weights, which is cheap against the product only when rows are many (not decoding).
-        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (H*E + G*E + G*Ev, D)
-        bias = None
-        if cfg.bias:
-            bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))  # (H*E + G*E + G*Ev,)
-        sizes = (cfg.num_heads * cfg.d_k, cfg.num_kv_heads * cfg.d_k, cfg.num_kv_heads * cfg.d_v)
-        q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)  # (B, L, H*E), (B, L, G*E), (B, L, G*Ev)
+        # reads x once and runs a wider, more efficient product.
+        weight, bias = self._fused_projection()  # (H*E + G*E + G*Ev, D), (H*E + G*E + G*Ev,) or None
+        qkv = F.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev)
+        if cfg.num_heads == cfg.num_kv_heads and cfg.d_k == cfg.d_v:
+            # one copy to head-major order: each head's rows contiguous, which the attention
+            # kernel reads faster than the interleaved product (and its input checks too)
+            q, k, v = qkv.view(B, L, 3, H, E).permute(2, 0, 3, 1, 4).contiguous().unbind(0)  # 3 x (B, H, L, E)
+            return q, k, v
+        q, k, v = qkv.split((H * E, G * E, G * Ev), dim=-1)  # (B, L, H*E), (B, L, G*E), (B, L, G*Ev)
+        q = q.reshape(B, L, H, E).transpose(1, 2).contiguous()  # (B, H, L, E)
+        k = k.reshape(B, L, G, E).transpose(1, 2).contiguous()  # (B, G, L, E)
+        v = v.reshape(B, L, G, Ev).transpose(1, 2).contiguous()  # (B, G, L, Ev)
         return q, k, v
+
+    def _fused_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The q, k, v weights (and biases) side by side.
+
+        The concatenation copies the weights; where no gradient flows to them (inference
+        under no_grad, or frozen weights) the copy is kept and reused until one of them
+        changes: another tensor (``.to()``, ``load_state_dict`` with assign) or an in-place
+        update (an optimizer step, ``copy_``), which bumps its version counter.
+        """
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        tensors = [p.weight for p in parts] + ([p.bias for p in parts] if self.config.bias else [])
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return self._concat_projection(tensors)  # autograd (or the compiled graph) must see it
+        try:
+            key = tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors)
+        except RuntimeError:  # inference tensors (made under torch.inference_mode) have no version
+            return self._concat_projection(tensors)
+        cached = getattr(self, "_fused_cache", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, self._concat_projection(tensors))
+            self._fused_cache = cached
+        return cached[1]
+
+    def _concat_projection(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = torch.cat(tensors[:3])  # (H*E + G*E + G*Ev, D)
+        bias = torch.cat(tensors[3:]) if len(tensors) == 6 else None  # (H*E + G*E + G*Ev,)
+        return weight, bias
 
     def forward(
         self,
@@ -406,13 +444,9 @@ class MultiHeadAttention(nn.Module):
                 context = context.transpose(0, 1)  # (B, S, Dc)
         self._check_inputs(x, context, mask, cache)
         cfg = self.config
-        H, G, E, Ev = cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+        H, Ev = cfg.num_heads, cfg.d_v
         B, L, _ = x.shape
-        q, k, v = self._project(x, context)
-        S_new = k.shape[1]
-        q = q.view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
-        k = k.view(B, S_new, G, E).transpose(1, 2)  # (B, G, S_new, E)
-        v = v.view(B, S_new, G, Ev).transpose(1, 2)  # (B, G, S_new, Ev)
+        q, k, v = self._project(x, context)  # (B, H, L, E), (B, G, S_new, E), (B, G, S_new, Ev)
         if self.rope is not None:
             offset = cache.length if cache is not None else 0
             q = self.rope(q, offset)  # (B, H, L, E)

@@ -270,3 +270,15 @@ def test_pickle_only_directory_is_refused(tmp_path: Path, model_dir: Path) -> No
 def test_bin_path_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pickle checkpoint"):
         load_encoder(tmp_path / "pytorch_model.bin")
+
+
+def test_token_ids_are_the_reference_tokenizers(encoder: Encoder, st_model) -> None:
+    # encode reads ids only (Encoder.token_ids); they must be the ids of tokenize and of
+    # sentence-transformers' own tokenizer, cut the same way past 512 positions
+    texts = ["A man is playing a guitar.", "苹果 发布 手机", "attention " * 600, ""]
+    want = st_model.tokenizer(texts, truncation=True, max_length=512)["input_ids"]
+    assert encoder.token_ids(texts, truncate=True) == want
+    assert [t.ids for t in encoder.tokenize(texts, truncate=True)] == want
+    assert encoder.tokenizer.lengths(texts[:2]) == [len(ids) for ids in want[:2]]
+    with pytest.raises(ValueError, match=r"512 positions"):
+        encoder.token_ids(texts)

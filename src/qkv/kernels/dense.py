@@ -259,12 +259,13 @@ def fused_attention(
     dropout: float = 0.0,
     need_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """PyTorch's SDPA. ``is_causal`` is SDPA's (top-left). Returns (output (N, H, L, Ev), lse (N, H, L) or None)."""
+    """PyTorch's SDPA. ``is_causal`` is SDPA's (top-left). ``mask`` broadcasts to (N, H, L, S)
+    (size 1 on any axis). Returns (output (N, H, L, Ev), lse (N, H, L) or None)."""
     H = q.shape[1]
     empty_rows: torch.Tensor | None = None
     if mask is not None:
-        visible = mask if mask.dtype == torch.bool else mask != _NEG_INF  # (N | 1, H | 1, L, S)
-        has_key = visible.any(dim=-1, keepdim=True)  # (N | 1, H | 1, L, 1)
+        visible = mask if mask.dtype == torch.bool else mask != _NEG_INF  # (N | 1, H | 1, L | 1, S)
+        has_key = visible.any(dim=-1, keepdim=True)  # (N | 1, H | 1, L | 1, 1)
         if not bool(has_key.all()):
             empty_rows = ~has_key
             # Open the empty rows so that the kernel computes something finite there; the

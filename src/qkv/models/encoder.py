@@ -198,14 +198,9 @@ class Encoder:
         first tokens and the closing [SEP])."""
         texts = _texts_or_raise(texts)
         encoded = self.tokenizer.encode_batch(texts)
-        limit = self.max_tokens
-        too_long = [i for i, t in enumerate(encoded) if len(t) > limit]
-        if too_long and not truncate:
-            first = too_long[0]
-            raise TextTooLongError(count=len(too_long), index=first, tokens=len(encoded[first]), limit=limit)
-        for i in too_long:
+        keep = slice(0, self.max_tokens - 1)  # everything but the closing special token is cut
+        for i in self._too_long([len(t) for t in encoded], truncate):
             t = encoded[i]
-            keep = slice(0, limit - 1)  # everything but the closing special token is cut here
             encoded[i] = TokenizedText(
                 ids=t.ids[keep] + t.ids[-1:],
                 tokens=t.tokens[keep] + t.tokens[-1:],
@@ -213,6 +208,23 @@ class Encoder:
                 word_ids=t.word_ids[keep] + t.word_ids[-1:],
             )
         return encoded
+
+    def token_ids(self, texts: Sequence[str], *, truncate: bool = False) -> list[list[int]]:
+        """The ids of `tokenize`, checked and cut the same way, without tokens and offsets."""
+        rows = self.tokenizer.ids_batch(_texts_or_raise(texts))
+        keep = self.max_tokens - 1  # everything but the closing special token is cut
+        for i in self._too_long([len(r) for r in rows], truncate):
+            rows[i] = rows[i][:keep] + rows[i][-1:]
+        return rows
+
+    def _too_long(self, lengths: list[int], truncate: bool) -> list[int]:
+        """Indices of the texts past `max_tokens`; TextTooLongError unless ``truncate``."""
+        limit = self.max_tokens
+        too_long = [i for i, n in enumerate(lengths) if n > limit]
+        if too_long and not truncate:
+            first = too_long[0]
+            raise TextTooLongError(count=len(too_long), index=first, tokens=lengths[first], limit=limit)
+        return too_long
 
     # -- sentence embeddings ------------------------------------------------------------------
 
@@ -248,14 +260,14 @@ class Encoder:
         positive_int(batch_size, "batch_size")
         if not isinstance(packed, bool):
             raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
-        encoded = self.tokenize(texts, truncate=truncate)
+        encoded = self.token_ids(texts, truncate=truncate)
         N, D = len(encoded), self.config.hidden_size
         order = sorted(range(N), key=lambda i: -len(encoded[i]))
         with _progress_reporter(progress, N) as report, torch.no_grad():
             out = torch.empty(N, D, dtype=torch.float32, device=self.device)  # (N, D)
             for start in range(0, N, batch_size):
                 chunk = order[start : start + batch_size]
-                rows = [encoded[i].ids for i in chunk]
+                rows = [encoded[i] for i in chunk]
                 out[chunk] = self._embed_packed(rows) if packed else self._embed_padded(rows)  # (B, D)
                 report(min(start + batch_size, N))
         return F.normalize(out, p=2, dim=1) if normalize else out
@@ -263,7 +275,8 @@ class Encoder:
     def _embed_padded(self, rows: list[list[int]]) -> torch.Tensor:
         """Mean-pooled last hidden states (B, D) of B texts, right-padded to the longest."""
         ids, valid = self._pad(rows)  # (B, L), (B, L)
-        hidden = self.model(ids, valid=valid).last_hidden  # (B, L, D)
+        padded = any(len(r) != len(rows[0]) for r in rows)  # texts of one length need no mask
+        hidden = self.model(ids, valid=valid if padded else None).last_hidden  # (B, L, D)
         return mean_pool(hidden.float(), valid)  # (B, D) float32, whatever the model's dtype
 
     def _embed_packed(self, rows: list[list[int]]) -> torch.Tensor:

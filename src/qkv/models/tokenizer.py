@@ -83,6 +83,17 @@ class WordPieceTokenizer:
             for e in encodings
         ]
 
+    def ids_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids only, [CLS] and [SEP] included, of many texts: what sentence embeddings
+        need. The same ids as `encode_batch` without building tokens, offsets and word ids
+        in Python, which took a third of the tokenizing time."""
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, unused here
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        return [e.ids for e in encode(list(texts))]
+
     def lengths(self, texts: Sequence[str]) -> list[int]:
         """Token counts (with [CLS] and [SEP]) of many texts."""
-        return [len(t) for t in self.encode_batch(texts)]
+        return [len(ids) for ids in self.ids_batch(texts)]
