@@ -39,7 +39,7 @@ namespace cpublas = at::native::cpublas;
 
 constexpr int64_t kPanel = 64;       // keys (or value columns) per packed panel: oneDNN packs N <= 64
 constexpr int64_t kBlockQ = 64;      // query rows per task: four 16-row AMX tiles
-constexpr int64_t kChunkPanels = 4;  // key panels per softmax step: P V runs with K = 256
+constexpr int64_t kChunkPanels = 8;  // key panels per softmax step: P V runs with K = 512 (11-15 % faster than 4, 1 thread)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
