@@ -154,7 +154,8 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
     forward_kernel = ""
     if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
         has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
-        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals)
+        causal_share = plan.tiles.causal_square_share() if plan.tiles is not None else 0.0
+        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals, causal_share)
     rates: tuple[tuple[str, float], ...] = ()
     if measure and q.device.type == "cpu":
         from qkv.bench import machine_matmul_gflops  # measuring is the benchmark's business

@@ -77,7 +77,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -
     the fused bf16 kernel (`qkv.kernels.interval_bf16`) when it applies and builds, else the
     flash kernel per call."""
     intervals = run.plan.intervals
-    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
+    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None, run.plan.causal_square_share()) is None:
         assert intervals is not None
         fused = interval_bf16.forward(q, k, v, *intervals, run.scale)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
@@ -343,7 +343,9 @@ def engine_extra_bytes(
     if plan is None:
         return extra + call_bytes + n_tiles
     extra += plan.max_call_bytes()
-    if not score_terms and interval_bf16.unavailable_reason(dtype, torch.device("cpu"), plan.intervals is not None) is None:
+    if not score_terms and interval_bf16.unavailable_reason(
+        dtype, torch.device("cpu"), plan.intervals is not None, plan.causal_square_share()
+    ) is None:
         # the fused bf16 kernel's packed keys and values, padded to 64 keys and 64 value columns
         extra += N * H * -(-S // 64) * 64 * (Ep + -(-Ev // 64) * 64) * itemsize
     masked = [c for c in plan.calls if c.masked]
