@@ -3,8 +3,9 @@
 Expected values come from PyTorch's own ``nn.MultiheadAttention`` (converted with
 `MultiHeadAttention.from_torch`), which projects with its packed ``in_proj_weight``. The inputs
 have B * L >= d_model rows, the size at which the module runs one matrix multiply over the
-three weights side by side, and without gradient it keeps that concatenation between calls:
-these tests check that the kept copy follows every change of the weights.
+three weights side by side: these tests check that it follows every change of the weights,
+including updates through ``.data`` that no version counter records (a concatenation kept
+between calls once went stale there).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ def _check(theirs: nn.MultiheadAttention, ours: qkv.MultiHeadAttention, x: torch
     torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_kept_projection_follows_in_place_updates_and_moves() -> None:
+def test_fused_projection_follows_in_place_updates_and_moves() -> None:
     theirs, ours = _pair()
     x = torch.randn(3, 7, D)  # 21 rows >= d_model: the fused projection
     with torch.no_grad():
         _check(theirs, ours, x)
-        _check(theirs, ours, x)  # second call reads the kept concatenation
+        _check(theirs, ours, x)  # a second call: nothing kept from the first may go stale
         # an in-place update (what an optimizer step or copy_ does) of every projection
         theirs.in_proj_weight.mul_(1.5)
         theirs.in_proj_bias.add_(0.25)
@@ -50,6 +51,11 @@ def test_kept_projection_follows_in_place_updates_and_moves() -> None:
         ours.load_state_dict(qkv.MultiHeadAttention.from_torch(_pair(seed=1)[0]).state_dict())
         _check(_pair(seed=1)[0], ours, x)
         theirs64, ours64 = _pair(seed=1)[0].double(), ours.double()
+        _check(theirs64, ours64, x.double())
+        # an EMA-style step through .data: values change, version counters and addresses do not
+        for module in (theirs64, ours64):
+            for p in module.parameters():
+                p.data.mul_(0.5)
         _check(theirs64, ours64, x.double())
 
 

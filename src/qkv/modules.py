@@ -381,31 +381,16 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def _fused_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The q, k, v weights (and biases) side by side.
+        """The q, k, v weights (and biases) side by side, concatenated on every call.
 
-        The concatenation copies the weights; where no gradient flows to them (inference
-        under no_grad, or frozen weights) the copy is kept and reused until one of them
-        changes: another tensor (``.to()``, ``load_state_dict`` with assign) or an in-place
-        update (an optimizer step, ``copy_``), which bumps its version counter.
+        Keeping the concatenation between calls would save a copy of the weights (small
+        against the product on many rows), but no key tells reliably when it is stale: an
+        update through ``.data`` (``p.data.mul_(m)``, the usual EMA / momentum-encoder step)
+        changes the values without touching the parameter's version counter or address.
         """
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        tensors = [p.weight for p in parts] + ([p.bias for p in parts] if self.config.bias else [])
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-            return self._concat_projection(tensors)  # autograd (or the compiled graph) must see it
-        try:
-            key = tuple((t.data_ptr(), t._version, t.shape, t.dtype, t.device) for t in tensors)
-        except RuntimeError:  # inference tensors (made under torch.inference_mode) have no version
-            return self._concat_projection(tensors)
-        cached = getattr(self, "_fused_cache", None)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, self._concat_projection(tensors))
-            self._fused_cache = cached
-        return cached[1]
-
-    def _concat_projection(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight = torch.cat(tensors[:3])  # (H*E + G*E + G*Ev, D)
-        bias = torch.cat(tensors[3:]) if len(tensors) == 6 else None  # (H*E + G*E + G*Ev,)
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in parts])  # (H*E + G*E + G*Ev, D)
+        bias = torch.cat([p.bias for p in parts]) if self.config.bias else None  # (H*E + G*E + G*Ev,)
         return weight, bias
 
     def forward(
