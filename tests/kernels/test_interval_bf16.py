@@ -189,6 +189,22 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
     assert reason in qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask).forward_kernel
 
 
+def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torch.utils import cpp_extension
+
+    folders = []
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        folders.append(kwargs["build_directory"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", recorded)
+    monkeypatch.setattr(interval_bf16, "_built", {})
+    assert interval_bf16._build() == "its build failed (stop here)"
+    assert len(folders) == 1 and folders[0].startswith(str(tmp_path) + "/qkv_interval_bf16_")
+
+
 def test_the_kernel_builds_where_nothing_is_missing() -> None:
     # on a machine with AMX, AVX-512, a compiler and ninja the kernel must build and pass its
     # self-check (a float64 comparison): otherwise every test above would quietly test the fallback

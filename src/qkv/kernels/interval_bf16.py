@@ -137,7 +137,9 @@ def _build() -> ModuleType | str:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # no CUDA notice on CPU builds
     from torch.utils import cpp_extension
 
-    folder = Path(cpp_extension.get_default_build_root()) / name
+    # PyTorch's own folder for extensions, or the one its users choose with TORCH_EXTENSIONS_DIR
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = Path(root) / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
