@@ -69,9 +69,7 @@ class WordPieceTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[TokenizedText]:
         """Tokenize many texts (in parallel inside `tokenizers`)."""
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+        _check_texts(texts)
         encodings = self._tokenizer.encode_batch(list(texts))
         return [
             TokenizedText(
@@ -87,9 +85,7 @@ class WordPieceTokenizer:
         """Token ids only, [CLS] and [SEP] included, of many texts: what sentence embeddings
         need. The same ids as `encode_batch` without building tokens, offsets and word ids
         in Python, which took a third of the tokenizing time."""
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+        _check_texts(texts)
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, unused here
         encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
         return [e.ids for e in encode(list(texts))]
@@ -97,3 +93,10 @@ class WordPieceTokenizer:
     def lengths(self, texts: Sequence[str]) -> list[int]:
         """Token counts (with [CLS] and [SEP]) of many texts."""
         return [len(ids) for ids in self.ids_batch(texts)]
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    """TypeError naming the first entry of ``texts`` that is not a str."""
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
