@@ -180,3 +180,11 @@ def test_explain_says_how_the_plan_routes_mask_scores_weights_and_lse() -> None:
     engine = qkv.explain(long, long, long, M.sliding_window(64), softcap=30.0, return_weights=True)
     assert engine.route == "the mask reaches the kernel as tiles; the score terms are applied tile by tile; weights from the tiles"
     assert "route: the mask reaches the kernel as tiles" in str(engine)
+
+
+def test_explain_counts_the_pairs_of_sdpas_causal_route_by_hand() -> None:
+    # L = S with causal(): SDPA's is_causal route; row i sees i + 1 keys, 1 + 2 + ... + 7 = 28
+    q = torch.randn(1, 1, 7, 4)
+    e = qkv.explain(q, q, q, qkv.masks.causal(), backend="fused")
+    assert "is_causal" in e.route
+    assert e.visited_fraction == 28 / 49

@@ -58,6 +58,7 @@ class Explanation:
     notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
+    matmul_threads: int = 0  # the intra-op threads those rates were measured with
 
     def __str__(self) -> str:
         lines = [
@@ -82,7 +83,7 @@ class Explanation:
             rates = ", ".join(f"{name} {rate:.0f}" for name, rate in self.matmul_rates)
             name, rate = self.matmul_rates[-1]
             lines.append(
-                f"machine: matmul {rates} GFLOP/s (measured, {torch.get_num_threads()} threads); "
+                f"machine: matmul {rates} GFLOP/s (measured, {self.matmul_threads} threads); "
                 f"this work takes {'at most ' if self.upper_bound else ''}{self.flops / rate / 1e6:.2f} ms "
                 f"at the {name} matmul rate"
             )
@@ -157,6 +158,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         causal_share = plan.tiles.causal_square_share() if plan.tiles is not None else 0.0
         forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals, causal_share)
     rates: tuple[tuple[str, float], ...] = ()
+    threads = 0
     if measure and q.device.type == "cpu":
         from qkv.bench import machine_matmul_gflops  # measuring is the benchmark's business
 
@@ -182,6 +184,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         forward_kernel=forward_kernel,
         notes=() if note is None else (note,),
         matmul_rates=rates,
+        matmul_threads=threads,
     )
 
 
@@ -197,7 +200,8 @@ def _visible_pairs(problem: AttentionProblem, plan: Plan) -> float:
         assert plan.layout is not None
         return plan.layout.visited_pairs()
     if plan.mask == "is_causal":
-        return sum(min(S, max(0, i + 1)) for i in range(L))
+        m = min(L, S)  # row i (top-left causal) sees min(S, i + 1) keys: a triangle, then full rows
+        return m * (m + 1) // 2 + (L - m) * S
     return L * S
 
 
