@@ -40,3 +40,17 @@ def test_peak_growth_sees_a_buffer_touched_and_freed_inside() -> None:
 def test_traced_peak_counts_numpy_arrays() -> None:
     size = 8 * MIB
     assert size <= traced_peak_bytes(lambda: np.ones(size // 8)) < size + MIB
+
+
+def test_traced_peak_leaves_a_callers_tracing_running_and_counts_only_fn() -> None:
+    import tracemalloc
+
+    size = 8 * MIB
+    tracemalloc.start()
+    try:
+        held = np.ones(size // 8)  # allocated before: not part of fn's peak
+        assert size <= traced_peak_bytes(lambda: np.ones(size // 8)) < size + MIB
+        assert tracemalloc.is_tracing()
+        del held
+    finally:
+        tracemalloc.stop()

@@ -85,9 +85,16 @@ def peak_growth(trim: bool = False) -> Iterator[PeakGrowth]:
 
 def traced_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes Python's allocators hold while ``fn`` runs (what existed before not counted)."""
-    tracemalloc.start()
+    tracing = tracemalloc.is_tracing()  # a caller's own tracing is left running
+    if tracing:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+    else:
+        before = 0
+        tracemalloc.start()
     try:
         fn()
-        return tracemalloc.get_traced_memory()[1]
+        return tracemalloc.get_traced_memory()[1] - before
     finally:
-        tracemalloc.stop()
+        if not tracing:
+            tracemalloc.stop()
