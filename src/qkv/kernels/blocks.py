@@ -65,11 +65,6 @@ __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"
 
 _NEG_INF = float("-inf")
 # The dtype the backward kernel runs in, by input dtype. PyTorch's CPU flash backward in
-# bfloat16 converts every tile to float32 and back and runs at about 60 % of its float32
-# rate (one core, sliding window tiles 192 x 704: 48 vs 82 GFLOP/s, benchmarks/sparse.py),
-# so low-precision inputs are upcast once (exactly) and the float32 kernel runs; the
-# gradients are rounded to the input dtype at the end.
-_BACKWARD_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -> CallResult:
@@ -112,7 +107,10 @@ def _backward(
 
     bf16 calls whose pieces hold all keys of their rows take the matrix-product backward
     (`qkv.kernels.matmul_backward`) on the inputs as they are; the other calls run the flash
-    kernel, low-precision inputs on exact float32 copies (`_BACKWARD_DTYPE`).
+    kernel in the accumulation dtype, low-precision inputs on exact float32 copies: PyTorch's
+    bf16 flash backward converts every tile to float32 and back and runs at about 60 % of its
+    float32 rate (one core, sliding window tiles 192 x 704: 48 vs 82 GFLOP/s,
+    benchmarks/sparse.py); the gradients are rounded to the input dtype at the end.
     """
     dtypes = q.dtype, k.dtype, v.dtype
     Ep = q.shape[3]
@@ -123,7 +121,6 @@ def _backward(
     acc_dtype = accumulation_dtype(q.dtype)
     # causal squares stay on the flash kernel: its is_causal needs no q_len x q_len tile
     by_products = [suits(q.dtype, call.merge, grad_lse is not None) and not call.causal for call in run.plan.calls]
-    kernel_dtype = _BACKWARD_DTYPE.get(q.dtype, q.dtype)
     # rows without a visible key: any finite normalizer keeps exp(-inf - lse) = 0 there
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     dq = torch.zeros(N, H, L, cols, dtype=acc_dtype)
@@ -142,11 +139,11 @@ def _backward(
         else:
             # the call's own views in the kernel's dtype: low-precision inputs are copied call by
             # call (exactly), never all at once (a float32 copy of q, k, v is 3 x 4 bytes a value)
-            q_, o_ = (item_view(x, call, keys=False).to(kernel_dtype) for x in (q, out))  # (items, H, q_len, cols)
-            k_, v_ = (item_view(x, call, keys=True).to(kernel_dtype) for x in (k, v))  # (items, H, width, cols)
-            bias = mask_tile(run, call, kernel_dtype)[0] if call.masked else None
+            q_, o_ = (item_view(x, call, keys=False).to(acc_dtype) for x in (q, out))  # (items, H, q_len, cols)
+            k_, v_ = (item_view(x, call, keys=True).to(acc_dtype) for x in (k, v))  # (items, H, width, cols)
+            bias = mask_tile(run, call, acc_dtype)[0] if call.masked else None
             gq, gk, gv = flash_backward(
-                gradient_view(grad_out, call, kernel_dtype), q_, k_, v_, o_, row_view(lse, call), 0.0, call.causal,
+                gradient_view(grad_out, call, acc_dtype), q_, k_, v_, o_, row_view(lse, call), 0.0, call.causal,
                 attn_mask=bias, scale=run.scale,
             )  # (items, H, q_len, cols), (items, H, width, cols) x 2
             del q_, k_, v_, o_
