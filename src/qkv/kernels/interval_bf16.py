@@ -25,6 +25,7 @@ head dims of q, k / v.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -84,9 +85,16 @@ def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
     if os.environ.get("QKV_NO_COMPILED_KERNELS"):
         return "QKV_NO_COMPILED_KERNELS is set"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
+
+
+@functools.cache
+def _toolchain_reason(compiler: str, search_path: str) -> str | None:
+    """Why the build tools are missing, or None: two PATH scans, done once per compiler and PATH
+    (this runs on every bf16 call of the engine)."""
+    if shutil.which(compiler, path=search_path) is None:
         return "no C++ compiler was found (c++ or $CXX)"
-    if shutil.which("ninja") is None:
+    if shutil.which("ninja", path=search_path) is None:
         return "ninja is not installed (torch.utils.cpp_extension builds with it)"
     return None
 
@@ -131,10 +139,19 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool, caus
 
 def _build() -> ModuleType | str:
     """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
+    try:
+        return _build_and_check()
+    finally:
+        logger.setLevel(level)  # the caller's logging as it was
+
+
+def _build_and_check() -> ModuleType | str:
     source = _SOURCE.read_text(encoding="utf-8")
     digest = hashlib.sha256((source + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
     name = f"qkv_interval_bf16_{digest}"
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # no CUDA notice on CPU builds
     from torch.utils import cpp_extension
 
     # PyTorch's own folder for extensions, or the one its users choose with TORCH_EXTENSIONS_DIR
