@@ -59,11 +59,12 @@ def test_fused_projection_follows_in_place_updates_and_moves() -> None:
         _check(theirs64, ours64, x.double())
 
 
-@pytest.mark.parametrize("kv_heads", [H, 2])
-def test_gradients_through_the_fused_projection(kv_heads: int) -> None:
+# (H, D // H): one layout for q, k, v, the head-major copy; (2, 3): GQA and Ev != E, the split
+@pytest.mark.parametrize(("kv_heads", "d_v"), [(H, D // H), (2, 3)])
+def test_gradients_through_the_fused_projection(kv_heads: int, d_v: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 9, D, dtype=torch.float64)  # 18 rows >= d_model
-    ours = qkv.MultiHeadAttention(D, H, num_kv_heads=kv_heads, d_v=3).double()
+    ours = qkv.MultiHeadAttention(D, H, num_kv_heads=kv_heads, d_v=d_v).double()
     with torch.no_grad():
         ours(x)  # a kept concatenation from an earlier inference call must not leak in
     out = ours(x.requires_grad_(True))
