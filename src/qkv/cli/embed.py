@@ -19,8 +19,9 @@ from rich.text import Text
 from qkv.cli._app import app, console, fail, say
 from qkv.cli._model import load_or_fail, too_long_message
 from qkv.cli._options import BUILTIN_MODEL, DtypeOption, ModelOption
+from qkv.cli._text import read_text_lines
 
-__all__ = ["embed_command", "split_lines"]
+__all__ = ["embed_command"]
 
 # Above this many texts a progress bar is drawn (on stderr, so --json output stays clean).
 PROGRESS_FROM = 64
@@ -28,31 +29,9 @@ PROGRESS_FROM = 64
 SIMILARITY_TABLE_UP_TO = 8
 
 
-def split_lines(content: str) -> list[str]:
-    r"""One text per line: split at "\n" only, dropping one "\r" before it (Windows line ends).
-
-    `str.splitlines` would also split at a form feed, U+0085, U+2028 and the other Unicode line
-    boundaries, cutting a text that holds one in two.
-
-        >>> split_lines("one\r\ntwo\x0cstill two\u2028and still\n")
-        ['one', 'two\x0cstill two\u2028and still', '']
-    """
-    return [line.removesuffix("\r") for line in content.split("\n")]
-
-
 def _read_texts(texts: list[str], file: Path | None) -> list[str]:
     if file is not None:
-        if not file.is_file():
-            fail(f"--file {file} does not exist or is not a file")
-        try:
-            # bytes, then decode: reading as text would turn a lone "\r" into a line end too;
-            # utf-8-sig drops the byte-order mark that some editors write first
-            lines = split_lines(file.read_bytes().decode("utf-8-sig"))
-        except UnicodeDecodeError as error:
-            fail(f"--file {file} is not UTF-8 text: {error}")
-        except OSError as error:
-            fail(f"--file {file} cannot be read: {error.strerror or error}")
-        texts = [*texts, *(line for line in lines if line.strip())]
+        texts = [*texts, *read_text_lines(file, "--file", allow_none=True)]
     if not texts:
         fail("give at least one text (as arguments or with --file)")
     empty = [i for i, t in enumerate(texts) if not t.strip()]

@@ -26,34 +26,17 @@ from rich.text import Text
 from qkv.cli._app import app, check_output_file, console, fail, say
 from qkv.cli._model import load_or_fail, too_long_message
 from qkv.cli._options import BUILTIN_MODEL, JsonOption, ModelOption, TruncateOption
-from qkv.cli.embed import split_lines
+from qkv.cli._text import read_text_lines
 
 if TYPE_CHECKING:
     from qkv.inspect import HeadRoles
 
-__all__ = ["heads_command", "read_text_lines", "role_sentence", "strongest_report"]
+__all__ = ["heads_command", "role_sentence", "strongest_report"]
 
 ROLE_NAMES = ("previous", "next", "self", "cls", "sep", "punctuation", "rest")  # qkv.inspect_roles.ROLES, without torch
 # One letter per role in the grid, so that twelve heads fit an 80-column terminal.
 CODES = {"previous": "P", "next": "N", "self": "S", "cls": "C", "sep": "E", "punctuation": ".", "rest": "-"}
 CODE_LEGEND = "P previous token, N next token, S itself, C [CLS], E [SEP] (end), . punctuation, - the rest"
-
-
-def read_text_lines(path: Path, option: str) -> list[str]:
-    """The non-blank lines of a UTF-8 file, split at "\\n" only (a form feed or U+2028 inside
-    a line stays in its text); exit 2 when the file is missing, not UTF-8 or has no text."""
-    if not path.is_file():
-        fail(f"{option} {path} does not exist or is not a file")
-    try:
-        content = path.read_bytes().decode("utf-8-sig")  # as `qkv embed --file`: a byte-order mark is no text
-    except UnicodeDecodeError as error:
-        fail(f"{option} {path} is not UTF-8 text: {error}")
-    except OSError as error:
-        fail(f"{option} {path} cannot be read: {error.strerror or error}")
-    texts = [line for line in split_lines(content) if line.strip()]
-    if not texts:
-        fail(f"{option} {path} holds no text (every line is blank)")
-    return texts
 
 
 def role_sentence(role: str, layer: int, head: int, share: float) -> str:
