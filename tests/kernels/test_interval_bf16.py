@@ -19,7 +19,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.kernels import interval_bf16
+from qkv.kernels import compiled, interval_bf16
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, _err, _naive, assert_by_the_rule
 
@@ -158,7 +158,7 @@ def test_explain_names_the_kernel_or_why_not(monkeypatch: pytest.MonkeyPatch) ->
     assert qkv.explain(q.float(), q.float(), q.float(), mask).forward_kernel == ""  # float32: nothing to say
     per_head = M.predicate(lambda b, h, i, j: (i - j).abs() < 50, heads=2)
     assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").forward_kernel
-    monkeypatch.setattr(interval_bf16, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(compiled, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert "this CPU lacks avx512bw" in qkv.explain(q, q, q, mask).forward_kernel
     assert "amx_bf16" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
 

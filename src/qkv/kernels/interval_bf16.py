@@ -25,21 +25,13 @@ head dims of q, k / v.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import time
-import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from qkv.kernels.machine import cpu_flags
+from qkv.kernels import compiled
 
 __all__ = ["ENABLED", "KERNEL_NAME", "MAX_CAUSAL_SHARE", "describe", "forward", "unavailable_reason"]
 
@@ -49,12 +41,6 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval kernel"
 _SOURCE = Path(__file__).with_name("interval_bf16.cpp")
-# what the compiled code executes: AVX-512 for the softmax (at::vec), AMX for the products
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
-_CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
-           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
-# a build lock older than this was left by a killed build (a build takes about a minute)
-_STALE_LOCK_SECONDS = 15 * 60
 # E is padded to this multiple for the micro-kernel (its K dimension)
 _HEAD_MULTIPLE = 32
 
@@ -75,28 +61,7 @@ def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel cannot run for these inputs, from facts that need no build."""
     if not ENABLED:
         return "it is switched off (qkv.kernels.interval_bf16.ENABLED = False)"
-    if dtype != torch.bfloat16:
-        return f"it runs bfloat16 only (inputs are {str(dtype).removeprefix('torch.')})"
-    if device.type != "cpu":
-        return "it runs on CPU only"
-    flags = cpu_flags()
-    missing = [f for f in _REQUIRED_FLAGS if flags is None or f not in flags]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
-    if os.environ.get("QKV_NO_COMPILED_KERNELS"):
-        return "QKV_NO_COMPILED_KERNELS is set"
-    return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
-
-
-@functools.cache
-def _toolchain_reason(compiler: str, search_path: str) -> str | None:
-    """Why the build tools are missing, or None: two PATH scans, done once per compiler and PATH
-    (this runs on every bf16 call of the engine)."""
-    if shutil.which(compiler, path=search_path) is None:
-        return "no C++ compiler was found (c++ or $CXX)"
-    if shutil.which("ninja", path=search_path) is None:
-        return "ninja is not installed (torch.utils.cpp_extension builds with it)"
-    return None
+    return compiled.static_reason(dtype, device)
 
 
 def unavailable_reason(
@@ -139,48 +104,15 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool, caus
 
 def _build() -> ModuleType | str:
     """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
-    try:
-        return _build_and_check()
-    finally:
-        logger.setLevel(level)  # the caller's logging as it was
+    return compiled.build("interval_bf16", _SOURCE, KERNEL_NAME, _check)
 
 
-def _build_and_check() -> ModuleType | str:
-    source = _SOURCE.read_text(encoding="utf-8")
-    digest = hashlib.sha256((source + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
-    name = f"qkv_interval_bf16_{digest}"
-    from torch.utils import cpp_extension
-
-    # PyTorch's own folder for extensions, or the one its users choose with TORCH_EXTENSIONS_DIR
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    folder = Path(root) / name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        if not any(folder.glob(f"{name}*.so")):
-            print(f"qkv: compiling the {KERNEL_NAME} once (about a minute) into {folder}", file=sys.stderr, flush=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = cpp_extension.load(
-                name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(folder),
-                with_cuda=False, verbose=False,
-            )
-    except Exception as error:  # a failed build is a reason to fall back, never a traceback
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"its build failed ({first[:200]})"
+def _check(module: ModuleType) -> str | None:
     if not module.micro_kernel_available():
         return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
     if not module.pack_matches():
         return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
-    error = _self_check(module)
-    if error is not None:
-        return error
-    return module
+    return _self_check(module)
 
 
 def _self_check(module: ModuleType) -> str | None:

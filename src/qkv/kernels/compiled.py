@@ -1,0 +1,118 @@
+"""Building qkv's C++ kernels on this machine, once, with a reason whenever one cannot run.
+
+Each compiled kernel of qkv (a ``.cpp`` file next to its Python module) is built the first
+time it is needed with ``torch.utils.cpp_extension`` and cached in PyTorch's folder for
+extensions (``TORCH_EXTENSIONS_DIR`` when set), in a folder named by the hash of the source,
+the compiler flags and the torch version: a change of any of them builds anew, an unchanged
+build is loaded in a second. Nothing here raises: a kernel that cannot be built is a
+sentence saying why, and its caller falls back to a path that needs no compiler.
+
+The flags below are those every kernel of qkv needs (AVX-512 with bf16 conversions for the
+softmax and element-wise work, AMX for the products); a kernel adds its own checks after
+loading (`build`'s ``check``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from qkv.kernels.machine import cpu_flags
+
+__all__ = ["CFLAGS", "REQUIRED_FLAGS", "build", "static_reason"]
+
+# what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
+CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
+# a build lock older than this was left by a killed build (a build takes about a minute)
+_STALE_LOCK_SECONDS = 15 * 60
+
+
+def static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why no compiled bf16 kernel of qkv can run for these inputs, from facts that need no
+    build (dtype, device, CPU flags, the switch, the tools), or None.
+
+    >>> static_reason(torch.float32, torch.device("cpu"))
+    'it runs bfloat16 only (inputs are float32)'
+    """
+    if dtype != torch.bfloat16:
+        return f"it runs bfloat16 only (inputs are {str(dtype).removeprefix('torch.')})"
+    if device.type != "cpu":
+        return "it runs on CPU only"
+    flags = cpu_flags()
+    missing = [f for f in REQUIRED_FLAGS if flags is None or f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
+    if os.environ.get("QKV_NO_COMPILED_KERNELS"):
+        return "QKV_NO_COMPILED_KERNELS is set"
+    return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
+
+
+@functools.cache
+def _toolchain_reason(compiler: str, search_path: str) -> str | None:
+    """Why the build tools are missing, or None: two PATH scans, done once per compiler and PATH
+    (this runs on every bf16 call of the engine)."""
+    if shutil.which(compiler, path=search_path) is None:
+        return "no C++ compiler was found (c++ or $CXX)"
+    if shutil.which("ninja", path=search_path) is None:
+        return "ninja is not installed (torch.utils.cpp_extension builds with it)"
+    return None
+
+
+def build(
+    stem: str, source: Path, description: str, check: Callable[[ModuleType], str | None], cflags: list[str] | None = None
+) -> ModuleType | str:
+    """Compile (or load the cached build of) ``source`` as the module ``qkv_<stem>_<hash>`` and
+    run ``check`` on it: the module, or why there is none (the build's first error line, or
+    what ``check`` returned). ``description`` names the kernel in the one line printed on
+    stderr when it compiles."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
+    try:
+        module = _load(stem, source, description, CFLAGS if cflags is None else cflags)
+    finally:
+        logger.setLevel(level)  # the caller's logging as it was
+    if isinstance(module, str):
+        return module
+    error = check(module)
+    return module if error is None else error
+
+
+def _load(stem: str, source: Path, description: str, cflags: list[str]) -> ModuleType | str:
+    text = source.read_text(encoding="utf-8")
+    digest = hashlib.sha256((text + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:16]
+    name = f"qkv_{stem}_{digest}"
+    from torch.utils import cpp_extension
+
+    # PyTorch's own folder for extensions, or the one its users choose with TORCH_EXTENSIONS_DIR
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = Path(root) / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+        if not any(folder.glob(f"{name}*.so")):
+            print(f"qkv: compiling the {description} once (about a minute) into {folder}", file=sys.stderr, flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cpp_extension.load(
+                name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder),
+                with_cuda=False, verbose=False,
+            )  # fmt: skip
+    except Exception as error:  # a failed build is a reason to fall back, never a traceback
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"its build failed ({first[:200]})"
