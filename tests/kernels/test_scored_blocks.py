@@ -163,22 +163,28 @@ def test_bf16_alibi_on_the_flash_kernel_by_the_tolerance_rule(window: int, learn
         assert _err(g, w) <= 3 * _err(nv, w) + 1e-4
 
 
-def test_the_forward_output_keeps_the_inputs_dtype_only_without_merges() -> None:
-    q, k, v, _ = _problem(1, 2, 2, 1300, 1300, 8, 8)
-    low = [t.to(torch.bfloat16) for t in (q, k, v)]
-    for window, merged in ((60, False), (1100, True)):  # rows beyond masked_span keys merge pieces
-        mask = M.sliding_window(window) & M.causal()
-        lo, hi = mask.row_intervals(1300, 1300)  # type: ignore[misc]
-        plan = plan_intervals(lo, hi, BlockSizes(N=1, H=2, L=1300, S=1300, Ep=8, itemsize=2, mask_heads=2), BlockConfig())
-        assert any(c.merge for c in plan.calls) == merged
-
-        def compute(call):  # type: ignore[no-untyped-def]
-            o = torch.zeros(call.items, 2, call.q_len, 8, dtype=torch.bfloat16)
-            return o, torch.zeros(call.items, 2, call.q_len)
-
-        out, _ = block_calls.run_calls(low[0], plan, compute, rounded=True)
-        assert out.dtype == (torch.float32 if merged else torch.bfloat16)
-        assert block_calls.run_calls(low[0], plan, compute)[0].dtype == torch.float32
+@pytest.mark.parametrize(
+    ("n", "window", "wide"),
+    [(1300, 60, None), (1300, 1100, False), (3000, 3000, True)],  # no merges; 276 of 1300 rows merge; 1976 of 3000
+)
+def test_rounded_outputs_merge_in_float32_and_round_once(n: int, window: int, wide: bool | None) -> None:
+    # rows beyond masked_span (1024) keys merge pieces. With rounded=True the output stays
+    # bf16 and the merging rows are merged in float32 buffers of their own, unless most rows
+    # merge: either way the result must equal the all-float32 run rounded once, bit for bit
+    mask = M.sliding_window(window) & M.causal()
+    lo, hi = mask.row_intervals(n, n)  # type: ignore[misc]
+    plan = plan_intervals(lo, hi, BlockSizes(N=1, H=2, L=n, S=n, Ep=8, itemsize=2, mask_heads=2), BlockConfig())
+    assert any(c.merge for c in plan.calls) == (wide is not None)
+    gen = torch.Generator().manual_seed(n + window)
+    results = {id(c): (torch.randn(c.items, 2, c.q_len, 8, generator=gen).to(torch.bfloat16),
+                       torch.randn(c.items, 2, c.q_len, generator=gen)) for c in plan.calls}  # fmt: skip
+    q = torch.zeros(1, 2, n, 8, dtype=torch.bfloat16)
+    out, lse = block_calls.run_calls(q, plan, lambda call: results[id(call)], rounded=True)
+    want_out, want_lse = block_calls.run_calls(q, plan, lambda call: results[id(call)])
+    assert want_out.dtype == torch.float32
+    assert out.dtype == (torch.float32 if wide else torch.bfloat16)
+    assert torch.equal(out.to(torch.bfloat16), want_out.to(torch.bfloat16))
+    assert torch.equal(lse, want_lse)
 
 
 def test_a_tile_is_written_in_place_only_when_it_is_its_own() -> None:

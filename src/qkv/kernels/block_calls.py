@@ -173,24 +173,78 @@ def _as_slab(y: torch.Tensor, call: Call) -> torch.Tensor:
     return moved if call.over_batch else moved.flatten(0, 1)  # (items * q_len, H, ...)
 
 
+class _MergedRows:
+    """Float32 (or wider) buffers for the rows that merge, when the output itself stays in q's
+    dtype: one buffer per run of adjacent merging rows, (rows, H, Ep), rounded into the
+    output at the end. Plans where few rows merge (documents shorter than a tile grouped with
+    their neighbours) then pay for a wide copy of those rows only, not of the whole output."""
+
+    def __init__(self, runs: dict[int, list[tuple[int, int]]], H: int, Ep: int, dtype: torch.dtype) -> None:
+        self.runs = runs  # batch row -> disjoint row ranges [a, b), sorted
+        self.buffers = {(n, a): torch.empty(b - a, H, Ep, dtype=dtype) for n, rs in runs.items() for a, b in rs}
+
+    @classmethod
+    def of(cls, plan: BlockPlan, H: int, Ep: int, dtype: torch.dtype) -> _MergedRows | None:
+        """The buffers for ``plan``'s merging calls, or None when a merging call spans batch
+        rows or when at least half of the rows merge (one wide buffer for all is as cheap)."""
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for call in plan.calls:
+            if not call.merge:
+                continue
+            if call.over_batch:
+                return None
+            ranges.setdefault(call.n, []).append((call.q0, call.q0 + call.items * call.q_len))
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for n, rs in ranges.items():
+            joined: list[tuple[int, int]] = []
+            for a, b in sorted(rs):
+                if joined and a <= joined[-1][1]:
+                    joined[-1] = (joined[-1][0], max(joined[-1][1], b))
+                else:
+                    joined.append((a, b))
+            runs[n] = joined
+        merged = sum(b - a for rs in runs.values() for a, b in rs)
+        if 2 * merged >= plan.sizes.N * plan.sizes.L:
+            return None
+        return cls(runs, H, Ep, dtype)
+
+    def slab(self, call: Call) -> torch.Tensor:
+        """The wide rows (items * q_len, H, Ep) of a merging call (the layout of `_row_slab`)."""
+        first, stop = call.q0, call.q0 + call.items * call.q_len
+        for a, b in self.runs[call.n]:
+            if a <= first and stop <= b:
+                return self.buffers[(call.n, a)][first - a : stop - a]
+        raise AssertionError("a merging call outside the merged rows")  # runs cover every merging call
+
+    def round_into(self, out: torch.Tensor) -> None:
+        """Copy the merged rows into the output (N, L, H, Ep) in its dtype, releasing them."""
+        for (n, a), rows in self.buffers.items():
+            out[n, a : a + rows.shape[0]] = rows
+        self.buffers.clear()
+
+
 def run_calls(
     q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False
 ) -> CallResult:
     """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
     ``compute(call)`` returns the call's output (items, H, q_len, Ep) and lse (items, H, q_len).
-    Output (N, H, L, Ep) and lse (N, H, L), both float32 or wider (the caller rounds the
-    output). Both are stored query-row major, (N, L, H, Ep) and (N, L, H), the order in which
-    the kernel writes its items, so that placing a call's results is a contiguous copy.
+    Output (N, H, L, Ep) and lse (N, H, L), lse float32 or wider. Both are stored query-row
+    major, (N, L, H, Ep) and (N, L, H), the order in which the kernel writes its items, so
+    that placing a call's results is a contiguous copy.
 
-    ``rounded``: the calls' outputs are already in q's dtype (PyTorch's flash kernel rounds
-    its output). Without merges the output then stays in q's dtype: a float32 buffer would
-    hold the same values at twice the size, plus a conversion in and one out. With merges
-    it is float32 or wider, as always.
+    The output is float32 or wider (the caller rounds it), except with ``rounded``: the
+    calls' outputs are already in q's dtype (PyTorch's flash kernel rounds its output), so a
+    float32 buffer would hold the same values at twice the size, plus a conversion in and
+    one out. The output then stays in q's dtype, and rows that merge are merged in float32
+    buffers of their own (`_MergedRows`) and rounded once at the end; only when most rows
+    merge is the whole output float32, as without ``rounded``.
     """
     N, H, L, Ep = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
-    keep_q_dtype = rounded and not any(call.merge for call in plan.calls)
+    merging = any(call.merge for call in plan.calls)
+    wide_rows = _MergedRows.of(plan, H, Ep, acc_dtype) if rounded and merging else None
+    keep_q_dtype = rounded and (not merging or wide_rows is not None)
     out = torch.empty(N, L, H, Ep, dtype=q.dtype if keep_q_dtype else acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)
     # rows that no piece covers are "nothing seen": output 0, lse -inf (rows with no visible key)
@@ -200,10 +254,11 @@ def run_calls(
             out[n, first:stop] = 0.0
             lse[n, first:stop] = _NEG_INF
     # rows of several pieces: the first call to reach a row places its result, later ones merge
-    written = torch.zeros(N, L, dtype=torch.bool) if any(call.merge for call in plan.calls) else None
+    written = torch.zeros(N, L, dtype=torch.bool) if merging else None
     for call in plan.calls:
         o, lse_o = compute(call)
-        out_slab, lse_slab = _row_slab(out, call), _row_slab(lse, call)
+        lse_slab = _row_slab(lse, call)
+        out_slab = wide_rows.slab(call) if wide_rows is not None and call.merge else _row_slab(out, call)
         if call.merge:
             assert written is not None
             seen = _row_slab(written, call)  # (items * q_len,) or (items, q_len)
@@ -216,6 +271,8 @@ def run_calls(
                 continue
         out_slab.copy_(_as_slab(o, call))
         lse_slab.copy_(_as_slab(lse_o, call))
+    if wide_rows is not None:
+        wide_rows.round_into(out)
     return out.transpose(1, 2), lse.transpose(1, 2)  # (N, H, L, Ep), (N, H, L)
 
 

@@ -64,7 +64,6 @@ from qkv.masks import Mask
 __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"]
 
 _NEG_INF = float("-inf")
-# The dtype the backward kernel runs in, by input dtype. PyTorch's CPU flash backward in
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -> CallResult:
