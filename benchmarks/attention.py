@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import qkv
-from qkv.bench import fastest, matmul_gflops
+from qkv.bench import fastest, matmul_gflops, random_qkv
 
 B, H = 1, 8
 # The math path holds three (B, H, n, n) float32 tensors: 6 GiB at n = 8192. Past this it is skipped.
@@ -50,7 +50,7 @@ def _table(console: Console, dtype: torch.dtype, sizes: list[int], head_dims: li
         table.add_column(col, justify="right")
     ratios = []
     for n, E in [(n, E) for E in head_dims for n in sizes]:
-        q, k, v = (torch.randn(B, H, n, E).to(dtype) for _ in range(3))
+        q, k, v = random_qkv(n, heads=H, head_dim=E, dtype=dtype)  # (B=1, H, n, E), seeded
         for causal in (False, True):
             fns = _candidates(q, k, v, causal)
             with torch.inference_mode():

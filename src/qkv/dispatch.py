@@ -305,7 +305,7 @@ def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLay
     # without a backward pass to come, calls can be larger (fewer kernel launches)
     sizes = BlockSizes(
         N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
-        mask_heads=mask_heads(problem), need_grad=needs_grad(problem),
+        mask_heads=mask_heads(problem), need_grad=needs_grad(problem), score_terms=problem.terms.active,
     )
     if mask is None:
         intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))

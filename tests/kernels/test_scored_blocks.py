@@ -67,7 +67,7 @@ def _engine(q, k, v, mask, slopes, d_out, scale):  # type: ignore[no-untyped-def
 
 
 def test_wide_pieces_with_score_terms_are_cut_to_the_budget() -> None:
-    sizes = BlockSizes(N=1, H=8, L=64, S=4000, Ep=16, itemsize=2, mask_heads=8)
+    sizes = BlockSizes(N=1, H=8, L=64, S=4000, Ep=16, itemsize=2, mask_heads=8, score_terms=True)
     cfg = BlockConfig()
     wide = [Piece(0, 192, 0, 3000, masked=False), Piece(0, 192, 3000, 3192, masked=True), Piece(192, 200, 0, 3000, masked=False)]
     pieces = _narrow(wide, sizes, cfg)
@@ -81,14 +81,18 @@ def test_wide_pieces_with_score_terms_are_cut_to_the_budget() -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
     assert sum(1 for p in pieces if (p.q0, p.q1) == (0, 192)) > 2  # the wide full piece was cut
     assert [p for p in pieces if (p.q0, p.q1) == (192, 200)] == [wide[2]]  # 8 rows: it fits whole
-    # without score terms (mask_heads 1) nothing changes
+    # without score terms nothing changes, even with a mask that varies over heads
     assert _narrow(wide, BlockSizes(N=1, H=8, L=64, S=4000, Ep=16, itemsize=2), cfg) == wide
+    assert _narrow(wide, BlockSizes(N=1, H=8, L=64, S=4000, Ep=16, itemsize=2, mask_heads=8), cfg) == wide
+    # one head with a bias: its tiles are cut too (192 rows x 12,000 keys x 5 bytes > call_bytes / 4)
+    one_head = BlockSizes(N=1, H=1, L=192, S=12000, Ep=16, itemsize=2, mask_heads=1, score_terms=True)
+    assert len(_narrow([Piece(0, 192, 0, 12000, masked=False)], one_head, cfg)) == 2
 
 
 def test_planned_calls_with_a_bias_stay_within_the_budget() -> None:
     mask = M.varlen(torch.tensor([300, 17, 500]), causal=True)
     lo, hi = mask.row_intervals(817, 817)  # type: ignore[misc]
-    sizes = BlockSizes(N=1, H=4, L=817, S=817, Ep=16, itemsize=8, mask_heads=4)
+    sizes = BlockSizes(N=1, H=4, L=817, S=817, Ep=16, itemsize=8, mask_heads=4, score_terms=True)
     plan = plan_intervals(lo, hi, sizes, SMALL)
     assert any(c.merge and not c.masked for c in plan.calls)  # full pieces were cut and merge
     per_key = 4 * 9  # float64 tile values and a mask byte, per row and head
@@ -173,7 +177,7 @@ def test_rounded_outputs_merge_in_float32_and_round_once(n: int, window: int, wi
     # merge: either way the result must equal the all-float32 run rounded once, bit for bit
     mask = M.sliding_window(window) & M.causal()
     lo, hi = mask.row_intervals(n, n)  # type: ignore[misc]
-    plan = plan_intervals(lo, hi, BlockSizes(N=1, H=2, L=n, S=n, Ep=8, itemsize=2, mask_heads=2), BlockConfig())
+    plan = plan_intervals(lo, hi, BlockSizes(N=1, H=2, L=n, S=n, Ep=8, itemsize=2, mask_heads=2, score_terms=True), BlockConfig())
     assert any(c.merge for c in plan.calls) == (wide is not None)
     gen = torch.Generator().manual_seed(n + window)
     results = {id(c): (torch.randn(c.items, 2, c.q_len, 8, generator=gen).to(torch.bfloat16),

@@ -110,6 +110,9 @@ class BlockSizes:
     itemsize: int  # bytes per element of q, k and v
     mask_heads: int = 1  # heads (or head-sized tensors) each masked or scored tile carries
     need_grad: bool = True  # size the calls for a backward pass too (smaller calls)
+    # a bias, softcap or score_mod: every piece carries per-head tiles in the accumulation
+    # dtype, full pieces too, and causal squares save nothing (their tiles are built anyway)
+    score_terms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("N", "H", "L", "S", "Ep", "itemsize", "mask_heads"):
@@ -148,9 +151,9 @@ class BlockPlan:
         z = self.sizes
 
         def tile(c: Call) -> int:
-            if z.mask_heads > 1:
+            if z.score_terms:
                 return c.items * c.width * _tile_bytes_per_key(z, c.q_len)
-            return c.items * c.q_len * c.width * (z.itemsize + 1) if c.masked else 0
+            return c.items * z.mask_heads * c.q_len * c.width * (z.itemsize + 1) if c.masked else 0
 
         return max((c.items * z.H * c.q_len * (z.Ep * z.itemsize + 4) + tile(c) for c in self.calls), default=0)
 
@@ -262,7 +265,7 @@ def plan_intervals(lo: torch.Tensor, hi: torch.Tensor, sizes: BlockSizes, config
         monotone = bool((np.diff(a[nonempty]) >= 0).all() and (np.diff(b[nonempty]) >= 0).all())
         if monotone:
             # causal squares save the tile of a mask; tiles of score terms are built anyway
-            causal = sizes.mask_heads == 1
+            causal = not sizes.score_terms
             pieces = []
             for first, stop in _runs(nonempty):  # rows with no visible key belong to no piece
                 pieces += [dataclasses.replace(p, q0=p.q0 + first, q1=p.q1 + first)
@@ -343,10 +346,10 @@ def _tile_bytes_per_key(sizes: BlockSizes, rows: int) -> int:
 
 
 def _narrow(pieces: list[Piece], sizes: BlockSizes, config: BlockConfig) -> list[Piece]:
-    """With score terms (mask_heads > 1) every piece carries a per-head tile, also a full one:
-    pieces whose tile would exceed call_bytes / _TILE_SHARE are cut along their keys into
-    equal parts that fit, merged by log-sum-exp as any pieces of the same rows are."""
-    if sizes.mask_heads == 1:
+    """With score terms every piece carries a per-head tile, also a full one: pieces whose tile
+    would exceed call_bytes / _TILE_SHARE are cut along their keys into equal parts that fit,
+    merged by log-sum-exp as any pieces of the same rows are."""
+    if not sizes.score_terms:
         return pieces
     out: list[Piece] = []
     for p in pieces:
@@ -388,13 +391,12 @@ def _item_bytes(sizes: BlockSizes, shape: _Shape) -> int:
     gradients of its queries, keys and values."""
     H, Ep, itemsize = sizes.H, sizes.Ep, sizes.itemsize
     out = H * shape.q_len * (Ep * itemsize + 4)
-    # a masked tile carries its mask; with score terms (mask_heads > 1) every tile carries
-    # per-head biases or scores, masked or not
-    heads = sizes.mask_heads
-    if heads > 1:
+    # a masked tile carries its mask (per head when the mask varies over heads); with score
+    # terms every tile carries per-head biases or scores, masked or not
+    if sizes.score_terms:
         mask = shape.width * _tile_bytes_per_key(sizes, shape.q_len)  # in the accumulation dtype
     else:
-        mask = shape.q_len * shape.width * (itemsize + 1) if shape.masked else 0
+        mask = sizes.mask_heads * shape.q_len * shape.width * (itemsize + 1) if shape.masked else 0
     grads = (2 * H * shape.width * Ep * itemsize + H * shape.q_len * Ep * itemsize) if sizes.need_grad else 0
     return out + mask + grads
 
