@@ -10,9 +10,13 @@ float32.
 
 How it is timed: each library's ``encode`` sorts the sentences by length and cuts them into
 batches of 32 (sentence-transformers by characters, qkv by tokens). The benchmark forms the
-same batches up front, then encodes batch i of every path, in an order that rotates from
-batch to batch, and sums each path's times: one run over the 2,000 sentences per path,
-interleaved so that the load of a shared machine falls on all paths alike. Compare the ratios, not the
+same batches up front, groups them by GROUP (4 batches, 128 sentences: what one ``encode``
+call gets, so that each library batches as it does on a long list, and qkv runs batches side
+by side on its threads, `qkv.models.batches`), then encodes group i of every path, in an
+order that rotates from group to group, and sums each path's times: one run over the 2,000
+sentences per path, interleaved so that the load of a shared machine falls on all paths
+alike. "qkv bfloat16 one by one" is qkv bf16 padded with its batches one after another
+(``qkv.models.batches.ENABLED = False``), each on all threads, as sentence-transformers runs them. Compare the ratios, not the
 absolute rates. The CPU time of this process (all threads) is reported next to the wall
 clock because it is steadier when other processes compete for the cores.
 
@@ -45,10 +49,11 @@ import numpy as np
 import torch
 
 from qkv.bench import matmul_gflops
-from qkv.models import Encoder, load_encoder
+from qkv.models import Encoder, batches, load_encoder
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
 BATCH = 32
+GROUP = 4  # batches per timed encode call
 
 
 def make_sentences(encoder: Encoder, n: int, seed: int = 0) -> list[str]:
@@ -87,9 +92,10 @@ def main() -> None:
     # characters (np.argsort of minus the text length, as in SentenceTransformer.encode)
     by_tokens = sorted(range(n), key=lambda i: -lengths[i])
     by_chars = np.argsort([-len(text) for text in sentences]).tolist()
-    batches = {
-        "qkv": [[sentences[i] for i in by_tokens[s : s + BATCH]] for s in range(0, n, BATCH)],
-        "sentence-transformers": [[sentences[i] for i in by_chars[s : s + BATCH]] for s in range(0, n, BATCH)],
+    step = BATCH * GROUP
+    groups = {
+        "qkv": [[sentences[i] for i in by_tokens[s : s + step]] for s in range(0, n, step)],
+        "sentence-transformers": [[sentences[i] for i in by_chars[s : s + step]] for s in range(0, n, step)],
     }
 
     # path -> (encode one batch, whose batches it gets); ST fp32 is always run: the baseline
@@ -101,6 +107,8 @@ def main() -> None:
         if dtype in args.dtypes:
             runs[f"qkv {dtype} padded"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH), "qkv")
             runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
+            if dtype == "bfloat16":
+                runs["qkv bfloat16 one by one"] = (lambda t, e=ours: _one_by_one(e, t), "qkv")
         dtype_of |= {name: dtype for name in runs if name not in dtype_of}
     order = {"qkv": by_tokens, "sentence-transformers": by_chars}
     rates = {dtype: matmul_gflops(getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}
@@ -110,18 +118,18 @@ def main() -> None:
 
     load_before = os.getloadavg()
     for fn, kind in runs.values():  # warm-up: first calls allocate and pick kernels
-        fn(batches[kind][0])
-        fn(batches[kind][-1])
+        fn(groups[kind][0])
+        fn(groups[kind][-1])
 
     names = list(runs)
     wall = dict.fromkeys(names, 0.0)
     cpu = dict.fromkeys(names, 0.0)
     outputs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    for b in range(len(batches["qkv"])):
+    for b in range(len(groups["qkv"])):
         for name in names[b % len(names) :] + names[: b % len(names)]:
             fn, kind = runs[name]
             w, c = time.perf_counter(), time.process_time()
-            out = fn(batches[kind][b])
+            out = fn(groups[kind][b])
             wall[name] += time.perf_counter() - w
             cpu[name] += time.process_time() - c
             outputs[name].append(out.float().cpu())
@@ -132,14 +140,14 @@ def main() -> None:
         embeddings[name][order[kind]] = stacked  # back to the sentences' order
 
     load_after = os.getloadavg()
-    print(f"{n} sentences, {tokens} tokens ({MIN_TOKENS}..{MAX_TOKENS} per sentence), batch {BATCH}, "
+    print(f"{n} sentences, {tokens} tokens ({MIN_TOKENS}..{MAX_TOKENS} per sentence), batch {BATCH}, {GROUP} per call, "
           f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, {flops / 1e9:.0f} GFLOP of useful work")
     print("matmul rates (2048^2, same run): " + ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in rates.items()))
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)} "
           f"on {os.cpu_count()} cores")
     st32 = embeddings["ST float32"]
     qkv32 = embeddings.get("qkv float32 padded")
-    print(f"{'path':<22}{'sent/s':>8}{'tokens/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs ST fp32':>11}"
+    print(f"{'path':<25}{'sent/s':>8}{'tokens/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs ST fp32':>11}"
           f"{'vs ST same':>11}{'(CPU time)':>11}{'cos vs ST32':>12}{'cos vs qkv32':>13}")
     for name in names:
         dtype = dtype_of[name]
@@ -147,11 +155,20 @@ def main() -> None:
         cos_st = torch.nn.functional.cosine_similarity(embeddings[name], st32, dim=1).min().item()
         cos_qkv = "" if qkv32 is None else f"{torch.nn.functional.cosine_similarity(embeddings[name], qkv32, dim=1).min().item():>13.6f}"
         gflops = flops / wall[name] / 1e9
-        print(f"{name:<22}{n / wall[name]:>8.1f}{tokens / wall[name]:>10.0f}{gflops:>9.1f}{gflops / rates[dtype]:>10.1%}"
+        print(f"{name:<25}{n / wall[name]:>8.1f}{tokens / wall[name]:>10.0f}{gflops:>9.1f}{gflops / rates[dtype]:>10.1%}"
               f"{wall['ST float32'] / wall[name]:>10.2f}x{wall[same] / wall[name]:>10.2f}x{cpu[same] / cpu[name]:>10.2f}x"
               f"{cos_st:>12.6f}{cos_qkv}")
     if "bfloat16" in args.dtypes:
         _print_goals(wall, embeddings)
+
+
+def _one_by_one(encoder: Encoder, texts: list[str]) -> torch.Tensor:
+    """qkv's encode with its batches one after another, each on all threads."""
+    batches.ENABLED = False
+    try:
+        return encoder.encode(texts, batch_size=BATCH)
+    finally:
+        batches.ENABLED = True
 
 
 def _load(load: tuple[float, float, float]) -> str:

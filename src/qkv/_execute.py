@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from qkv._problem import AttentionProblem, compact, normalize_mask
-from qkv.dispatch import MaskRoute, Plan, complete
+from qkv.dispatch import MaskRoute, Plan, complete, key_padding
+from qkv.kernels import short_bf16
 from qkv.kernels.blocks import block_attention, block_lse, block_weights
 from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.kernels.flex import flex_attention_layout
@@ -33,6 +34,11 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
         return math_attention(
             q, k, v, mask, scale, causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms
         )
+    if plan.short_kernel:
+        out = short_bf16.forward(q, k, v, key_padding(problem), scale)  # (N, H, L, Ev)
+        if out is not None:
+            return out, None, None
+        # its build or self-check failed just now: SDPA below, as the plan's reason says when asked again
     if plan.scores == "dense_mask":
         mask = _join_bias(problem, mask)
     # the kernel broadcasts the mask itself: a key-padding mask reaches it as (N, 1, 1, S), so

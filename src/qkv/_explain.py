@@ -14,7 +14,7 @@ import torch
 
 from qkv._problem import AttentionProblem
 from qkv.dispatch import BLOCKS, Plan, mask_heads
-from qkv.kernels import interval_bf16
+from qkv.kernels import interval_bf16, short_bf16
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
@@ -157,6 +157,8 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
         causal_share = plan.tiles.causal_square_share() if plan.tiles is not None else 0.0
         forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals, causal_share)
+    if plan.path == "fused" and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        forward_kernel = short_bf16.describe(q.dtype, q.device) if plan.short_kernel else f"PyTorch's SDPA{_why_not_short(plan)}"
     rates: tuple[tuple[str, float], ...] = ()
     threads = 0
     if measure and q.device.type == "cpu":
@@ -186,6 +188,12 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         matmul_rates=rates,
         matmul_threads=threads,
     )
+
+
+def _why_not_short(plan: Plan) -> str:
+    """Why a fused bf16 CPU plan runs SDPA, not the short-sequence kernel (`Plan.reason` ends in it)."""
+    why = plan.short_kernel_absent
+    return "" if why is None else f" (the {short_bf16.KERNEL_NAME} does not run: {why})"
 
 
 def _visible_pairs(problem: AttentionProblem, plan: Plan) -> float:

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from qkv._problem import AttentionProblem, compact
+from qkv.kernels import short_bf16
 from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_intervals, plan_layout
 from qkv.kernels.dense import flash_kernel_available, fused_lse_available
 from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
@@ -40,9 +41,11 @@ __all__ = [
     "Source",
     "choose_path",
     "complete",
+    "key_padding",
     "mask_heads",
     "needs_grad",
     "ring_block_path",
+    "short_kernel_reason",
     "weights_plan",
 ]
 
@@ -100,6 +103,10 @@ class Plan:
     # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
     # large to evaluate for a decision or an explanation); layout and tiles are None until then
     deferred: bool = False
+    # fused: the compiled short-sequence bf16 kernel (`qkv.kernels.short_bf16`) runs instead of
+    # SDPA (SDPA still runs if its build or self-check fails when attention runs)
+    short_kernel: bool = False
+    short_kernel_absent: str | None = None  # fused bf16 on CPU: why that kernel does not run
 
 
 def _check_backend(backend: str) -> None:
@@ -185,6 +192,13 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         reason += "; bottom-right causal with L != S is passed as a dense bool mask"
     elif isinstance(mask, Mask):
         reason += f"; {mask.describe()} is passed as a dense bool mask"
+    short_reason = short_kernel_reason(problem, backend, route, return_weights, return_lse)
+    if short_reason is None:
+        what = "no mask" if route == "none" else "a key-padding mask"
+        reason = (
+            f"the {short_bf16.KERNEL_NAME} applies: bf16 on CPU, {S} keys (at most {short_bf16.MAX_KEYS}), {what}, "
+            "no gradient; SDPA's CPU kernel spends most of such a call on per-head set-up"
+        )
     lse: Source = "none"
     if return_weights or return_lse:
         # the weights are recomputed by the dense formula, and the lse with them; alone, the lse
@@ -200,7 +214,54 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         weights="dense" if return_weights else "none",
         lse=lse,
         causal_offset=0 if route == "is_causal" else None,
+        short_kernel=short_reason is None,
+        short_kernel_absent=short_reason,
     )
+
+
+def short_kernel_reason(
+    problem: AttentionProblem, backend: str, route: MaskRoute, return_weights: bool, return_lse: bool
+) -> str | None:
+    """Why the short-sequence bf16 kernel does not replace SDPA on a fused plan with this mask
+    route, or None when it does. Its cases: ``backend="auto"``, bf16 on CPU, at most
+    `short_bf16.MAX_KEYS` keys, no mask or a bool key-padding mask (varying over batch rows and
+    keys only), no score terms, dropout, gradients, weights or lse."""
+    reason = short_bf16.unavailable_reason(problem.q.dtype, problem.q.device)
+    if reason is not None:
+        return reason
+    if backend != "auto":
+        return f"backend={backend!r} asks for PyTorch's SDPA"
+    if problem.S > short_bf16.MAX_KEYS:
+        return f"{problem.S} keys, more than its {short_bf16.MAX_KEYS} (qkv.kernels.short_bf16.MAX_KEYS)"
+    if problem.terms.active:
+        return "it applies no score terms"
+    if problem.dropout > 0.0:
+        return "it has no dropout"
+    if needs_grad(problem):
+        return "gradients are needed and it has no backward"
+    if return_weights or return_lse:
+        return "it returns neither weights nor lse"
+    if route == "none":
+        return None
+    if route == "dense" and _key_padding(problem.mask) is not None:
+        return None
+    return "the mask is not a bool key-padding mask (one that varies over batch rows and keys only)"
+
+
+def _key_padding(mask: torch.Tensor | Mask | None) -> torch.Tensor | None:
+    """A bool tensor mask (N | 1, H | 1, L, S) that varies over batch rows and keys only, as
+    (N | 1, S); None for any other mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return None
+    narrow = compact(mask)  # (N | 1, 1, 1, S) for a key-padding mask
+    if narrow.shape[1] != 1 or narrow.shape[2] != 1:
+        return None
+    return narrow[:, 0, 0, :]  # (N | 1, S)
+
+
+def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
+    """The key-padding mask (N | 1, S) of a plan with ``short_kernel``, None without a mask."""
+    return _key_padding(problem.mask)
 
 
 def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, return_lse: bool) -> Plan:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from qkv._checks import positive_int
 from qkv.inspect import Inspection, Projections, context_similarity
+from qkv.models import batches
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
@@ -263,13 +264,19 @@ class Encoder:
         encoded = self.token_ids(texts, truncate=truncate)
         N, D = len(encoded), self.config.hidden_size
         order = sorted(range(N), key=lambda i: -len(encoded[i]))
+        chunks = [order[start : start + batch_size] for start in range(0, N, batch_size)]
+
+        def embed(i: int) -> torch.Tensor:
+            rows = [encoded[j] for j in chunks[i]]
+            return self._embed_packed(rows) if packed else self._embed_padded(rows)  # (B, D)
+
+        # on several CPU threads whole batches run side by side, one thread each (models.batches)
+        count = batches.workers(len(chunks), self.device)
         with _progress_reporter(progress, N) as report, torch.no_grad():
             out = torch.empty(N, D, dtype=torch.float32, device=self.device)  # (N, D)
-            for start in range(0, N, batch_size):
-                chunk = order[start : start + batch_size]
-                rows = [encoded[i] for i in chunk]
-                out[chunk] = self._embed_packed(rows) if packed else self._embed_padded(rows)  # (B, D)
-                report(min(start + batch_size, N))
+            done = lambda i: report(min((i + 1) * batch_size, N))  # noqa: E731
+            for chunk, embedded in zip(chunks, batches.run_batches(embed, len(chunks), count, done), strict=True):
+                out[chunk] = embedded
         return F.normalize(out, p=2, dim=1) if normalize else out
 
     def _embed_padded(self, rows: list[list[int]]) -> torch.Tensor:

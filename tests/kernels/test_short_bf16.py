@@ -1,0 +1,216 @@
+"""The short-sequence bf16 kernel (`qkv.kernels.short_bf16`), its dispatch and its fallback.
+
+Every case goes through `qkv.attention` with ``backend="auto"`` and a spy that counts the
+kernel's calls, so a test fails if the dispatcher silently stops choosing it on a machine that
+can run it; on one that cannot (no AMX, no compiler) the same tests check SDPA and the reason.
+Outputs are compared with the float64 reference by DESIGN.md's tolerance rule (twice the
+error of a naive bf16 implementation, plus a floor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv.kernels import compiled, short_bf16
+from tests.kernels.test_blocks import _problem
+from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive
+
+CPU = torch.device("cpu")
+
+
+def _can_run() -> bool:
+    return short_bf16.unavailable_reason(DTYPE, CPU) is None
+
+
+class _Spy:
+    """Counts the kernel's calls that returned a result."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = short_bf16.forward
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = real(*args, **kwargs)
+            self.calls += result is not None
+            return result
+
+        monkeypatch.setattr(short_bf16, "forward", counted)
+
+
+def _reference(q, k, v, valid: torch.Tensor | None, scale: float):  # type: ignore[no-untyped-def]
+    """Float64 output (N, H, L, Ev) of the rounded inputs; valid (N, S) or None; rows that see
+    no key give zeros."""
+    mask = None if valid is None else valid[:, None, None, :].numpy()  # (N, 1, 1, S)
+    return qkv.reference.attention(*(x.double().numpy() for x in (q, k, v)), mask, scale).output
+
+
+def _valid(N: int, S: int, lengths: list[int]) -> torch.Tensor:
+    return torch.arange(S).view(1, S) < torch.tensor(lengths).view(N, 1)  # (N, S)
+
+
+# (N, H, G, L, S, E, Ev, key lengths per batch row or None for no mask)
+CASES = {
+    "sentence-batch": (4, 12, 12, 62, 62, 32, 32, [62, 40, 1, 17]),
+    "gqa-odd-E-cross": (3, 4, 2, 7, 37, 33, 20, [37, 0, 5]),  # a batch row that sees nothing
+    "one-query": (2, 3, 3, 1, 50, 64, 64, [50, 3]),
+    "one-key": (2, 2, 1, 9, 1, 16, 48, [1, 1]),
+    "no-mask-E128-Ev64": (2, 2, 2, 33, 100, 128, 64, None),
+    "max-keys": (1, 2, 2, 40, 512, 32, 32, [300]),
+    "E1": (1, 1, 1, 5, 31, 1, 17, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    N, H, G, L, S, E, Ev, lengths = CASES[case]
+    q, k, v, _ = _problem(N, H, G, L, S, E, Ev, seed=7)
+    q, k, v = (x.to(DTYPE) for x in (q, k, v))
+    valid = None if lengths is None else _valid(N, S, lengths)
+    mask = None if valid is None else valid[:, None, None, :]  # (N, 1, 1, S)
+    scale = E**-0.5
+    want = _reference(q, k, v, valid, scale)
+    spy = _Spy(monkeypatch)
+    out = qkv.attention(q, k, v, mask, scale=scale)
+    assert spy.calls == (1 if _can_run() else 0)
+    assert out.dtype == DTYPE and out.shape == (N, H, L, Ev)
+    dense = torch.ones(1, 1, L, S, dtype=torch.bool) if mask is None else mask
+    naive = _naive(q, k, v, dense, scale)
+    assert _err(out, want) <= 2 * _err(naive, want) + FLOOR
+    if valid is not None:  # rows that see no key are exact zeros
+        empty = ~valid.any(dim=1)
+        assert bool((out[empty] == 0).all())
+
+
+def test_strided_inputs_and_a_head_side_by_side_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    # q, k, v as views of one (N, L, 3, H, E) projection, as a multi-head layer makes them
+    N, L, H, E = 3, 21, 4, 32
+    gen = torch.Generator().manual_seed(2)
+    qkv_rows = torch.randn(N, L, 3, H, E, generator=gen).to(DTYPE)
+    q, k, v = qkv_rows.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, L, E), strided
+    valid = _valid(N, L, [21, 8, 13])
+    spy = _Spy(monkeypatch)
+    out = qkv.attention(q, k, v, valid[:, None, None, :])
+    assert spy.calls == (1 if _can_run() else 0)
+    want = _reference(q, k, v, valid, E**-0.5)
+    assert _err(out, want) <= 2 * _err(_naive(q, k, v, valid[:, None, None, :], E**-0.5), want) + FLOOR
+    if _can_run():  # the heads of a row sit side by side: concatenating them copies nothing
+        assert out.transpose(1, 2).is_contiguous()
+
+
+def test_extreme_scores_stay_exact() -> None:
+    # scaled scores of magnitude ~ 10^3: the row's max keeps exp() in range
+    q, k, v, _ = _problem(2, 2, 2, 30, 45, 32, 32, seed=9)
+    q, k, v = (x.to(DTYPE) for x in (q * 12, k * 12, v))
+    valid = _valid(2, 45, [45, 20])
+    out = qkv.attention(q, k, v, valid[:, None, None, :], scale=0.125)
+    assert torch.isfinite(out).all()
+    want = _reference(q, k, v, valid, 0.125)
+    assert _err(out, want) <= 2 * _err(_naive(q, k, v, valid[:, None, None, :], 0.125), want) + FLOOR
+
+
+def test_nan_rule_holds_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, _ = _problem(2, 2, 2, 6, 10, 32, 32, seed=3)
+    q, k, v = (x.to(DTYPE) for x in (q, k, v))
+    k[0, 1, 4, 0] = float("nan")  # key 4 of batch row 0, head 1: visible to row 0 only
+    valid = _valid(2, 10, [10, 3])
+    out = qkv.attention(q, k, v, valid[:, None, None, :])
+    assert torch.isnan(out[0, 1]).all()
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[1]).all()
+
+
+def test_dispatch_and_explain(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(2, 4, 10, 32).to(DTYPE)
+    valid = _valid(2, 10, [10, 7])
+    padding = valid[:, None, None, :]
+    said = qkv.explain(q, q, q, padding)
+    if _can_run():
+        assert said.forward_kernel.startswith(f"the {short_bf16.KERNEL_NAME}")
+        assert said.reason.startswith(f"the {short_bf16.KERNEL_NAME} applies")
+    else:
+        assert "does not run: " in said.forward_kernel
+
+    def why(*args, **kwargs) -> str:  # type: ignore[no-untyped-def]
+        return qkv.explain(*args, **kwargs).forward_kernel
+
+    if _can_run():
+        assert "backend='fused' asks for PyTorch's SDPA" in why(q, q, q, padding, backend="fused")
+        assert "not a bool key-padding mask" in why(q, q, q, qkv.masks.causal())
+        assert "not a bool key-padding mask" in why(q, q, q, torch.ones(2, 1, 10, 10, dtype=torch.bool).tril())
+        assert "not a bool key-padding mask" in why(q, q, q, torch.zeros(2, 1, 1, 10))  # a float mask
+        long = torch.randn(1, 1, 8, short_bf16.MAX_KEYS + 1).to(DTYPE).transpose(-1, -2)  # (1, 1, S, 8)
+        assert "more than its 512" in why(long[:, :, :3], long, long)
+        trained = q.clone().requires_grad_(True)
+        assert "gradients are needed" in why(trained, q, q, padding)
+        assert "dropout" in why(q, q, q, padding, dropout=0.1)
+        assert "weights nor lse" in why(q, q, q, padding, return_lse=True)
+        assert "score terms" in why(q, q, q, padding, bias=torch.zeros(1, 1, 10, 10))
+    assert qkv.explain(q.float(), q.float(), q.float(), padding).forward_kernel == ""  # float32: nothing to say
+    monkeypatch.setattr(compiled, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert "this CPU lacks avx512bw" in why(q, q, q, padding)
+
+
+def test_a_gradient_takes_sdpa_and_its_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, d_out = _problem(2, 2, 2, 9, 9, 32, 32, seed=4)
+    ql, kl, vl = (x.to(DTYPE).requires_grad_(True) for x in (q, k, v))
+    spy = _Spy(monkeypatch)
+    out = qkv.attention(ql, kl, vl, _valid(2, 9, [9, 4])[:, None, None, :])
+    out.backward(d_out.to(DTYPE))
+    assert spy.calls == 0
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (ql, kl, vl))
+
+
+def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, _ = _problem(3, 4, 4, 40, 40, 32, 32, seed=2)
+    q, k, v = (x.to(DTYPE) for x in (q, k, v))
+    valid = _valid(3, 40, [40, 25, 9])
+    want = _reference(q, k, v, valid, 32**-0.5)
+    fast = qkv.attention(q, k, v, valid[:, None, None, :])
+    monkeypatch.setattr(short_bf16, "ENABLED", False)
+    spy = _Spy(monkeypatch)
+    sdpa = qkv.attention(q, k, v, valid[:, None, None, :])
+    assert spy.calls == 0
+    assert "switched off" in qkv.explain(q, k, v, valid[:, None, None, :]).forward_kernel
+    for out in (fast, sdpa):  # both within the rounding of a bf16 output
+        assert _err(out, want) < 1e-2
+
+
+def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
+    assert short_bf16.unavailable_reason(DTYPE, CPU) == "QKV_NO_COMPILED_KERNELS is set"
+    q = torch.randn(1, 1, 8, 32).to(DTYPE)
+    assert short_bf16.forward(q, q, q, None, 1.0) is None
+
+
+def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Error building extension 'x': g++ exited with 1\nmore lines")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(short_bf16, "_built", {})
+    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device: None)  # as on a machine that could run it
+    q, k, v, _ = _problem(2, 2, 2, 12, 12, 32, 32, seed=4)
+    q, k, v = (x.to(DTYPE) for x in (q, k, v))
+    valid = _valid(2, 12, [12, 5])
+    out = qkv.attention(q, k, v, valid[:, None, None, :])  # SDPA runs
+    assert _err(out, _reference(q, k, v, valid, 32**-0.5)) < 1e-2
+    reason = short_bf16.unavailable_reason(DTYPE, CPU)
+    assert reason == "its build failed (Error building extension 'x': g++ exited with 1)"
+    assert reason in qkv.explain(q, k, v, valid[:, None, None, :]).forward_kernel
+
+
+def test_the_kernel_builds_where_nothing_is_missing() -> None:
+    # on a machine with AMX, AVX-512, a compiler and ninja the kernel must build and pass its
+    # self-check (a float64 comparison): otherwise every test above would quietly test SDPA
+    static = compiled.static_reason(DTYPE, CPU)
+    if static is not None:
+        assert short_bf16.unavailable_reason(DTYPE, CPU) == static
+        return
+    q = torch.randn(1, 1, 3, 32).to(DTYPE)
+    out = short_bf16.forward(q, q, q, torch.tensor([[True, False, False]]), 1.0)
+    assert short_bf16.unavailable_reason(DTYPE, CPU) is None
+    assert out is not None and out.shape == (1, 1, 3, 32)
+    assert torch.equal(out[0, 0], q[0, 0, :1].expand(3, 32))  # every query sees key 0 only
