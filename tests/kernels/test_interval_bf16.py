@@ -67,6 +67,9 @@ CASES = {
     "key-padding-empty-rows": (2, 2, 2, 70, 150, 64, 40, lambda N, L, S: M.key_padding(torch.tensor([0, 77]))),
     "prefix-no-keys-for-some": (1, 1, 1, 130, 130, 64, 64, lambda N, L, S: M.prefix_lm(3) & M.sliding_window(0, 5)),
     "no-mask": (1, 2, 2, 65, 129, 64, 64, lambda N, L, S: None),
+    # spans past 1,024 keys: online softmax steps of 512 keys with rescaling, a short last step
+    "no-mask-long-span-online": (1, 1, 1, 70, 2100, 64, 48, lambda N, L, S: None),
+    "causal-long-diagonals-E96": (1, 1, 1, 1300, 1300, 96, 96, lambda N, L, S: M.causal()),
 }
 
 

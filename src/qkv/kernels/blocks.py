@@ -342,8 +342,9 @@ def engine_extra_bytes(
     if not score_terms and interval_bf16.unavailable_reason(
         dtype, torch.device("cpu"), plan.intervals is not None, plan.causal_square_share()
     ) is None:
-        # the fused bf16 kernel's packed keys and values, padded to 64 keys and 64 value columns
-        extra += N * H * -(-S // 64) * 64 * (Ep + -(-Ev // 64) * 64) * itemsize
+        # the fused bf16 kernel's buffers, per thread: one head's values transposed (keys padded
+        # to 64), and the scores and probabilities of 64 queries by up to 1,024 keys
+        extra += torch.get_num_threads() * (-(-S // 64) * 64 * Ep * itemsize + 64 * 1024 * (4 + itemsize))
     masked = [c for c in plan.calls if c.masked]
     if masked and reuses_tiles:
         tile = max(c.q_len * c.width for c in masked) * (itemsize + 1) * mask_heads

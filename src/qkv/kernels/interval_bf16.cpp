@@ -1,15 +1,25 @@
 // The fused bfloat16 forward of the CPU block engine for masks given as one key interval per
 // query row (lo[i] <= key <= hi[i]), built at run time by qkv/kernels/interval_bf16.py.
 //
-// Per (batch row, head, block of kBlockQ queries), over that block's keys only:
-//   S = Q_blk K^T        one AMX micro-kernel call per 64 keys (cpublas::brgemm, float32 out)
-//   online softmax       float32, vectorized; each row keeps only the keys of its own interval
-//   O += P V             P rounded to bfloat16, one brgemm per 64 value columns
+// Per (batch row, head, block of kBlockQ = 64 queries), over that block's keys only, in the
+// transposed layout (keys as rows, the block's 64 queries as columns):
+//   S^T = K Q^T          one AMX micro-kernel call per chunk of keys (cpublas::brgemm, float32
+//                        out): A is K itself, B the block's queries packed once (VNNI)
+//   softmax              float32, 16 queries per AVX-512 vector, so a row's max and sum live
+//                        in lanes (no horizontal reductions); each lane keeps only its own keys
+//   O^T += V^T P^T       P rounded to bfloat16 and written straight into the VNNI layout of
+//                        the micro-kernel's B; V^T packed 64 keys at a time, when first needed,
+//                        into a per-thread buffer (still in cache when used)
 // then O / l and lse = m + log l (FlashAttention-2, algorithm 1, with its m_i, l_i, acc).
-// Keys and values are first packed once per head into the VNNI panels that the micro-kernel
-// reads (64 columns per panel, the widths oneDNN packs; written here directly, which is
-// several times faster than a transpose plus cpublas::pack per panel, and checked against
-// cpublas::pack by `pack_matches` before the module is used).
+// A block whose keys span at most kOnePassKeys takes one exact softmax step (a max pass, then
+// exp and sum) and never rescales its accumulator; a longer span is online in chunks of
+// kChunkKeys. exp is exp2 of s * scale * log2(e) - m with m kept in base 2 (one FMA), by a
+// degree-4 polynomial and vscalefps.
+// Measured against the previous layout (scores per query row, one brgemm per 64 keys, K and V
+// packed for the whole call), one thread, CPU time, interleaved, load 4: sliding_window(256,
+// 256) n = 16,384 100 -> 72 ms, varlen causal (64 documents) 60 -> 50 ms, dense n = 4,096
+// 162 -> 122 ms; the degree-4 exp2, four max accumulators and vectorized packing: a further
+// 0-10 %.
 //
 // Shapes: q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) bfloat16 with a contiguous last
 // dim and E a multiple of 32; lo, hi (N | 1, L) int64; out (N, H, L, Ev) and lse (N, H, L)
@@ -37,108 +47,142 @@ using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 namespace cpublas = at::native::cpublas;
 
-constexpr int64_t kPanel = 64;       // keys (or value columns) per packed panel: oneDNN packs N <= 64
-constexpr int64_t kBlockQ = 64;      // query rows per task: four 16-row AMX tiles
-constexpr int64_t kChunkPanels = 8;  // key panels per softmax step: P V runs with K = 512 (11-15 % faster than 4, 1 thread)
+constexpr int64_t kPanel = 64;         // keys of V^T packed at a time
+constexpr int64_t kBlockQ = 64;        // queries per task: the N of both products (oneDNN packs N <= 64)
+constexpr int64_t kKeyAlign = 32;       // a chunk starts at a multiple of this key (the K of P V stays a multiple of 32)
+constexpr int64_t kChunkKeys = 512;     // keys per online-softmax step of a long span
+constexpr int64_t kOnePassKeys = 1024;  // a span up to this long takes one exact softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The micro-kernel reads B (K x 64, K even) in the VNNI layout: row pairs interleaved,
-// element (r, c) at (r / 2) * 128 + c * 2 + r % 2 (what cpublas::pack writes here; the
-// module's self-check compares the two, `pack_matches`).
+// 2^y (lanes may hold anything; the caller masks them): y = n + f with n an integer and
+// |f| <= 1/2, 2^f by a polynomial of degree 4 fitted to its relative error on [-1/2, 1/2]
+// (at most 2.7e-6, far below the bf16 rounding of the probabilities), times 2^n by vscalefps.
+inline __m512 exp2_ps(__m512 y) {
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(9.560510206479118e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917039174867955e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981109537327e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121967696061e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999991908565828e-1f));
+  return _mm512_scalef_ps(p, n);
+}
 
-// Keys of one head (S, E), row stride ld, as S_pad / 64 panels of K^T (E x 64) in VNNI:
-// panel p at out + p * E * 64. With rows of K^T being head dims, a pair of them is one
-// 32-bit word of a key row, so each panel is a 32-bit transpose. Missing keys are zeros.
-void pack_keys(const BFloat16* k, int64_t ld, int64_t S, int64_t S_pad, int64_t E, BFloat16* out) {
-  const int64_t words = E / 2;
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t key0 = 0; key0 < S_pad; key0 += kPanel) {
-    uint32_t* panel = dst + key0 / kPanel * words * kPanel;
-    for (int64_t j = 0; j < kPanel; ++j) {
-      const int64_t key = key0 + j;
-      if (key >= S) {
-        for (int64_t w = 0; w < words; ++w) panel[w * kPanel + j] = 0;
-        continue;
-      }
-      const BFloat16* row = k + key * ld;
-      for (int64_t w = 0; w < words; ++w) {
-        uint32_t pair;
-        std::memcpy(&pair, row + 2 * w, sizeof(pair));
-        panel[w * kPanel + j] = pair;
-      }
+// Values of one head (S, Ev), row stride ld, transposed: keys key0..key0+63 (those below S)
+// into columns of vt (Ev rows, stride ld_vt), the A of O^T = V^T P^T.
+void pack_values_t(const BFloat16* v, int64_t ld, int64_t S, int64_t Ev, int64_t ld_vt, int64_t key0, BFloat16* vt) {
+  for (int64_t j = key0; j < std::min(key0 + kPanel, S); j += 32)
+    for (int64_t e = 0; e < Ev; e += 32)
+      at::vec::transpose_mxn<BFloat16>(v + j * ld + e, ld, vt + e * ld_vt + j, ld_vt, static_cast<int>(std::min<int64_t>(32, S - j)),
+                                       static_cast<int>(std::min<int64_t>(32, Ev - e)));
+}
+
+// A 16 x 16 float transpose in registers (r[i] holds row i; afterwards column i).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// The block's queries (rows of q, stride ld) as B = Q^T (E x 64) in VNNI: a pair of head
+// dims of a query is one 32-bit word, so B's row w holds word w of every query (zeros for
+// queries past `rows`): 16 x 16 transposes of words.
+void pack_queries(const BFloat16* q, int64_t ld, int64_t rows, int64_t E, BFloat16* qt) {
+  float* dst = reinterpret_cast<float*>(qt);
+  for (int64_t j0 = 0; j0 < kBlockQ; j0 += 16)
+    for (int64_t w0 = 0; w0 < E / 2; w0 += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = j0 + i < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(q + (j0 + i) * ld) + w0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (w0 + i) * kBlockQ + j0, r[i]);
     }
-  }
 }
 
-// Values of one head (S, Ev), row stride ld, as Ev_pad / 64 column panels of S_pad x 64 in
-// VNNI: panel c at out + c * S_pad * 64, keys key0.. (key0 even) at + key0 * 64, so any run
-// of whole 64-key pieces is one contiguous B. Missing keys and columns are zeros.
-void pack_values(const BFloat16* v, int64_t ld, int64_t S, int64_t Ev, int64_t S_pad, BFloat16* out) {
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(v);
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out);
-  for (int64_t c0 = 0; c0 < Ev; c0 += kPanel) {
-    const int64_t cols = std::min(kPanel, Ev - c0);
-    uint16_t* panel = dst + c0 / kPanel * S_pad * kPanel;
-    for (int64_t key = 0; key < S_pad; key += 2) {
-      uint16_t* pair = panel + key * kPanel;
-      const uint16_t* a = src + key * ld + c0;
-      const uint16_t* b = a + ld;
-      if (key + 1 < S && cols == kPanel) {
-        for (int64_t c = 0; c < kPanel; ++c) {
-          pair[2 * c] = a[c];
-          pair[2 * c + 1] = b[c];
-        }
-        continue;
-      }
-      for (int64_t c = 0; c < kPanel; ++c) {
-        pair[2 * c] = key < S && c < cols ? a[c] : 0;
-        pair[2 * c + 1] = key + 1 < S && c < cols ? b[c] : 0;
-      }
+// One 16-query group's softmax step over the chunk's keys c0..c0+width-1 in the transposed
+// layout: s_t (width x 64 float32, scores of key t for the block's 64 queries at row t - c0),
+// the group's lanes at column offset `col`. Lane i sees keys a[i]..b[i]; keys fa..fb are seen
+// by all 16 lanes (no compare needed), keys outside ga..gb by none (no exp). Writes the
+// group's bf16 probabilities into p_t (VNNI: key pair u at u * 128, lanes interleaved) and
+// updates the running max m (base 2) and sum l; returns the accumulator factors 2^(m_old - m).
+__m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int64_t width, __m512i va, __m512i vb,
+                  int64_t fa, int64_t fb, int64_t ga, int64_t gb, float c, __m512& m, __m512& l) {
+  const __m512 vc = _mm512_set1_ps(c), ninf = _mm512_set1_ps(kNegInf), zero = _mm512_setzero_ps();
+  const int64_t t0 = std::max(ga, c0), t1 = std::min(gb, c0 + width - 1);  // keys some lane sees
+  auto visible = [&](int64_t t) {
+    const __m512i vt = _mm512_set1_epi32(static_cast<int32_t>(t));
+    return static_cast<__mmask16>(_mm512_cmple_epi32_mask(va, vt) & _mm512_cmple_epi32_mask(vt, vb));
+  };
+  // the max over the lanes' own keys: edges with compares, the keys all lanes see unmasked
+  // with four independent maxima (a max has a latency of 4 cycles)
+  __m512 mx[4] = {m, ninf, ninf, ninf};
+  const float* col_s = s_t + col - c0 * kBlockQ;  // key t at col_s + t * kBlockQ
+  auto edge_max = [&](int64_t from, int64_t to) {
+    for (int64_t t = from; t <= to; ++t)
+      mx[0] = _mm512_max_ps(mx[0], _mm512_mask_mov_ps(ninf, visible(t), _mm512_mul_ps(_mm512_loadu_ps(col_s + t * kBlockQ), vc)));
+  };
+  const int64_t u0 = std::max(fa, t0), u1 = std::min(fb, t1);  // keys every lane sees
+  if (u0 > u1) {
+    edge_max(t0, t1);
+  } else {
+    edge_max(t0, u0 - 1);
+    int64_t t = u0;
+    for (; t + 3 <= u1; t += 4)
+      for (int64_t i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_mul_ps(_mm512_loadu_ps(col_s + (t + i) * kBlockQ), vc));
+    for (; t <= u1; ++t) mx[1] = _mm512_max_ps(mx[1], _mm512_mul_ps(_mm512_loadu_ps(col_s + t * kBlockQ), vc));
+    edge_max(u1 + 1, t1);
+  }
+  const __m512 vmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+  const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_ps(_mm512_sub_ps(m, vmax)));
+  m = vmax;
+  // pairs (t, t + 1) interleaved lane by lane: bf16 index 2i <- key t, 2i + 1 <- key t + 1
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 vsum[2] = {zero, zero};
+  for (int64_t t = c0; t < c0 + width; t += 2) {
+    BFloat16* dst = p_t + (t - c0) * kBlockQ + 2 * col;
+    if (t + 1 < t0 || t > t1) {
+      _mm512_storeu_si512(dst, _mm512_setzero_si512());
+      continue;
     }
-  }
-}
-
-// The lanes j..j+15 that lie in a..b-1, as a bit mask.
-__mmask16 lanes(int64_t j, int64_t a, int64_t b) {
-  const int64_t from = std::clamp<int64_t>(a - j, 0, 16), to = std::clamp<int64_t>(b - j, 0, 16);
-  return static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
-}
-
-// One softmax step of one row over a chunk of `width` keys (a multiple of 64) whose visible
-// columns are a..b-1 (a < b): scores s (float32, unscaled) -> p (bfloat16, zero outside
-// a..b-1), updating the running max m and sum l; returns the factor exp(m_old - m_new) by
-// which the row's accumulator must be multiplied (0 when the row had seen no key yet).
-float softmax_step(const float* s, BFloat16* p, int64_t width, int64_t a, int64_t b, float scale, float& m, float& l) {
-  constexpr int64_t V = 16;  // floats per AVX-512 vector
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
-  const int64_t first = a / V * V, stop = round_up(b, V);  // the vectors that touch a..b-1
-  __m512 vmax = ninf;
-  for (int64_t j = first; j < stop; j += V) {
-    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), vscale);
-    if (j < a || j + V > b) x = _mm512_mask_mov_ps(ninf, lanes(j, a, b), x);  // an edge vector
-    vmax = _mm512_max_ps(vmax, x);
-  }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const Vec vm(m_new);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 vsum = zero;
-  for (int64_t j = 0; j < width; j += 2 * V) {
-    __m512 e[2] = {zero, zero};
+    __m512 e[2];
     for (int64_t u = 0; u < 2; ++u) {
-      const int64_t col = j + u * V;
-      if (col + V <= first || col >= stop) continue;  // no visible key in these lanes
-      const Vec x(_mm512_fmsub_ps(_mm512_loadu_ps(s + col), vscale, vm));
-      e[u] = x.exp_u20();
-      if (col < a || col + V > b) e[u] = _mm512_maskz_mov_ps(lanes(col, a, b), e[u]);
-      vsum = _mm512_add_ps(vsum, e[u]);
+      const int64_t key = t + u;
+      if (key < t0 || key > t1) {
+        e[u] = zero;
+        continue;
+      }
+      e[u] = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s_t + (key - c0) * kBlockQ + col), vc, m));
+      if (key < fa || key > fb) e[u] = _mm512_maskz_mov_ps(visible(key), e[u]);
+      vsum[u] = _mm512_add_ps(vsum[u], e[u]);
     }
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));  // round to nearest even
+    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);  // keys t (low half), t + 1 (high half)
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
   }
-  const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
-  l = l * alpha + _mm512_reduce_add_ps(vsum);
-  m = m_new;
+  l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(vsum[0], vsum[1]));
   return alpha;
 }
 
@@ -152,99 +196,123 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t S = k.size(2), Ev = v.size(3);
   TORCH_CHECK(k.size(0) == N && v.size(0) == N && k.size(1) == H && v.size(1) == H && v.size(2) == S && k.size(3) == E,
               "q, k, v shapes do not match");
-  TORCH_CHECK(E % 32 == 0 && E > 0, "E must be a positive multiple of 32");
+  TORCH_CHECK(E % 32 == 0 && E > 0 && Ev > 0, "E must be a positive multiple of 32, Ev positive");
+  TORCH_CHECK(S < (int64_t(1) << 30), "at most 2^30 keys");
   TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 && hi.sizes() == lo.sizes() &&
               lo.size(1) == L && (lo.size(0) == 1 || lo.size(0) == N), "lo, hi must be int64 (N | 1, L)");
   const at::Tensor lo_c = lo.contiguous(), hi_c = hi.contiguous();
   const int64_t* lo_p = lo_c.data_ptr<int64_t>();
   const int64_t* hi_p = hi_c.data_ptr<int64_t>();
   const bool per_batch = lo.size(0) > 1;
-  const float scale = static_cast<float>(scale_);
+  const float c = static_cast<float>(scale_) * static_cast<float>(M_LOG2E);  // base 2: p = 2^(s c - m)
 
-  const int64_t S_pad = round_up(std::max<int64_t>(S, 1), kPanel);
-  const int64_t Ev_pad = round_up(std::max<int64_t>(Ev, 1), kPanel);
-  const int64_t panels = S_pad / kPanel, col_panels = Ev_pad / kPanel;
   auto opts = q.options();
   at::Tensor out = at::empty({N, H, L, Ev}, opts.dtype(at::kFloat));
   at::Tensor lse = at::empty({N, H, L}, opts.dtype(at::kFloat));
   if (N * H * L == 0) return {out, lse};
-  at::Tensor k_packed = at::empty({N * H, panels * E * kPanel}, opts);
-  at::Tensor v_packed = at::empty({N * H, col_panels * S_pad * kPanel}, opts);
-
+  if (S == 0) {
+    out.zero_();
+    lse.fill_(kNegInf);
+    return {out, lse};
+  }
+  const int64_t S_pad = round_up(S, kPanel), panels = S_pad / kPanel, Ev16 = round_up(Ev, 16);
   const BFloat16* q_p = q.const_data_ptr<BFloat16>();
   const BFloat16* k_p = k.const_data_ptr<BFloat16>();
   const BFloat16* v_p = v.const_data_ptr<BFloat16>();
-  BFloat16* kp_p = k_packed.data_ptr<BFloat16>();
-  BFloat16* vp_p = v_packed.data_ptr<BFloat16>();
   float* out_p = out.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
-
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nh = begin; nh < end; ++nh) {
-      const int64_t n = nh / H, h = nh % H;
-      pack_keys(k_p + n * k.stride(0) + h * k.stride(1), k.stride(2), S, S_pad, E, kp_p + nh * panels * E * kPanel);
-      pack_values(v_p + n * v.stride(0) + h * v.stride(1), v.stride(2), S, Ev, S_pad, vp_p + nh * col_panels * S_pad * kPanel);
-    }
-  });
-
   const int64_t q_blocks = (L + kBlockQ - 1) / kBlockQ;
-  constexpr int64_t kChunk = kChunkPanels * kPanel;
+
   at::parallel_for(0, N * H * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(kBlockQ * kChunk), acc(kBlockQ * Ev_pad), m(kBlockQ), l(kBlockQ);
-    std::vector<BFloat16> p(kBlockQ * kChunk);
+    // per thread: V^T of the current head, packed panel by panel when first needed (so it is
+    // still in cache when used), the block's Q^T, scores, probabilities and O^T
+    std::vector<BFloat16> vt(std::max<int64_t>(Ev, 1) * S_pad), qt(E * kBlockQ), p_t(kOnePassKeys * kBlockQ);
+    std::vector<uint8_t> packed(panels);
+    std::vector<float> s_t(kOnePassKeys * kBlockQ), acc_t(Ev16 * kBlockQ, 0.0f);
+    int64_t packed_head = -1;
+    alignas(64) int32_t a_[kBlockQ], b_[kBlockQ];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / (H * q_blocks), h = (task / q_blocks) % H, r0 = (task % q_blocks) * kBlockQ;
+      const int64_t nh = task / q_blocks, n = nh / H, h = nh % H, r0 = (task % q_blocks) * kBlockQ;
       const int64_t rows = std::min(kBlockQ, L - r0);
       const int64_t* row_lo = lo_p + (per_batch ? n * L : 0) + r0;
       const int64_t* row_hi = hi_p + (per_batch ? n * L : 0) + r0;
       int64_t first = S, last = -1;  // the block's keys: the union of its rows' intervals
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t a = std::max<int64_t>(row_lo[r], 0), b = std::min<int64_t>(row_hi[r], S - 1);
+      for (int64_t r = 0; r < kBlockQ; ++r) {
+        const int64_t a = r < rows ? std::max<int64_t>(row_lo[r], 0) : S, b = r < rows ? std::min<int64_t>(row_hi[r], S - 1) : -1;
+        a_[r] = static_cast<int32_t>(a <= b ? a : S);  // an empty row: no key in a..b
+        b_[r] = static_cast<int32_t>(a <= b ? b : -1);
         if (a <= b) {
           first = std::min(first, a);
           last = std::max(last, b);
         }
       }
-      std::fill(m.begin(), m.end(), kNegInf);
-      std::fill(l.begin(), l.end(), 0.0f);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const BFloat16* q_blk = q_p + n * q.stride(0) + h * q.stride(1) + r0 * q.stride(2);
-      const BFloat16* k_head = kp_p + (n * H + h) * panels * E * kPanel;
-      const BFloat16* v_head = vp_p + (n * H + h) * col_panels * S_pad * kPanel;
-      for (int64_t c0 = first / kPanel * kPanel; c0 <= last; c0 += kChunk) {
-        const int64_t width = std::min(kChunk, round_up(last + 1, kPanel) - c0);
-        for (int64_t j = 0; j < width; j += kPanel)
-          cpublas::brgemm(rows, kPanel, E, q.stride(2), kPanel, width, false, q_blk, k_head + (c0 + j) / kPanel * E * kPanel,
-                          s.data() + j);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t a = std::max<int64_t>(row_lo[r], c0) - c0;
-          const int64_t b = std::min<int64_t>(std::min<int64_t>(row_hi[r], S - 1), c0 + width - 1) - c0 + 1;
-          BFloat16* p_row = p.data() + r * width;
-          if (a >= b) {  // this row sees none of the chunk's keys
-            std::fill(p_row, p_row + width, BFloat16(0.0f));
-            continue;
-          }
-          const bool seen = m[r] != kNegInf;  // else the accumulator row is still zero
-          const float alpha = softmax_step(s.data() + r * width, p_row, width, a, b, scale, m[r], l[r]);
-          if (seen && alpha != 1.0f) {
-            float* row = acc.data() + r * Ev_pad;
-            at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, row, row, Ev_pad);
-          }
-        }
-        for (int64_t c = 0; c < col_panels; ++c)
-          cpublas::brgemm(rows, kPanel, width, width, kPanel, Ev_pad, true, p.data(),
-                          v_head + c * S_pad * kPanel + c0 * kPanel, acc.data() + c * kPanel);
+      float* dst_lse = lse_p + nh * L + r0;
+      float* dst_out = out_p + (nh * L + r0) * Ev;
+      if (last < 0) {  // no row of the block sees a key
+        std::fill(dst_out, dst_out + rows * Ev, 0.0f);
+        std::fill(dst_lse, dst_lse + rows, kNegInf);
+        continue;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = out_p + ((n * H + h) * L + r0 + r) * Ev;
-        const float* row = acc.data() + r * Ev_pad;
-        if (l[r] > 0.0f) {
-          const float inv = 1.0f / l[r];
-          at::vec::map([inv](Vec x) { return x * Vec(inv); }, dst, row, Ev);
-          lse_p[(n * H + h) * L + r0 + r] = m[r] + std::log(l[r]);
-        } else {
-          std::fill(dst, dst + Ev, 0.0f);
-          lse_p[(n * H + h) * L + r0 + r] = kNegInf;
+      if (nh != packed_head) {
+        std::fill(packed.begin(), packed.end(), 0);
+        packed_head = nh;
+      }
+      const BFloat16* k_head = k_p + n * k.stride(0) + h * k.stride(1);
+      const BFloat16* v_head = v_p + n * v.stride(0) + h * v.stride(1);
+      for (int64_t pnl = first / kPanel; pnl <= last / kPanel; ++pnl)
+        if (!packed[pnl]) {
+          pack_values_t(v_head, v.stride(2), S, Ev, S_pad, pnl * kPanel, vt.data());
+          packed[pnl] = 1;
+        }
+      pack_queries(q_p + n * q.stride(0) + h * q.stride(1) + r0 * q.stride(2), q.stride(2), rows, E, qt.data());
+      __m512 m[kBlockQ / 16], l[kBlockQ / 16];
+      int64_t fa[4], fb[4], ga[4], gb[4];
+      for (int64_t g = 0; g < kBlockQ / 16; ++g) {
+        m[g] = _mm512_set1_ps(kNegInf);
+        l[g] = _mm512_setzero_ps();
+        fa[g] = *std::max_element(a_ + 16 * g, a_ + 16 * g + 16);
+        fb[g] = *std::min_element(b_ + 16 * g, b_ + 16 * g + 16);
+        ga[g] = *std::min_element(a_ + 16 * g, a_ + 16 * g + 16);
+        gb[g] = *std::max_element(b_ + 16 * g, b_ + 16 * g + 16);
+      }
+      // keys k0..k1-1 (k0 aligned for the products); a short span in one exact softmax
+      // step, a long one online in chunks of kChunkKeys
+      const int64_t k0 = first / kKeyAlign * kKeyAlign, k1 = round_up(last + 1, kKeyAlign);
+      const int64_t step = k1 - k0 <= kOnePassKeys ? k1 - k0 : kChunkKeys;
+      for (int64_t c0 = k0; c0 < k1; c0 += step) {
+        const int64_t width = std::min(step, k1 - c0);
+        // S^T = K Q^T for the chunk's existing keys (rows past S stay unread: no lane sees them)
+        cpublas::brgemm(std::min(width, S - c0), kBlockQ, E, k.stride(2), kBlockQ, kBlockQ, false,
+                        k_head + c0 * k.stride(2), qt.data(), s_t.data());
+        for (int64_t g = 0; g < kBlockQ / 16; ++g) {
+          const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
+          const __m512 alpha = group_step(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);
+          if (c0 != k0 && _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0)
+            for (int64_t e = 0; e < Ev; ++e) {
+              float* x = acc_t.data() + e * kBlockQ + 16 * g;
+              _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), alpha));
+            }
+        }
+        // O^T (+)= V^T P^T: Ev x 64, K = the chunk's keys
+        cpublas::brgemm(Ev, kBlockQ, width, S_pad, kBlockQ, kBlockQ, c0 != k0, vt.data() + c0, p_t.data(), acc_t.data());
+      }
+      // out = O / l, lse = m ln 2 + log l; empty rows 0 and -inf
+      for (int64_t g = 0; g < kBlockQ / 16 && 16 * g < rows; ++g) {
+        alignas(64) float ls[16], ms[16], inv[16];
+        _mm512_store_ps(ls, l[g]);
+        _mm512_store_ps(ms, m[g]);
+        const int64_t lanes_here = std::min<int64_t>(16, rows - 16 * g);
+        for (int64_t i = 0; i < 16; ++i) {
+          inv[i] = ls[i] > 0.0f ? 1.0f / ls[i] : 0.0f;
+          if (i < lanes_here) dst_lse[16 * g + i] = ls[i] > 0.0f ? ms[i] * static_cast<float>(M_LN2) + std::log(ls[i]) : kNegInf;
+        }
+        for (int64_t e0 = 0; e0 < Ev; e0 += 16) {
+          __m512 r[16];
+          for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(acc_t.data() + (e0 + i) * kBlockQ + 16 * g);
+          transpose16(r);  // r[i]: query 16 g + i, columns e0..e0+15
+          const __mmask16 cols = static_cast<__mmask16>((1u << std::min<int64_t>(16, Ev - e0)) - 1u);
+          for (int64_t i = 0; i < lanes_here; ++i)
+            _mm512_mask_storeu_ps(dst_out + (16 * g + i) * Ev + e0, cols, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
         }
       }
     }
@@ -255,27 +323,18 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 bool micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
 
-// Whether this file's VNNI layout is what oneDNN packs on this machine, on panels of keys
-// and values of a random head (S = 100: a tail panel too).
+// Whether this file's VNNI layout of B is what oneDNN packs on this machine: the queries of a
+// random block with a tail (50 of 64 queries), against cpublas::pack of the plain Q^T.
 bool pack_matches() {
-  const int64_t S = 100, E = 64, S_pad = 128;
-  const at::Tensor x = at::randn({S, E}).to(at::kBFloat16);
+  const int64_t rows = 50, E = 64;
+  const at::Tensor x = at::randn({rows, E}).to(at::kBFloat16);
   const BFloat16* src = x.const_data_ptr<BFloat16>();
-  std::vector<BFloat16> ours(S_pad * E), theirs(S_pad * E), panel(S_pad * E, BFloat16(0.0f));
-  auto same = [&]() { return std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(BFloat16)) == 0; };
-  pack_keys(src, E, S, S_pad, E, ours.data());  // K^T panels
-  for (int64_t key0 = 0; key0 < S_pad; key0 += kPanel) {
-    std::fill(panel.begin(), panel.end(), BFloat16(0.0f));
-    for (int64_t j = 0; j < kPanel && key0 + j < S; ++j)
-      for (int64_t e = 0; e < E; ++e) panel[e * kPanel + j] = src[(key0 + j) * E + e];
-    cpublas::pack(E, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, panel.data(), theirs.data() + key0 / kPanel * E * kPanel);
-  }
-  if (!same()) return false;
-  pack_values(src, E, S, E, S_pad, ours.data());  // V: one column panel of S_pad keys
-  std::fill(panel.begin(), panel.end(), BFloat16(0.0f));
-  std::copy(src, src + S * E, panel.begin());
-  cpublas::pack(S_pad, kPanel, kPanel, kPanel, at::kBFloat16, at::kBFloat16, panel.data(), theirs.data());
-  return same();
+  std::vector<BFloat16> ours(E * kBlockQ), theirs(E * kBlockQ), plain(E * kBlockQ, BFloat16(0.0f));
+  pack_queries(src, E, rows, E, ours.data());
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t e = 0; e < E; ++e) plain[e * kBlockQ + j] = src[j * E + e];  // Q^T (E x 64), zeros past `rows`
+  cpublas::pack(E, kBlockQ, kBlockQ, kBlockQ, at::kBFloat16, at::kBFloat16, plain.data(), theirs.data());
+  return std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(BFloat16)) == 0;
 }
 
 }  // namespace

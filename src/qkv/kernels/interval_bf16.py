@@ -4,10 +4,12 @@ PyTorch's CPU flash kernel, called per tile by `qkv.kernels.blocks`, reaches abo
 the bf16 matrix-multiply rate on the engine's calls, and a tile of 192 rows computes the
 corners of a band that no row sees. This kernel (``interval_bf16.cpp``) takes the mask as one
 key interval lo..hi per query row (`Mask.row_intervals`, kept by the plan as
-``BlockPlan.intervals``) and, per block of 64 queries, computes only the 64-key panels that
-its rows' intervals touch: scores on the AMX units with a float32 result
-(``at::native::cpublas::brgemm``), an online softmax in float32 that keeps each row's own
-keys, P in bfloat16 times V on the AMX units (FlashAttention-2, algorithm 1). Python cannot
+``BlockPlan.intervals``) and, per block of 64 queries, computes only the keys that its rows'
+intervals touch, in a transposed layout (keys as rows, the block's queries as columns):
+S^T = K Q^T on the AMX units with a float32 result (``at::native::cpublas::brgemm``), a
+softmax in float32 with 16 queries per vector that keeps each row's own keys (one exact
+step for a span of up to 1,024 keys, online in chunks of 512 beyond), P in bfloat16, and
+O^T = V^T P^T on the AMX units (FlashAttention-2, algorithm 1). Python cannot
 reach that micro-kernel: PyTorch has no bf16 x bf16 -> float32 product on CPU
 (``mm(out_dtype=)`` is not implemented there), so the source is compiled with
 ``torch.utils.cpp_extension`` the first time it is needed (about a minute, one message on
@@ -46,12 +48,14 @@ _HEAD_MULTIPLE = 32
 
 # The largest share of a plan's computed pairs in causal squares for which the kernel runs.
 # PyTorch's flash kernel computes a causal square in one call that skips the blocks above the
-# diagonal, faster per pair than this kernel; the per-tile path loses on small masked tiles.
-# Measured (quiet, 2 threads, bf16, n = 16,384, H = 8, E = 64; kernel / per-tile ms):
-# share 0.16 sliding_window(256, 256) 105 / 130; 0.28 causal & window(256) 67 / 95;
-# 1.0: varlen causal of 64 documents 87 / 74, of 16 documents 198 / 124; causal at
-# n = 4,096 39 / 40. So plans made mostly of causal squares keep the per-tile path.
-MAX_CAUSAL_SHARE = 0.5
+# diagonal; the first version of this kernel (scores per query row, one product per 64 keys)
+# lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16 documents 198 vs 124,
+# quiet, 2 threads, n = 16,384), so such plans kept the per-tile path. The transposed kernel
+# wins on them too (n = 16,384, H = 8, E = 64, one thread, interleaved, load 6; kernel /
+# per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents 303 / 408, one causal
+# square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438. So every share runs it;
+# the bound stays for machines where the products or the flash kernel behave otherwise.
+MAX_CAUSAL_SHARE = 1.0
 
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
@@ -120,12 +124,24 @@ def _self_check(module: ModuleType) -> str | None:
     A wrong packed layout on some CPU would give wrong numbers, never an error; this turns it
     into a reason to fall back."""
     gen = torch.Generator().manual_seed(0)
-    N, H, L, S, E, Ev = 1, 2, 70, 150, 64, 40
+    # a window with a row that sees nothing and a tail block (one softmax step per block), then
+    # a causal square of 1,500 keys (diagonals, and spans past 1,024 keys: online steps)
+    rows = torch.arange(70)
+    window = ((rows - 50).clamp(min=0).view(1, 70), (rows + 60).view(1, 70))  # (1, L) each
+    window[1][0, 3] = -1
+    rows = torch.arange(1500)
+    causal = (torch.zeros(1, 1500, dtype=torch.long), rows.view(1, 1500))
+    for (lo, hi), S, Ev in ((window, 150, 40), (causal, 1500, 64)):
+        reason = _check_one(module, gen, lo, hi, S, Ev)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _check_one(module: ModuleType, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int) -> str | None:
+    N, H, L, E = 1, 2, lo.shape[1], 64
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
     v = torch.randn(N, H, S, Ev, generator=gen).to(torch.bfloat16)
-    rows = torch.arange(L)
-    lo, hi = (rows - 50).clamp(min=0).view(1, L), (rows + 60).view(1, L)  # (1, L) each
-    hi[0, 3] = -1  # one row that sees nothing
     out, lse = module.forward(q, k, v, lo, hi, 0.125)
     keys = torch.arange(S).view(1, S)
     visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
