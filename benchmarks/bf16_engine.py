@@ -6,10 +6,11 @@ sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless -
   the fraction of that dtype's own matrix-multiply rate (1024^2, measured in this run);
 - the bfloat16 forward twice: with the fused bf16 interval kernel (`qkv.kernels.interval_bf16`,
   the default where it builds: AMX, a compiler) and with the per-tile flash path it replaces;
-- bfloat16 forward + backward twice: with the matrix-product backward (`qkv.kernels.matmul_backward`, the
-  default on one thread) and with the flash kernel in float32 on exact copies (the default
-  on more threads, `matmul_backward.MAX_THREADS`), so that the two routes are compared in
-  the same run whatever the thread count.
+- bfloat16 forward + backward three times: with the fused bf16 interval backward kernel
+  (`qkv.kernels.interval_bf16_backward`, the default where it builds), and with the two routes
+  it replaces: the matrix-product backward (`qkv.kernels.matmul_backward`, the engine's
+  default on one thread without the kernel) and the flash kernel in float32 on exact copies
+  (its default on more threads, `matmul_backward.MAX_THREADS`), compared in the same run.
 
 Goals: bf16 forward >= 30 % of the bf16 matmul rate; bf16 forward + backward >= 2x float32.
 Every contender is timed by `qkv.bench.fastest` (rotating rounds, fastest run kept) and the
@@ -29,7 +30,7 @@ import torch
 
 import qkv
 from qkv.bench import fastest, matmul_gflops
-from qkv.kernels import interval_bf16, matmul_backward
+from qkv.kernels import interval_bf16, interval_bf16_backward, matmul_backward
 
 B, H, E, WINDOW = 1, 8, 64, 256
 
@@ -66,30 +67,35 @@ def main() -> None:
 
     default_bound = matmul_backward.MAX_THREADS
 
-    def both(d: torch.dtype, products: bool) -> None:
-        matmul_backward.MAX_THREADS = 1 << 20 if products else 0
+    def both(d: torch.dtype, route: str = "default") -> None:
+        """Forward + backward; ``route``: "default", "products" or "flash" (the fused backward off)."""
+        interval_bf16_backward.ENABLED = route == "default"
+        matmul_backward.MAX_THREADS = {"products": 1 << 20, "flash": 0}.get(route, default_bound)
         try:
             qkv.attention(*inputs[d], mask).backward(grads[d])
         finally:
             matmul_backward.MAX_THREADS = default_bound
+            interval_bf16_backward.ENABLED = True
 
-    forward(torch.bfloat16)  # builds the fused kernel (once per machine) outside the timing
-    kernel = qkv.explain(*inputs[torch.bfloat16], mask).forward_kernel  # which kernel, or why not
+    both(torch.bfloat16)  # builds the fused kernels (once per machine) outside the timing
+    said = qkv.explain(*inputs[torch.bfloat16], mask)  # which kernels, or why not
     fwd = fastest({
         "float32": lambda: forward(torch.float32),
         "bfloat16": lambda: forward(torch.bfloat16),
         "bfloat16, per-tile flash": lambda: forward(torch.bfloat16, fused=False),
     }, args.reps, warmup=1)
     train = fastest({
-        "float32": lambda: both(torch.float32, True),
-        "bfloat16, product backward": lambda: both(torch.bfloat16, True),
-        "bfloat16, flash backward": lambda: both(torch.bfloat16, False),
+        "float32": lambda: both(torch.float32),
+        "bfloat16": lambda: both(torch.bfloat16),
+        "bfloat16, product backward": lambda: both(torch.bfloat16, "products"),
+        "bfloat16, flash backward": lambda: both(torch.bfloat16, "flash"),
     }, args.reps, warmup=1)
     print(f"{args.threads} threads, torch {torch.__version__}; matmul 1024^2: float32 {rates[torch.float32]:.0f}, "
           f"bfloat16 {rates[torch.bfloat16]:.0f} GFLOP/s (load {_load()})")
     print(f"sliding_window({WINDOW}, {WINDOW}), n={n}, B={B} H={H} E={E}: {computed / 1e9:.2f} GFLOP forward on the "
           f"computed pairs, {visible / 1e9:.2f} on the visible pairs")
-    print(f"bfloat16 forward kernel: {kernel}")
+    print(f"bfloat16 forward kernel: {said.forward_kernel}")
+    print(f"bfloat16 backward kernel: {said.backward_kernel}")
     print(f"{'':<34}{'ms':>9}{'GF/s comp':>11}{'GF/s vis':>10}{'vis of mm':>11}")
     for name, seconds, factor in [(f"forward {k}", v, 1.0) for k, v in fwd.items()] + [
         (f"fwd+bwd {k}", v, 3.5) for k, v in train.items()
@@ -97,14 +103,15 @@ def main() -> None:
         dtype = torch.bfloat16 if "bfloat16" in name else torch.float32
         g_comp, g_vis = factor * computed / seconds / 1e9, factor * visible / seconds / 1e9
         print(f"{name:<34}{seconds * 1e3:>9.1f}{g_comp:>11.1f}{g_vis:>10.1f}{g_vis / rates[dtype]:>11.1%}")
-    products, flash = train["bfloat16, product backward"], train["bfloat16, flash backward"]
-    default = products if args.threads <= default_bound else flash
+    products, flash, default = train["bfloat16, product backward"], train["bfloat16, flash backward"], train["bfloat16"]
     print(f"bfloat16 forward: fused kernel {fwd['bfloat16, per-tile flash'] / fwd['bfloat16']:.2f}x the per-tile flash "
           f"path, {visible / fwd['bfloat16'] / 1e9 / rates[torch.bfloat16]:.1%} of the bf16 matmul rate on visible pairs "
           f"(goal >= 30 %)")
+    print(f"bfloat16 backward: fused kernel {(products - fwd['bfloat16']) / (default - fwd['bfloat16']):.2f}x the product "
+          f"backward, {(flash - fwd['bfloat16']) / (default - fwd['bfloat16']):.2f}x the flash backward (fwd+bwd minus the forward)")
     print(f"bfloat16 over float32: forward {fwd['float32'] / fwd['bfloat16']:.2f}x; forward + backward {train['float32'] / default:.2f}x with the default route at "
-          f"{args.threads} threads (goal >= 2x): product backward {train['float32'] / products:.2f}x, flash backward "
-          f"{train['float32'] / flash:.2f}x (load {_load()})")
+          f"{args.threads} threads (goal >= 2x): without the fused backward, product backward {train['float32'] / products:.2f}x, "
+          f"flash backward {train['float32'] / flash:.2f}x (load {_load()})")
 
 
 if __name__ == "__main__":

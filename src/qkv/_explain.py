@@ -14,7 +14,7 @@ import torch
 
 from qkv._problem import AttentionProblem
 from qkv.dispatch import BLOCKS, Plan, mask_heads
-from qkv.kernels import interval_bf16, short_bf16
+from qkv.kernels import interval_bf16, interval_bf16_backward, short_bf16
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
@@ -55,6 +55,9 @@ class Explanation:
     # blocks without score terms, low-precision inputs: the engine's forward kernel, or why the
     # fused bf16 kernel does not run (`qkv.kernels.interval_bf16.describe`)
     forward_kernel: str = ""
+    # the same plans: the engine's backward, or why the fused bf16 backward kernel does not run
+    # (`qkv.kernels.interval_bf16_backward.describe`)
+    backward_kernel: str = ""
     notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
@@ -77,6 +80,8 @@ class Explanation:
             lines.append(f"tiles: {self.tiles}")
         if self.forward_kernel:
             lines.append(f"forward kernel: {self.forward_kernel}")
+        if self.backward_kernel:
+            lines.append(f"backward kernel: {self.backward_kernel}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
         lines += [f"note: {note}" for note in self.notes]
         if self.matmul_rates:
@@ -152,11 +157,12 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         f"{str(q.dtype).removeprefix('torch.')} on {q.device}"
     )
     note = emulation_note(q.dtype, q.device)
-    forward_kernel = ""
+    forward_kernel = backward_kernel = ""
     if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
         has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
         causal_share = plan.tiles.causal_square_share() if plan.tiles is not None else 0.0
         forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals, causal_share)
+        backward_kernel = interval_bf16_backward.describe(q.dtype, q.device, has_intervals)
     if plan.path == "fused" and q.dtype == torch.bfloat16 and q.device.type == "cpu":
         forward_kernel = short_bf16.describe(q.dtype, q.device) if plan.short_kernel else f"PyTorch's SDPA{_why_not_short(plan)}"
     rates: tuple[tuple[str, float], ...] = ()
@@ -184,6 +190,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         score_flops=int(problem.terms.flops_per_pair() * pairs * NH),
         upper_bound=plan.deferred,
         forward_kernel=forward_kernel,
+        backward_kernel=backward_kernel,
         notes=() if note is None else (note,),
         matmul_rates=rates,
         matmul_threads=threads,

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qkv.kernels import interval_bf16
+from qkv.kernels import interval_bf16, interval_bf16_backward
 from qkv.kernels.block_calls import (
     BlockRun,
     CallResult,
@@ -104,6 +104,9 @@ def _backward(
     """dq, dk, dv (N, H, *, Ep) from the final output and lse (FlashAttention-2 recomputation),
     with the gradient of lse (N, H, L) added when ``grad_lse`` is given.
 
+    bf16 plans with one key interval per query take the fused bf16 backward kernel
+    (`qkv.kernels.interval_bf16_backward`) when it builds. Otherwise:
+
     bf16 calls whose pieces hold all keys of their rows take the matrix-product backward
     (`qkv.kernels.matmul_backward`) on the inputs as they are; the other calls run the flash
     kernel in the accumulation dtype, low-precision inputs on exact float32 copies: PyTorch's
@@ -111,6 +114,12 @@ def _backward(
     float32 rate (one core, sliding window tiles 192 x 704: 48 vs 82 GFLOP/s,
     benchmarks/sparse.py); the gradients are rounded to the input dtype at the end.
     """
+    intervals = run.plan.intervals
+    if interval_bf16_backward.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
+        assert intervals is not None
+        fused = interval_bf16_backward.backward(grad_out, q, k, v, out, lse, *intervals, run.scale, grad_lse)
+        if fused is not None:  # None: its build or self-check failed just now (explain says why)
+            return fused
     dtypes = q.dtype, k.dtype, v.dtype
     Ep = q.shape[3]
     if grad_lse is not None:
