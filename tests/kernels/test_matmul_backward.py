@@ -14,7 +14,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels import matmul_backward
+from qkv.kernels import interval_bf16_backward, matmul_backward
 from qkv.kernels.matmul_backward import call_gradients, suits
 from tests.kernels.test_blocks import MASKS, _problem, _reference
 from tests.kernels.test_blocks_bf16 import _err, _naive, assert_by_the_rule
@@ -31,8 +31,11 @@ def _grads(fn, q, k, v, d_out, dtype):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(autouse=True)
 def _any_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite may run on several threads; these tests are about the products, not that bound."""
+    """The suite may run on several threads; these tests are about the products, not that bound,
+    nor the fused bf16 backward kernel that interval plans take where it builds
+    (tests/kernels/test_interval_bf16_backward.py)."""
     monkeypatch.setattr(matmul_backward, "MAX_THREADS", 1 << 20)
+    monkeypatch.setattr(interval_bf16_backward, "ENABLED", False)
 
 
 class _Spy:
