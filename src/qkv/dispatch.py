@@ -28,7 +28,7 @@ from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_inte
 from qkv.kernels.dense import flash_kernel_available, fused_lse_available
 from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.kernels.scored import closes_over_grad
-from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Mask
+from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, KeyPadding, Mask
 
 __all__ = [
     "BACKENDS",
@@ -233,6 +233,9 @@ def short_kernel_reason(
         return f"backend={backend!r} asks for PyTorch's SDPA"
     if problem.S > short_bf16.MAX_KEYS:
         return f"{problem.S} keys, more than its {short_bf16.MAX_KEYS} (qkv.kernels.short_bf16.MAX_KEYS)"
+    threads, tasks = torch.get_num_threads(), problem.N * problem.G  # its tasks: (batch row, key/value head)
+    if tasks < threads:
+        return f"{tasks} (batch row, key/value head) tasks for {threads} threads; SDPA splits the queries too"
     if problem.terms.active:
         return "it applies no score terms"
     if problem.dropout > 0.0:
@@ -243,14 +246,19 @@ def short_kernel_reason(
         return "it returns neither weights nor lse"
     if route == "none":
         return None
-    if route == "dense" and _key_padding(problem.mask) is not None:
+    if route == "dense" and _key_padding(problem.mask, problem.S) is not None:
         return None
     return "the mask is not a bool key-padding mask (one that varies over batch rows and keys only)"
 
 
-def _key_padding(mask: torch.Tensor | Mask | None) -> torch.Tensor | None:
-    """A bool tensor mask (N | 1, H | 1, L, S) that varies over batch rows and keys only, as
-    (N | 1, S); None for any other mask."""
+def _key_padding(mask: torch.Tensor | Mask | None, S: int) -> torch.Tensor | None:
+    """A `qkv.masks.key_padding` mask, or a bool tensor mask (N | 1, H | 1, L, S) that varies
+    over batch rows and keys only, as (N | 1, S); None for any other mask."""
+    if isinstance(mask, KeyPadding):
+        if mask.valid is not None:
+            return mask.valid  # (N | 1, S)
+        assert mask.lengths is not None  # key_padding() sets one of them
+        return torch.arange(S, device=mask.lengths.device).view(1, S) < mask.lengths.view(-1, 1)  # (N | 1, S)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         return None
     narrow = compact(mask)  # (N | 1, 1, 1, S) for a key-padding mask
@@ -261,7 +269,7 @@ def _key_padding(mask: torch.Tensor | Mask | None) -> torch.Tensor | None:
 
 def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
     """The key-padding mask (N | 1, S) of a plan with ``short_kernel``, None without a mask."""
-    return _key_padding(problem.mask)
+    return _key_padding(problem.mask, problem.S)
 
 
 def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, return_lse: bool) -> Plan:

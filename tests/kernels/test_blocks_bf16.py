@@ -81,3 +81,36 @@ def test_a_long_sliding_window_in_bfloat16() -> None:
     assert _err(out, trace.output) <= 2 * _err(naive, trace.output) + FLOOR
     for got, nv, want in zip(grads, naive_grads, ref_grads, strict=True):
         assert _err(got, want) <= 3 * _err(nv, want) + FLOOR
+
+
+def test_few_merging_rows_on_the_per_tile_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # causal & window(1100) at n = 1300: the rows past masked_span (1024) keys merge pieces, the
+    # rest do not, so the bf16 output keeps its dtype and those rows merge in float32 buffers
+    # of their own (block_calls._MergedRows); the fused kernel is off so the per-tile path runs
+    from qkv.kernels import block_calls, interval_bf16
+
+    monkeypatch.setattr(interval_bf16, "ENABLED", False)
+    used = []
+    real = block_calls._MergedRows.of
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real(*args, **kwargs)
+        used.append(result is not None)
+        return result
+
+    monkeypatch.setattr(block_calls._MergedRows, "of", spy)
+    n = 1300
+    q, k, v, d_out = _problem(1, 2, 2, n, n, 16, 16, seed=8)
+    mask = qkv.masks.sliding_window(1100) & qkv.masks.causal()
+    trace, ref_grads = _reference(q, k, v, mask, d_out, 0.25)
+    dense = mask.to_dense(n, n)
+    results = {}
+    for name, fn in {
+        "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=0.25),
+        "naive": lambda a, b, c: _naive(a, b, c, dense, 0.25),
+    }.items():
+        ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+        out = fn(ql, kl, vl)
+        results[name] = out, torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
+    assert used == [True]
+    assert_by_the_rule(*results["blocks"], *results["naive"], trace.output, ref_grads)

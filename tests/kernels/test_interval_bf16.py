@@ -132,6 +132,22 @@ def test_extreme_scores_stay_exact() -> None:
     assert_by_the_rule(out, grads, naive, naive_grads, trace.output, ref_grads)
 
 
+@pytest.mark.parametrize(("size", "n", "mask"), [(3e4, 64, M.causal()), (1e5, 1500, M.sliding_window(1000, 1000))])
+def test_huge_scores_keep_the_max_key(size: float, n: int, mask: M.Mask) -> None:
+    # scaled scores ~ 1e9 to 1e10: exp's argument for each row's max key must be exactly 0
+    # (the product once entered exp unrounded, by an fmsub: its rounding error, ~ulp(1e9) = 64,
+    # gave NaN or zero rows). Self-attention, so each row's own key has the top score; the
+    # window's rows see up to 2,001 keys: the one-step and the online softmax both run.
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 2, n, 64, generator=gen) * size).to(DTYPE)
+    v = torch.randn(1, 2, n, 64, generator=gen).to(DTYPE)
+    with torch.no_grad():
+        out = qkv.attention(q, q, v, mask, backend="blocks")
+    want = _reference(q.double(), q.double(), v.double(), mask, torch.zeros(1, 2, n, 64, dtype=torch.float64), 0.125)[0]
+    assert torch.isfinite(out).all()
+    assert _err(out, want.output) <= 2e-2  # the own key's value, rounded to bf16
+
+
 def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     n = 1100
     q, k, v, _ = _problem(1, 2, 2, n, n, 64, 64, seed=2)
@@ -164,6 +180,25 @@ def test_explain_names_the_kernel_or_why_not(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(compiled, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert "this CPU lacks avx512bw" in qkv.explain(q, q, q, mask).forward_kernel
     assert "amx_bf16" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
+
+
+def test_onednn_switched_off_falls_back_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # both kernels call oneDNN's micro-kernels, which refuse bf16 while torch.backends.mkldnn is
+    # off: that is checked on every call (the kernels may have been built before it was switched)
+    q, k, v, d_out = _problem(1, 2, 2, 200, 200, 64, 64, seed=5)
+    mask = M.sliding_window(40, 40)
+    trace, ref_grads = _reference(q, k, v, mask, d_out, 0.125)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+    explained = qkv.explain(ql, kl, vl, mask, backend="blocks")
+    if compiled.static_reason(DTYPE, CPU) is None:  # a machine that could run them
+        assert "oneDNN is switched off" in explained.forward_kernel
+        assert "oneDNN is switched off" in explained.backward_kernel
+    out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
+    grads = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
+    assert _err(out, trace.output) < 2e-2
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert _err(got, want) < 5e-2
 
 
 def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -213,7 +213,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(interval_bf16_backward, "_built", {})
-    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device: None)  # as on a machine that could run it
+    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)  # as on a machine that could run it
     L = S = 300
     q, k, v, d_out = _problem(1, 2, 2, L, S, 64, 64, seed=4)
     mask = M.sliding_window(64, 64)

@@ -58,7 +58,7 @@ CASES = {
     "one-key": (2, 2, 1, 9, 1, 16, 48, [1, 1]),
     "no-mask-E128-Ev64": (2, 2, 2, 33, 100, 128, 64, None),
     "max-keys": (1, 2, 2, 40, 512, 32, 32, [300]),
-    "E1": (1, 1, 1, 5, 31, 1, 17, None),
+    "E1": (2, 1, 1, 5, 31, 1, 17, None),
 }
 
 
@@ -110,12 +110,30 @@ def test_extreme_scores_stay_exact() -> None:
     assert _err(out, want) <= 2 * _err(_naive(q, k, v, valid[:, None, None, :], 0.125), want) + FLOOR
 
 
+@pytest.mark.parametrize("size", [3e4, 1e5])
+def test_huge_scores_with_a_scale_that_rounds(size: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # scaled scores ~ 1e9 to 1e10 with scale = 1 / sqrt(32), whose products round: the max key
+    # must still get weight 1 (it once got the product's rounding error, ~ulp(1e9) = 64, as an
+    # exponent: NaN or zero rows). Self-attention: each row's own key has the top score.
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 2, 20, 32, generator=gen) * size).to(DTYPE)
+    v = torch.randn(1, 2, 20, 32, generator=gen).to(DTYPE)
+    out = qkv.attention(q, q, v)
+    assert spy.calls == (1 if _can_run() else 0)
+    want = _reference(q, q, v, None, 32**-0.5)
+    assert torch.isfinite(out).all()
+    assert _err(out, want) <= 2e-2  # the own key's value, rounded to bf16
+
+
 def test_nan_rule_holds_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, _ = _problem(2, 2, 2, 6, 10, 32, 32, seed=3)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
     k[0, 1, 4, 0] = float("nan")  # key 4 of batch row 0, head 1: visible to row 0 only
     valid = _valid(2, 10, [10, 3])
+    spy = _Spy(monkeypatch)
     out = qkv.attention(q, k, v, valid[:, None, None, :])
+    assert spy.calls == (1 if _can_run() else 0)  # the NaN rule cleans the inputs, then the kernel runs
     assert torch.isnan(out[0, 1]).all()
     assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[1]).all()
 
@@ -136,6 +154,9 @@ def test_dispatch_and_explain(monkeypatch: pytest.MonkeyPatch) -> None:
 
     if _can_run():
         assert "backend='fused' asks for PyTorch's SDPA" in why(q, q, q, padding, backend="fused")
+        for mask in (qkv.masks.key_padding(valid), qkv.masks.key_padding(torch.tensor([10, 7]))):  # qkv's own
+            assert why(q, q, q, mask).startswith(f"the {short_bf16.KERNEL_NAME}")
+            assert torch.equal(qkv.attention(q, q, q, mask), qkv.attention(q, q, q, padding))
         assert "not a bool key-padding mask" in why(q, q, q, qkv.masks.causal())
         assert "not a bool key-padding mask" in why(q, q, q, torch.ones(2, 1, 10, 10, dtype=torch.bool).tril())
         assert "not a bool key-padding mask" in why(q, q, q, torch.zeros(2, 1, 1, 10))  # a float mask
@@ -146,6 +167,9 @@ def test_dispatch_and_explain(monkeypatch: pytest.MonkeyPatch) -> None:
         assert "dropout" in why(q, q, q, padding, dropout=0.1)
         assert "weights nor lse" in why(q, q, q, padding, return_lse=True)
         assert "score terms" in why(q, q, q, padding, bias=torch.zeros(1, 1, 10, 10))
+        one = q[:1, :1]  # one (batch row, head) task: one thread would do all the work
+        threads = torch.get_num_threads()
+        assert ("tasks for" in why(one, one, one)) == (threads > 1)
     assert qkv.explain(q.float(), q.float(), q.float(), padding).forward_kernel == ""  # float32: nothing to say
     monkeypatch.setattr(compiled, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert "this CPU lacks avx512bw" in why(q, q, q, padding)
@@ -191,7 +215,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(short_bf16, "_built", {})
-    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device: None)  # as on a machine that could run it
+    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)  # as on a machine that could run it
     q, k, v, _ = _problem(2, 2, 2, 12, 12, 32, 32, seed=4)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
     valid = _valid(2, 12, [12, 5])

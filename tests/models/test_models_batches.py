@@ -81,6 +81,25 @@ def test_cases_that_stay_sequential(two_threads) -> None:  # type: ignore[no-unt
     assert batches.workers(4, torch.device("meta")) == 1  # not the CPU
     with torch.autocast("cpu", dtype=torch.bfloat16):  # per thread: workers would not see it
         assert batches.workers(4, cpu) == 1
+    assert batches.workers(4, cpu) == 2
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False):  # a dispatch mode, per thread too
+        assert batches.workers(4, cpu) == 1
+    with torch.device("cpu"):  # a function mode
+        assert batches.workers(4, cpu) == 1
+    with torch.inference_mode():
+        assert batches.workers(4, cpu) == 1
     assert batches.run_batches(lambda i: batches.workers(4, cpu), 3, 2, lambda i: None) == [1, 1, 1]  # inside a worker
     torch.set_num_threads(1)
     assert batches.workers(4, cpu) == 1
+
+
+def test_a_dispatch_mode_sees_every_batch(encoder: Encoder, two_threads) -> None:  # type: ignore[no-untyped-def]
+    # FlopCounterMode is per thread: with batches in worker threads it counted nothing
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        encoder.encode(TEXTS[:8], batch_size=4)
+    assert counter.get_total_flops() > 0
+

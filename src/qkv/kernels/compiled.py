@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -30,19 +31,26 @@ import torch
 
 from qkv.kernels.machine import cpu_flags
 
-__all__ = ["CFLAGS", "REQUIRED_FLAGS", "build", "static_reason"]
+__all__ = ["CFLAGS", "REQUIRED_FLAGS", "build", "built_once", "static_reason"]
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
-CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+# -ffp-contract=off: a product and a difference written apart stay apart (GCC would fuse them
+# into one FMA, whose unrounded product makes a softmax's max score differ from itself)
+CFLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-ffp-contract=off",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
 # a build lock older than this was left by a killed build (a build takes about a minute)
 _STALE_LOCK_SECONDS = 15 * 60
+# one build at a time in this process (encoder batches run in threads): each kernel is built
+# and checked once, and the cpp_extension logger's level is saved and restored by one thread
+_BUILD_LOCK = threading.RLock()
 
 
-def static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool = False) -> str | None:
     """Why no compiled bf16 kernel of qkv can run for these inputs, from facts that need no
-    build (dtype, device, CPU flags, the switch, the tools), or None.
+    build (dtype, device, CPU flags, the switch, the tools), or None. ``needs_onednn``: the
+    kernel calls oneDNN's micro-kernels (``cpublas::brgemm``), which refuse to run while
+    ``torch.backends.mkldnn`` is switched off; that is checked on every call.
 
     >>> static_reason(torch.float32, torch.device("cpu"))
     'it runs bfloat16 only (inputs are float32)'
@@ -55,9 +63,21 @@ def static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     missing = [f for f in REQUIRED_FLAGS if flags is None or f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
-    if os.environ.get("QKV_NO_COMPILED_KERNELS"):
+    if os.environ.get("QKV_NO_COMPILED_KERNELS", "") not in ("", "0"):
         return "QKV_NO_COMPILED_KERNELS is set"
+    if needs_onednn and not torch.backends.mkldnn.enabled:
+        return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
     return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
+
+
+def built_once(cache: dict[str, ModuleType | str], make: Callable[[], ModuleType | str]) -> ModuleType | str:
+    """``cache["module"]``, made by ``make()`` the first time (one thread at a time): a kernel's
+    one build attempt per process, the module or why there is none."""
+    if "module" not in cache:
+        with _BUILD_LOCK:
+            if "module" not in cache:
+                cache["module"] = make()
+    return cache["module"]
 
 
 @functools.cache
@@ -78,17 +98,21 @@ def build(
     run ``check`` on it: the module, or why there is none (the build's first error line, or
     what ``check`` returned). ``description`` names the kernel in the one line printed on
     stderr when it compiles."""
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
-    try:
-        module = _load(stem, source, description, CFLAGS if cflags is None else cflags)
-    finally:
-        logger.setLevel(level)  # the caller's logging as it was
-    if isinstance(module, str):
-        return module
-    error = check(module)
-    return module if error is None else error
+    with _BUILD_LOCK:
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        level = logger.level
+        logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
+        try:
+            module = _load(stem, source, description, CFLAGS if cflags is None else cflags)
+        finally:
+            logger.setLevel(level)  # the caller's logging as it was
+        if isinstance(module, str):
+            return module
+        try:
+            error = check(module)
+        except Exception as failure:  # a check that raises is a reason to fall back too
+            error = f"its check at load raised {type(failure).__name__}: {str(failure).strip()[:200]}"
+        return module if error is None else error
 
 
 def _load(stem: str, source: Path, description: str, cflags: list[str]) -> ModuleType | str:

@@ -65,7 +65,7 @@ def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel cannot run for these inputs, from facts that need no build."""
     if not ENABLED:
         return "it is switched off (qkv.kernels.interval_bf16.ENABLED = False)"
-    return compiled.static_reason(dtype, device)
+    return compiled.static_reason(dtype, device, needs_onednn=True)
 
 
 def unavailable_reason(
@@ -160,9 +160,7 @@ def _check_one(module: ModuleType, gen: torch.Generator, lo: torch.Tensor, hi: t
 
 
 def _module() -> ModuleType | str:
-    if "module" not in _built:
-        _built["module"] = _build()
-    return _built["module"]
+    return compiled.built_once(_built, _build)
 
 
 def forward(

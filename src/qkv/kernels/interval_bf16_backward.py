@@ -56,7 +56,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     """
     reason = None if ENABLED else "it is switched off (qkv.kernels.interval_bf16_backward.ENABLED = False)"
     if reason is None:
-        reason = compiled.static_reason(dtype, device)
+        reason = compiled.static_reason(dtype, device, needs_onednn=True)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
     if reason is None and isinstance(_built.get("module"), str):
@@ -126,9 +126,7 @@ def _self_check(module: ModuleType) -> str | None:
 
 
 def _module() -> ModuleType | str:
-    if "module" not in _built:
-        _built["module"] = _build()
-    return _built["module"]
+    return compiled.built_once(_built, _build)
 
 
 def _padded(x: torch.Tensor) -> torch.Tensor:

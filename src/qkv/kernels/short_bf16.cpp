@@ -141,7 +141,9 @@ void attend_block(const uint16_t* q, int64_t E_pad, int64_t rows, int64_t panels
     const Vec vm(_mm512_reduce_max_ps(vmax));
     __m512 vsum = zero;
     for (int64_t panel = 0; panel < panels; ++panel) {
-      const Vec x(_mm512_fmsub_ps(_mm512_loadu_ps(s_row + panel * kLanes), vscale, vm));
+      // the product rounded as in the max pass (built with -ffp-contract=off): the max key
+      // gets exp(0) = 1 whatever the scores' size (an fmsub keeps the product's rounding error)
+      const Vec x(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s_row + panel * kLanes), vscale), vm));
       const __m512 e = _mm512_maskz_mov_ps(visible[panel], x.exp_u20());
       vsum = _mm512_add_ps(vsum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_row + panel * kLanes), (__m256i)_mm512_cvtneps_pbh(e));

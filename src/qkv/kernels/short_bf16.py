@@ -24,7 +24,6 @@ dims of q, k / v.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -49,7 +48,6 @@ _AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
-_building = threading.Lock()  # threads that need the kernel at once wait for one build
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -112,11 +110,7 @@ def _self_check(module: ModuleType) -> str | None:
 
 
 def _module() -> ModuleType | str:
-    if "module" not in _built:
-        with _building:
-            if "module" not in _built:
-                _built["module"] = _build()
-    return _built["module"]
+    return compiled.built_once(_built, _build)
 
 
 def forward(

@@ -6,14 +6,18 @@ over two intra-op threads they spend much of their time waiting for each other. 
 in parallel do not: each core runs its own batch start to finish, and PyTorch's operators
 (and qkv's compiled kernels) release the GIL while they run.
 
-With PyTorch's OpenMP backend the intra-op thread count belongs to each thread (new threads
-start from their creator's): `one_thread_per_batch` sets the calling thread's count to 1
-while the workers are made and run (each worker sets its own to 1 too) and restores it
-after, whatever happens; the caller's other threads keep theirs. `workers` says how many
-batches run at once: the caller's intra-op thread count, at most the number of batches, and
-1 (the ordinary loop) off the CPU, under autocast (per thread in PyTorch, workers would not
-see it), inside a worker, or when the switch `ENABLED` is off. Workers run without
-gradient, as encoding does.
+With PyTorch's OpenMP backend the intra-op thread count belongs to each thread, and a
+thread that first uses torch starts from the count set last by any thread:
+`one_thread_per_batch` sets the calling thread's count to 1 while the workers are made and
+run (each worker sets its own to 1 too) and restores it after, whatever happens. The
+caller's other threads keep theirs, except one that first touches torch while the batches
+run: it starts with 1 (call ``torch.set_num_threads`` in it to choose).
+
+`workers` says how many batches run at once: the caller's intra-op thread count, at most
+the number of batches, and 1 (the ordinary loop) off the CPU, under autocast, a torch
+function or dispatch mode or inference mode (per thread in PyTorch: workers would not see
+them), inside a worker, or when the switch `ENABLED` is off. Workers run without gradient,
+as encoding does.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def workers(batches: int, device: torch.device) -> int:
     if not ENABLED or device.type != "cpu" or batches < 2 or getattr(_inside, "worker", False):
         return 1
     if torch.is_autocast_enabled("cpu"):  # autocast is per thread: workers would not see it
+        return 1
+    # so are torch function and dispatch modes (FlopCounterMode, set_default_device, ...) and
+    # inference mode: under any of them the batches run in the caller's thread, where they apply
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack() or torch.is_inference_mode_enabled():
         return 1
     return max(1, min(torch.get_num_threads(), batches))
 
