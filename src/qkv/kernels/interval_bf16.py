@@ -108,10 +108,7 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool, caus
 
 def _build() -> ModuleType | str:
     """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
-    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this
-    # module; without the flag it ran on one thread whatever torch's thread count (sliding
-    # window n = 16,384, 2 threads: 88-97 ms without, 49-79 ms with, load 1.5-3.6)
-    return compiled.build("interval_bf16", _SOURCE, KERNEL_NAME, _check, cflags=[*compiled.CFLAGS, "-fopenmp"])
+    return compiled.build("interval_bf16", _SOURCE, KERNEL_NAME, _check)
 
 
 def _check(module: ModuleType) -> str | None:
