@@ -28,10 +28,11 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from qkv.kernels.machine import cpu_flags
 
-__all__ = ["CFLAGS", "REQUIRED_FLAGS", "build", "built_once", "static_reason"]
+__all__ = ["CFLAGS", "HEAD_MULTIPLE", "REQUIRED_FLAGS", "build", "built_once", "onednn_packing_reason", "padded_heads", "static_reason"]
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
@@ -47,6 +48,33 @@ _STALE_LOCK_SECONDS = 15 * 60
 # one build at a time in this process (encoder batches run in threads): each kernel is built
 # and checked once, and the cpp_extension logger's level is saved and restored by one thread
 _BUILD_LOCK = threading.RLock()
+
+
+# head dims are padded to this multiple for the micro-kernels (their K step)
+HEAD_MULTIPLE = 32
+
+
+def padded_heads(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) with D padded by zero columns to a multiple of `HEAD_MULTIPLE` and its last
+    dim contiguous (a broadcast gradient is copied): zero columns change no score, no output.
+
+    >>> padded_heads(torch.ones(2, 33)).shape
+    torch.Size([2, 64])
+    """
+    pad = -x.shape[-1] % HEAD_MULTIPLE
+    x = F.pad(x, (0, pad)) if pad else x  # (..., D + pad)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def onednn_packing_reason(module: ModuleType) -> str | None:
+    """Why a kernel that feeds oneDNN's micro-kernels its own VNNI panels cannot trust them
+    here, or None: the module's ``micro_kernel_available()`` (``cpublas::could_pack``) and
+    ``pack_matches()`` (its panels byte-equal to ``cpublas::pack``'s)."""
+    if not module.micro_kernel_available():
+        return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
+    if not module.pack_matches():
+        return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
+    return None
 
 
 def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool = False) -> str | None:

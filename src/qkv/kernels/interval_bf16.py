@@ -31,7 +31,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from qkv.kernels import compiled
 
@@ -43,9 +42,6 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval kernel"
 _SOURCE = Path(__file__).with_name("interval_bf16.cpp")
-# E is padded to this multiple for the micro-kernel (its K dimension)
-_HEAD_MULTIPLE = 32
-
 # The largest share of a plan's computed pairs in causal squares for which the kernel runs.
 # PyTorch's flash kernel computes a causal square in one call that skips the blocks above the
 # diagonal; the first version of this kernel (scores per query row, one product per 64 keys)
@@ -112,11 +108,7 @@ def _build() -> ModuleType | str:
 
 
 def _check(module: ModuleType) -> str | None:
-    if not module.micro_kernel_available():
-        return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
-    if not module.pack_matches():
-        return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
-    return _self_check(module)
+    return compiled.onednn_packing_reason(module) or _self_check(module)
 
 
 def _self_check(module: ModuleType) -> str | None:
@@ -172,11 +164,8 @@ def forward(
     module = _module()
     if isinstance(module, str):
         return None
-    E = q.shape[3]
-    pad = -E % _HEAD_MULTIPLE
-    if pad:  # zero columns change no score
-        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))  # (N, H, *, E + pad)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k = compiled.padded_heads(q), compiled.padded_heads(k)  # (N, H, *, E rounded up to 32)
+    v = v if v.stride(-1) == 1 else v.contiguous()
     with torch.no_grad():
         out, lse = module.forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale))
     return out, lse

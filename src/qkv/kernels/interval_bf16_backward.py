@@ -27,7 +27,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from qkv.kernels import compiled
 
@@ -39,9 +38,6 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
 _SOURCE = Path(__file__).with_name("interval_bf16_backward.cpp")
-# E and Ev are padded to this multiple for the micro-kernel (the K dimension of S and dP)
-_HEAD_MULTIPLE = 32
-
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
 
@@ -86,11 +82,7 @@ def _build() -> ModuleType | str:
 
 
 def _check(module: ModuleType) -> str | None:
-    if not module.micro_kernel_available():
-        return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
-    if not module.pack_matches():
-        return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
-    return _self_check(module)
+    return compiled.onednn_packing_reason(module) or _self_check(module)
 
 
 def _self_check(module: ModuleType) -> str | None:
@@ -129,14 +121,6 @@ def _module() -> ModuleType | str:
     return compiled.built_once(_built, _build)
 
 
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    """x (N, H, T, D) bfloat16 with D padded by zero columns to a multiple of 32 and a
-    contiguous last dim (a broadcast gradient is copied)."""
-    pad = -x.shape[3] % _HEAD_MULTIPLE
-    x = F.pad(x, (0, pad)) if pad else x  # (N, H, T, D + pad)
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -161,8 +145,8 @@ def backward(
     if isinstance(module, str):
         return None
     E, Ev = q.shape[3], v.shape[3]
-    q_, k_, v_ = _padded(q), _padded(k), _padded(v)  # (N, H, *, E | Ev rounded up to 32)
-    g_ = _padded(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
+    q_, k_, v_ = (compiled.padded_heads(x) for x in (q, k, v))  # (N, H, *, E | Ev rounded up to 32)
+    g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
     d_lse = torch.empty(0) if grad_lse is None else grad_lse.to(torch.float32)
     with torch.no_grad():
         dq, dk, dv = module.backward(
