@@ -20,6 +20,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv.kernels import compiled, interval_bf16
+from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, _err, _naive, assert_by_the_rule
 
@@ -30,19 +31,9 @@ def _can_run() -> bool:
     return interval_bf16.unavailable_reason(DTYPE, CPU) is None
 
 
-class _Spy:
+def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     """Counts the kernel's calls that returned a result."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = interval_bf16.forward
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            result = real(*args, **kwargs)
-            self.calls += result is not None
-            return result
-
-        monkeypatch.setattr(interval_bf16, "forward", counted)
+    return CallSpy(monkeypatch, interval_bf16, "forward")
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +72,7 @@ def test_kernel_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPatch
     dense_mask = mask if mask is not None else M.dense(torch.ones(1, 1, L, S, dtype=torch.bool))
     scale = E**-0.5
     trace, ref_grads = _reference(q, k, v, dense_mask, d_out, scale)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     results = {}
     for name, fn in {
         "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale),
@@ -156,7 +147,7 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
     trace = _reference(q.double(), k.double(), v.double(), mask, torch.zeros(1, 2, n, 64, dtype=torch.float64), 0.125)[0]
     fused, fused_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
     monkeypatch.setattr(interval_bf16, "ENABLED", False)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
     assert spy.calls == 0
     assert "switched off" in qkv.explain(q, k, v, mask).forward_kernel
@@ -270,7 +261,7 @@ def test_plans_made_of_causal_squares_keep_the_per_tile_path(monkeypatch: pytest
     said = qkv.explain(q, k, v, documents, backend="blocks").forward_kernel
     assert "100% of the plan's pairs lie in causal squares" in said
     assert "causal squares" not in qkv.explain(q, k, v, window, backend="blocks").forward_kernel
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     out = qkv.attention(q, k, v, documents, backend="blocks")
     assert spy.calls == 0
     want = qkv.reference.attention(*(x.double().numpy() for x in (q, k, v)), documents.to_dense(600, 600).numpy())

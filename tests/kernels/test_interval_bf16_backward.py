@@ -16,6 +16,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv.kernels import compiled, interval_bf16_backward
+from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule
 
@@ -26,19 +27,9 @@ def _can_run() -> bool:
     return interval_bf16_backward.unavailable_reason(DTYPE, CPU) is None
 
 
-class _Spy:
-    """Counts the kernel's calls that returned gradients."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = interval_bf16_backward.backward
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            result = real(*args, **kwargs)
-            self.calls += result is not None
-            return result
-
-        monkeypatch.setattr(interval_bf16_backward, "backward", counted)
+def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
+    """Counts the kernel's calls that returned a result."""
+    return CallSpy(monkeypatch, interval_bf16_backward, "backward")
 
 
 def _ids(lengths: list[int]) -> torch.Tensor:
@@ -68,7 +59,7 @@ def test_gradients_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPa
     dense_mask = mask if mask is not None else M.dense(torch.ones(1, 1, L, S, dtype=torch.bool))
     scale = E**-0.5
     trace, ref_grads = _reference(q, k, v, dense_mask, d_out, scale)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     results = {}
     for name, fn in {
         "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale),
@@ -89,7 +80,7 @@ def test_the_lse_gradient_by_the_tolerance_rule(monkeypatch: pytest.MonkeyPatch)
     mask = M.sliding_window(60, 90)
     scale = 0.125
     trace, ref_grads = _reference(q, k, v, mask, d_out, scale, d_lse)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
     out, lse = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=scale, return_lse=True)
     grads = torch.autograd.grad((out, lse), (ql, kl, vl), (d_out.to(DTYPE), d_lse.float()))
@@ -111,7 +102,7 @@ def test_extreme_scores_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     naive_in = [t.to(DTYPE).requires_grad_(True) for t in (q, k, v)]
     naive = _naive(*naive_in, mask.to_dense(L, S), 0.125)
     naive_grads = torch.autograd.grad(naive, naive_in, d_out.to(DTYPE))
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
     out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
     grads = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
@@ -170,7 +161,7 @@ def test_fallback_gives_gradients_by_the_same_rule(monkeypatch: pytest.MonkeyPat
     grads = {}
     for enabled in (True, False):
         monkeypatch.setattr(interval_bf16_backward, "ENABLED", enabled)
-        spy = _Spy(monkeypatch)
+        spy = _spy(monkeypatch)
         ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
         out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
         grads[enabled] = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))

@@ -14,6 +14,7 @@ import torch
 
 import qkv
 from qkv.kernels import compiled, short_bf16
+from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive
 
@@ -24,19 +25,9 @@ def _can_run() -> bool:
     return short_bf16.unavailable_reason(DTYPE, CPU) is None
 
 
-class _Spy:
+def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     """Counts the kernel's calls that returned a result."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = short_bf16.forward
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            result = real(*args, **kwargs)
-            self.calls += result is not None
-            return result
-
-        monkeypatch.setattr(short_bf16, "forward", counted)
+    return CallSpy(monkeypatch, short_bf16, "forward")
 
 
 def _reference(q, k, v, valid: torch.Tensor | None, scale: float):  # type: ignore[no-untyped-def]
@@ -71,7 +62,7 @@ def test_kernel_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPatch
     mask = None if valid is None else valid[:, None, None, :]  # (N, 1, 1, S)
     scale = E**-0.5
     want = _reference(q, k, v, valid, scale)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     out = qkv.attention(q, k, v, mask, scale=scale)
     assert spy.calls == (1 if _can_run() else 0)
     assert out.dtype == DTYPE and out.shape == (N, H, L, Ev)
@@ -90,7 +81,7 @@ def test_strided_inputs_and_a_head_side_by_side_output(monkeypatch: pytest.Monke
     qkv_rows = torch.randn(N, L, 3, H, E, generator=gen).to(DTYPE)
     q, k, v = qkv_rows.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, L, E), strided
     valid = _valid(N, L, [21, 8, 13])
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     out = qkv.attention(q, k, v, valid[:, None, None, :])
     assert spy.calls == (1 if _can_run() else 0)
     want = _reference(q, k, v, valid, E**-0.5)
@@ -115,7 +106,7 @@ def test_huge_scores_with_a_scale_that_rounds(size: float, monkeypatch: pytest.M
     # scaled scores ~ 1e9 to 1e10 with scale = 1 / sqrt(32), whose products round: the max key
     # must still get weight 1 (it once got the product's rounding error, ~ulp(1e9) = 64, as an
     # exponent: NaN or zero rows). Self-attention: each row's own key has the top score.
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     q = (torch.randn(1, 2, 20, 32, generator=gen) * size).to(DTYPE)
     v = torch.randn(1, 2, 20, 32, generator=gen).to(DTYPE)
@@ -131,7 +122,7 @@ def test_nan_rule_holds_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
     k[0, 1, 4, 0] = float("nan")  # key 4 of batch row 0, head 1: visible to row 0 only
     valid = _valid(2, 10, [10, 3])
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     out = qkv.attention(q, k, v, valid[:, None, None, :])
     assert spy.calls == (1 if _can_run() else 0)  # the NaN rule cleans the inputs, then the kernel runs
     assert torch.isnan(out[0, 1]).all()
@@ -178,7 +169,7 @@ def test_dispatch_and_explain(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_gradient_takes_sdpa_and_its_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, d_out = _problem(2, 2, 2, 9, 9, 32, 32, seed=4)
     ql, kl, vl = (x.to(DTYPE).requires_grad_(True) for x in (q, k, v))
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     out = qkv.attention(ql, kl, vl, _valid(2, 9, [9, 4])[:, None, None, :])
     out.backward(d_out.to(DTYPE))
     assert spy.calls == 0
@@ -192,7 +183,7 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
     want = _reference(q, k, v, valid, 32**-0.5)
     fast = qkv.attention(q, k, v, valid[:, None, None, :])
     monkeypatch.setattr(short_bf16, "ENABLED", False)
-    spy = _Spy(monkeypatch)
+    spy = _spy(monkeypatch)
     sdpa = qkv.attention(q, k, v, valid[:, None, None, :])
     assert spy.calls == 0
     assert "switched off" in qkv.explain(q, k, v, valid[:, None, None, :]).forward_kernel
