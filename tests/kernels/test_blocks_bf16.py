@@ -40,17 +40,21 @@ def test_bfloat16_by_the_tolerance_rule(kind: str, size: str) -> None:
     N, H, G, E = 2, 4, 2, 16
     q, k, v, d_out = _problem(N, H, G, L, S, E, E, seed=11)
     mask = MASKS[kind](N, S)
-    trace, ref_grads = _reference(q, k, v, mask, d_out, 0.25)
-    dense = mask.to_dense(L, S)
+    _check_blocks_by_the_rule(q, k, v, mask, d_out, 0.25)
+
+
+def _check_blocks_by_the_rule(q, k, v, mask, d_out, scale: float) -> None:  # type: ignore[no-untyped-def]
+    """The engine in bf16 (forward and gradients) against the float64 reference, by the rule."""
+    trace, ref_grads = _reference(q, k, v, mask, d_out, scale)
+    dense = mask.to_dense(q.shape[2], k.shape[2])
     results = {}
     for name, fn in {
-        "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=0.25),
-        "naive": lambda a, b, c: _naive(a, b, c, dense, 0.25),
+        "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=scale),
+        "naive": lambda a, b, c: _naive(a, b, c, dense, scale),
     }.items():
         ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
         out = fn(ql, kl, vl)
-        grads = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
-        results[name] = out, grads
+        results[name] = out, torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
     assert_by_the_rule(*results["blocks"], *results["naive"], trace.output, ref_grads)
 
 
@@ -102,15 +106,5 @@ def test_few_merging_rows_on_the_per_tile_path(monkeypatch: pytest.MonkeyPatch) 
     n = 1300
     q, k, v, d_out = _problem(1, 2, 2, n, n, 16, 16, seed=8)
     mask = qkv.masks.sliding_window(1100) & qkv.masks.causal()
-    trace, ref_grads = _reference(q, k, v, mask, d_out, 0.25)
-    dense = mask.to_dense(n, n)
-    results = {}
-    for name, fn in {
-        "blocks": lambda a, b, c: qkv.attention(a, b, c, mask, backend="blocks", scale=0.25),
-        "naive": lambda a, b, c: _naive(a, b, c, dense, 0.25),
-    }.items():
-        ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
-        out = fn(ql, kl, vl)
-        results[name] = out, torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
+    _check_blocks_by_the_rule(q, k, v, mask, d_out, 0.25)
     assert used == [True]
-    assert_by_the_rule(*results["blocks"], *results["naive"], trace.output, ref_grads)
