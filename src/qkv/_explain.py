@@ -160,8 +160,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
     forward_kernel = backward_kernel = ""
     if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
         has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
-        causal_share = plan.tiles.causal_square_share() if plan.tiles is not None else 0.0
-        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals, causal_share)
+        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals)
         backward_kernel = interval_bf16_backward.describe(q.dtype, q.device, has_intervals)
     if plan.path == "fused" and q.dtype == torch.bfloat16 and q.device.type == "cpu":
         forward_kernel = short_bf16.describe(q.dtype, q.device) if plan.short_kernel else f"PyTorch's SDPA{_why_not_short(plan)}"

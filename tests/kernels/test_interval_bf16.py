@@ -36,13 +36,6 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     return CallSpy(monkeypatch, interval_bf16, "forward")
 
 
-@pytest.fixture(autouse=True)
-def _kernel_on_every_interval_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which plans take the kernel is a speed choice (`MAX_CAUSAL_SHARE`); these tests check
-    its numbers on every interval mask, plans made of causal squares included."""
-    monkeypatch.setattr(interval_bf16, "MAX_CAUSAL_SHARE", 1.0)
-
-
 def _ids(lengths: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
@@ -248,23 +241,3 @@ def test_the_kernel_builds_where_nothing_is_missing() -> None:
     out, lse = result
     assert out.shape == (1, 1, 64, 32) and lse.shape == (1, 1, 64)
     torch.testing.assert_close(out[0, 0, 0], q[0, 0, 0].float())  # the first query sees one key
-
-
-def test_plans_made_of_causal_squares_keep_the_per_tile_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above MAX_CAUSAL_SHARE the flash kernel's causal squares are faster: such plans skip the
-    fused kernel, explain says why, and the answer is still the float64 reference's."""
-    monkeypatch.setattr(interval_bf16, "MAX_CAUSAL_SHARE", 0.5)
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 600, 64, generator=gen).to(DTYPE) for _ in range(3))
-    documents = M.varlen(torch.tensor([250, 350]), causal=True)  # two causal squares: share 1
-    window = M.sliding_window(64, 64)  # mostly full and masked pieces
-    said = qkv.explain(q, k, v, documents, backend="blocks").forward_kernel
-    assert "100% of the plan's pairs lie in causal squares" in said
-    assert "causal squares" not in qkv.explain(q, k, v, window, backend="blocks").forward_kernel
-    spy = _spy(monkeypatch)
-    out = qkv.attention(q, k, v, documents, backend="blocks")
-    assert spy.calls == 0
-    want = qkv.reference.attention(*(x.double().numpy() for x in (q, k, v)), documents.to_dense(600, 600).numpy())
-    assert np.abs(out.double().numpy() - want.output).max() < 3e-2
-    qkv.attention(q, k, v, window, backend="blocks")
-    assert spy.calls == (1 if _can_run() else 0)

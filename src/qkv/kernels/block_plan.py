@@ -138,13 +138,6 @@ class BlockPlan:
         square counts its lower triangle, the part the kernel computes."""
         return sum(c.items * (c.q_len * (c.q_len + 1) // 2 if c.causal else c.q_len * c.width) for c in self.calls)
 
-    def causal_square_share(self) -> float:
-        """The fraction of `computed_pairs` that lies in causal squares (calls with ``causal``;
-        0 for a plan without calls)."""
-        total = self.computed_pairs()
-        causal = sum(c.items * (c.q_len * (c.q_len + 1) // 2) for c in self.calls if c.causal)
-        return causal / total if total else 0.0
-
     def max_call_bytes(self) -> int:
         """Largest forward temporaries of one call: its output, lse and mask tile (with score
         terms: the per-head tile of every call, in the accumulation dtype)."""

@@ -71,7 +71,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -
     the fused bf16 kernel (`qkv.kernels.interval_bf16`) when it applies and builds, else the
     flash kernel per call."""
     intervals = run.plan.intervals
-    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None, run.plan.causal_square_share()) is None:
+    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
         assert intervals is not None
         fused = interval_bf16.forward(q, k, v, *intervals, run.scale)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
@@ -348,9 +348,7 @@ def engine_extra_bytes(
     if plan is None:
         return extra + call_bytes + n_tiles
     extra += plan.max_call_bytes()
-    if not score_terms and interval_bf16.unavailable_reason(
-        dtype, torch.device("cpu"), plan.intervals is not None, plan.causal_square_share()
-    ) is None:
+    if not score_terms and interval_bf16.unavailable_reason(dtype, torch.device("cpu"), plan.intervals is not None) is None:
         # the fused bf16 kernel's buffers, per thread: one head's values transposed (keys padded
         # to 64), and the scores and probabilities of 64 queries by up to 1,024 keys
         extra += torch.get_num_threads() * (-(-S // 64) * 64 * Ep * itemsize + 64 * 1024 * (4 + itemsize))

@@ -34,7 +34,7 @@ import torch
 
 from qkv.kernels import compiled
 
-__all__ = ["ENABLED", "KERNEL_NAME", "MAX_CAUSAL_SHARE", "describe", "forward", "unavailable_reason"]
+__all__ = ["ENABLED", "KERNEL_NAME", "describe", "forward", "unavailable_reason"]
 
 # Switch for comparisons (benchmarks/bf16_engine.py times the per-tile path with it off);
 # the environment variable QKV_NO_COMPILED_KERNELS=1 switches it off too, without a build.
@@ -42,16 +42,13 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval kernel"
 _SOURCE = Path(__file__).with_name("interval_bf16.cpp")
-# The largest share of a plan's computed pairs in causal squares for which the kernel runs.
-# PyTorch's flash kernel computes a causal square in one call that skips the blocks above the
-# diagonal; the first version of this kernel (scores per query row, one product per 64 keys)
-# lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16 documents 198 vs 124,
-# quiet, 2 threads, n = 16,384), so such plans kept the per-tile path. The transposed kernel
-# wins on them too (n = 16,384, H = 8, E = 64, one thread, interleaved, load 6; kernel /
-# per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents 303 / 408, one causal
-# square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438. So every share runs it;
-# the bound stays for machines where the products or the flash kernel behave otherwise.
-MAX_CAUSAL_SHARE = 1.0
+# Causal squares run it too. PyTorch's flash kernel computes a causal square in one call that
+# skips the blocks above the diagonal; the first version of this kernel (scores per query row,
+# one product per 64 keys) lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16
+# documents 198 vs 124, quiet, 2 threads, n = 16,384), and such plans kept the per-tile path.
+# The transposed kernel wins on them (n = 16,384, H = 8, E = 64, one thread, interleaved,
+# load 6; kernel / per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents
+# 303 / 408, one causal square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438.
 
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
@@ -64,14 +61,10 @@ def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     return compiled.static_reason(dtype, device, needs_onednn=True)
 
 
-def unavailable_reason(
-    dtype: torch.dtype, device: torch.device, has_intervals: bool = True, causal_share: float = 0.0
-) -> str | None:
+def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
     """Why the kernel will not run for inputs of this dtype and device, or None if it will
     (possibly after building it on first use). ``has_intervals``: whether the engine's plan
-    knows one key interval per query (`BlockPlan.intervals`); ``causal_share``: the plan's
-    `BlockPlan.causal_square_share` (above `MAX_CAUSAL_SHARE` the per-tile path is faster).
-    Never builds.
+    knows one key interval per query (`BlockPlan.intervals`). Never builds.
 
     >>> unavailable_reason(torch.float32, torch.device("cpu"))
     'it runs bfloat16 only (inputs are float32)'
@@ -79,23 +72,18 @@ def unavailable_reason(
     reason = _static_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    if reason is None and causal_share > MAX_CAUSAL_SHARE:
-        reason = (
-            f"{causal_share:.0%} of the plan's pairs lie in causal squares, which PyTorch's flash kernel "
-            f"computes faster (qkv.kernels.interval_bf16.MAX_CAUSAL_SHARE = {MAX_CAUSAL_SHARE})"
-        )
     if reason is None and isinstance(_built.get("module"), str):
         return str(_built["module"])
     return reason
 
 
-def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool, causal_share: float = 0.0) -> str:
+def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> str:
     """The engine's forward kernel for such inputs in words (`qkv.explain`), without building.
 
     >>> describe(torch.float32, torch.device("cpu"), True).startswith("PyTorch's CPU flash kernel")
     True
     """
-    reason = unavailable_reason(dtype, device, has_intervals, causal_share)
+    reason = unavailable_reason(dtype, device, has_intervals)
     if reason is None:
         built = isinstance(_built.get("module"), ModuleType)
         return f"the {KERNEL_NAME} (C++, AMX micro-kernels){'' if built else ', built on first use (about a minute, once)'}"
