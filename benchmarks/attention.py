@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import qkv
-from qkv.bench import fastest, matmul_gflops, random_qkv
+from qkv.bench import fastest, matmul_gflops, matmul_words, random_qkv
 
 B, H = 1, 8
 # The math path holds three (B, H, n, n) float32 tensors: 6 GiB at n = 8192. Past this it is skipped.
@@ -43,7 +43,7 @@ def _table(console: Console, dtype: torch.dtype, sizes: list[int], head_dims: li
     """One dtype's table; returns the auto / SDPA ratios of its rows."""
     name = str(dtype).removeprefix("torch.")
     mm = matmul_gflops(dtype)
-    console.print(f"machine: {torch.get_num_threads()} threads, {name} matmul {mm:.1f} GFLOP/s (2048^2, same run)")
+    console.print(f"machine: {torch.get_num_threads()} threads, {name} matmul {mm:.1f} GFLOP/s ({matmul_words()}, same run)")
     table = Table(title=f"attention forward, B=1 H=8 {name} (GFLOP/s; higher is better)")
     for col in ("n", "E", "mask", "auto ms", "SDPA", "qkv auto", "qkv fused", "qkv math", "auto / SDPA", "SDPA / matmul",
                 "auto / matmul"):

@@ -7,9 +7,11 @@ Cases (B = 1, H = 8, E = 64 unless --head-dim):
 - dense attention without a mask at n = 4,096: qkv auto against SDPA in each dtype.
 
 Every contender of a case is timed with the others by `qkv.bench.fastest` (rotating rounds,
-fastest run kept), so that a slow spell of a shared machine hits all of them; the
-matrix-multiply rates (2048^2) are measured between the cases. The load average is printed
-with every table: compare ratios, not absolute times.
+fastest run kept), so that a slow spell of a shared machine hits all of them. Each dtype's
+matrix-multiply limit (`qkv.bench.matmul_gflops`: the best of 1024^2 and 2048^2 products) is
+measured before and after all the cases, and the higher of the two is the denominator of every
+"of mm" column, so the tables print at the end. The load average is printed with every table:
+compare ratios, not absolute times.
 
     uv run python benchmarks/dtypes.py [--quick] [--threads 2] [--reps 3]
 """
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.bench import fastest, matmul_gflops, random_qkv
+from qkv.bench import fastest, matmul_gflops, matmul_words, random_qkv
 
 B, H = 1, 8
 DTYPES = (torch.float32, torch.bfloat16)
@@ -41,7 +44,10 @@ def _inputs(n: int, E: int, dtype: torch.dtype, grad: bool = False) -> tuple[tor
     return random_qkv(n, heads=H, head_dim=E, dtype=dtype, requires_grad=grad)
 
 
-def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, float]) -> None:
+Table = Callable[[dict[torch.dtype, float]], None]  # prints a timed case against the rates
+
+
+def engine(n: int, E: int, window: int, reps: int) -> Table:
     mask = qkv.masks.sliding_window(window, window)
     inputs = {dtype: _inputs(n, E, dtype) for dtype in DTYPES}
     flops = qkv.explain(*inputs[torch.float32], mask).flops
@@ -56,8 +62,14 @@ def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, floa
         qkv.attention(q, k, v, mask).backward(grads[dtype])
 
     both = fastest({_name(d): (lambda d=d: step(d)) for d in DTYPES}, reps, warmup=1)
+    load = _load()
+    return lambda rates: _engine_table(n, E, window, flops, fwd, both, load, rates)
+
+
+def _engine_table(n: int, E: int, window: int, flops: float, fwd: dict[str, float], both: dict[str, float],
+                  load: str, rates: dict[torch.dtype, float]) -> None:
     print(f"\nblock engine, sliding_window({window}, {window}), n={n}, E={E}: {flops / 1e9:.2f} GFLOP forward "
-          f"on the computed pairs (load {_load()})")
+          f"on the computed pairs (load {load} when timed)")
     print(f"{'dtype':<10}{'fwd ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'fwd+bwd ms':>12}{'GFLOP/s':>9}{'of mm':>7}")
     for dtype in DTYPES:
         name = _name(dtype)
@@ -68,7 +80,7 @@ def engine(n: int, E: int, window: int, reps: int, rates: dict[torch.dtype, floa
           f"forward + backward {both['float32'] / both['bfloat16']:.2f}x")
 
 
-def dense(n: int, E: int, reps: int, rates: dict[torch.dtype, float]) -> None:
+def dense(n: int, E: int, reps: int) -> Table:
     fns = {}
     for dtype in DTYPES:
         q, k, v = _inputs(n, E, dtype)
@@ -76,8 +88,13 @@ def dense(n: int, E: int, reps: int, rates: dict[torch.dtype, float]) -> None:
         fns[f"qkv {_name(dtype)}"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v)
     with torch.inference_mode():
         seconds = fastest(fns, reps, warmup=1)
+    load = _load()
+    return lambda rates: _dense_table(n, E, seconds, load, rates)
+
+
+def _dense_table(n: int, E: int, seconds: dict[str, float], load: str, rates: dict[torch.dtype, float]) -> None:
     flops = 4 * B * H * n * n * E
-    print(f"\ndense, no mask, n={n}, E={E}: {flops / 1e9:.2f} GFLOP (load {_load()})")
+    print(f"\ndense, no mask, n={n}, E={E}: {flops / 1e9:.2f} GFLOP (load {load} when timed)")
     print(f"{'path':<18}{'ms':>9}{'GFLOP/s':>9}{'of mm':>7}{'vs SDPA':>9}")
     for name, s in seconds.items():
         dtype = getattr(torch, name.split()[1])
@@ -99,14 +116,16 @@ def main() -> None:
     n_engine, n_dense = (2048, 1024) if args.quick else (16384, 4096)
     for dtype in DTYPES:  # first calls pick kernels and start threads
         qkv.attention(*_inputs(512, 64, dtype), qkv.masks.sliding_window(64, 64))
-    rates = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; matmul 2048^2: "
-          + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates.items()) + f" (load {_load()})")
-    engine(n_engine, 64, 256, reps, rates)
-    for E in args.head_dim:
-        dense(n_dense, E, reps, rates)
-    rates_after = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
-    print("\nmatmul 2048^2 again at the end: " + ", ".join(f"{_name(d)} {r:.0f} GFLOP/s" for d, r in rates_after.items()))
+    before = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
+    load = _load()
+    tables = [engine(n_engine, 64, 256, reps)] + [dense(n_dense, E, reps) for E in args.head_dim]
+    after = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
+    rates = {dtype: max(before[dtype], after[dtype]) for dtype in DTYPES}  # the demanding denominator
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; matmul ({matmul_words()}) before / after "
+          "the cases: " + ", ".join(f"{_name(d)} {before[d]:.0f} / {after[d]:.0f}" for d in DTYPES)
+          + f" GFLOP/s, the higher counts (load {load} before, {_load()} after)")
+    for table in tables:
+        table(rates)
 
 
 if __name__ == "__main__":

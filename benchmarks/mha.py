@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import qkv
-from qkv.bench import fastest, matmul_gflops
+from qkv.bench import fastest, matmul_gflops, matmul_words
 
 B, D, H = 8, 512, 8
 E = D // H
@@ -91,7 +91,7 @@ def run(settings: Settings, dtype: torch.dtype = torch.float32, clock: Callable[
     name = str(dtype).removeprefix("torch.")
     rate = matmul_gflops(dtype, clock=clock)
     print(f"\nB={B} D={D} H={H} E={E} {name}, forward+backward, {torch.get_num_threads()} threads, "
-          f"best of {settings.reps}; {name} matmul rate {rate:.0f} GFLOP/s (2048^2, same run)")
+          f"best of {settings.reps}; {name} matmul rate {rate:.0f} GFLOP/s ({matmul_words()}, same run)")
     names = list(fns)
     header = f"{'L':>5} " + " ".join(f"{n:>13}" for n in names)
     header += f" {'qkv GFLOP/s':>12} {'of matmul':>10} {'vs nw=False':>12} {'vs default':>11} {'weights vs per-head':>20}"

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.bench import document_lengths, fastest, matmul_gflops, random_qkv
+from qkv.bench import document_lengths, fastest, matmul_gflops, matmul_words, random_qkv
 
 H, E = 8, 64
 WINDOW = 256
@@ -285,7 +285,7 @@ def main() -> int:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         rate = matmul_gflops(dtype)
-        print(f"{name}: matmul {rate:.0f} GFLOP/s", flush=True)
+        print(f"{name}: matmul {rate:.0f} GFLOP/s ({matmul_words()}, before the cases)", flush=True)
         warm = _inputs(512, dtype, grad=True)
         qkv.attention(*warm, qkv.masks.causal(), bias=qkv.bias.alibi(), softcap=50.0).sum().backward()
         if "alibi" in cases:
@@ -298,6 +298,7 @@ def main() -> int:
             rows += varlen_docs(args.n, dtype, rate, args.reps)
         if "peak" in cases:
             rows += [peak_memory(args.peak_n, dtype, case) for case in _PEAK_CASES]
+        print(f"{name}: matmul {matmul_gflops(dtype):.0f} GFLOP/s after the cases", flush=True)
     print(f"load average at the end {os.getloadavg()}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.bench import fastest, matmul_gflops, peak_growth
+from qkv.bench import fastest, matmul_gflops, matmul_words, peak_growth
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, WINDOW, VOCAB = 4, 512, 8, 2, 1792, 1024, 1000
 HEAD_DIM = HIDDEN // HEADS
@@ -108,7 +108,7 @@ def main() -> int:
     load = os.getloadavg()
     rate = matmul_gflops(getattr(torch, args.dtype))
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {torch.get_num_threads()} threads; "
-          f"{args.dtype} matmul {rate:.0f} GFLOP/s (2048^2, same run); model in {args.dtype}")
+          f"{args.dtype} matmul {rate:.0f} GFLOP/s ({matmul_words()}, same run); model in {args.dtype}")
     models = {impl: build(impl, args.dtype) for impl in ("qkv", "sdpa")}
     report: dict[str, object] = {"load_average": load, "matmul_gflops": rate, "forward": [], "output_attentions": []}
     print(f"\n{'tokens':>7} {'qkv s':>8} {'sdpa s':>8} {'speedup':>8} {'qkv GF/s':>9} {'of mm':>6} {'sdpa GF/s':>9}"

@@ -19,6 +19,30 @@ def test_the_rate_is_two_n_cubed_over_the_fastest_product() -> None:
     assert matmul_gflops(torch.float32, side=64, repeats=3, clock=clock) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
 
 
+def test_the_limit_is_the_best_rate_over_the_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter(range(1000))
+
+    def clock() -> float:  # every timed product lasts 1 tick of 0.5 s, whatever its side
+        return 0.5 * next(ticks)
+
+    monkeypatch.setattr(rates, "LIMIT_SIDES", (32, 64, 16))
+    # the 64^3 product does 8x the work of the 32^3 one in the same time: its rate is the limit
+    assert matmul_gflops(torch.float32, repeats=2, clock=clock) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
+
+
+def test_the_product_writes_into_one_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    outputs: list[int] = []
+    real_mm = torch.mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        outputs.append(out.data_ptr())
+        return real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    matmul_gflops(torch.float32, side=16, repeats=3)
+    assert len(outputs) >= 4 and len(set(outputs)) == 1  # warm-up + 3 rounds, one buffer
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_measured_rate_is_a_real_product_rate(dtype: torch.dtype) -> None:
     assert matmul_gflops(dtype, side=128, repeats=1) > 0.01

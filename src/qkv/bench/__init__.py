@@ -2,7 +2,8 @@
 measuring tools that every script under benchmarks/ and the `quadratic` example share.
 
 - timing: `fastest`, the one timing rule (rotating interleaved rounds, fastest run kept);
-- rates: `matmul_gflops`, this machine's matrix-multiply rate in a dtype, measured in the same
+- rates: `matmul_gflops`, this machine's matrix-multiply rate in a dtype (by default its limit:
+  the best over the sides of `LIMIT_SIDES`, `matmul_words` names it), measured in the same
   run as what is compared with it; `machine_matmul_gflops`, the same once per process (what
   `qkv.explain(..., measure=True)` reports);
 - memory: `peak_rss_bytes`, `peak_growth` (resident set, Linux's VmHWM) and
@@ -24,7 +25,7 @@ from qkv.bench._memory import (
     status_bytes,
     traced_peak_bytes,
 )
-from qkv.bench._rates import machine_matmul_gflops, matmul_gflops
+from qkv.bench._rates import LIMIT_SIDES, machine_matmul_gflops, matmul_gflops, matmul_words
 from qkv.bench._suite import (
     PEAK_RSS_GOAL_BYTES,
     QUICK,
@@ -38,7 +39,7 @@ from qkv.bench._suite import (
 from qkv.bench._timing import fastest
 
 __all__ = [  # noqa: RUF022  (grouped as the list above, not sorted)
-    "fastest", "matmul_gflops", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",
+    "fastest", "matmul_gflops", "matmul_words", "LIMIT_SIDES", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",
     "status_bytes", "traced_peak_bytes", "random_qkv", "document_ids", "document_lengths",
     "BenchConfig", "STANDARD", "QUICK", "BenchReport", "Comparison", "PEAK_RSS_GOAL_BYTES", "run_suite", "steps",
 ]

@@ -16,7 +16,15 @@ import torch
 
 from qkv.bench._timing import fastest
 
-__all__ = ["machine_matmul_gflops", "matmul_gflops"]
+__all__ = ["LIMIT_SIDES", "machine_matmul_gflops", "matmul_gflops", "matmul_words"]
+
+# Sides `matmul_gflops` tries when asked for the machine's limit. No single size is the BLAS's
+# best on every machine and thread count: here (2 cores, AMX) bf16 peaks at 1024^2 on one thread
+# and at 2048^2 on two, while 4096^2 already falls out of cache.
+LIMIT_SIDES = (1024, 2048)
+# Within a round, a product faster than this runs again until its calls add up to it, so that a
+# 1 ms bf16 product gets as many tries as a slow float32 one (`fastest`'s round_seconds).
+_ROUND_SECONDS = 0.05
 
 # Side and rounds of the product `machine_matmul_gflops` measures for `qkv.explain`: large
 # enough for the BLAS's steady state on a few cores, well under a second in float32.
@@ -27,19 +35,45 @@ _EXPLAIN_REPEATS = 5
 def matmul_gflops(
     dtype: torch.dtype = torch.float32,
     *,
-    side: int = 2048,
-    repeats: int = 3,
+    side: int | None = None,
+    repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """GFLOP/s of one square ``dtype`` matrix multiply of ``side``, now: 2 side^3 FLOPs over the
-    fastest of ``repeats`` products (one warm-up; `fastest`)."""
-    if side < 1:
+    """GFLOP/s of a square ``dtype`` matrix multiply, now: 2 side^3 FLOPs over the fastest of
+    ``repeats`` rotating rounds (one warm-up; `fastest`).
+
+    ``side=None`` (the default) measures the machine's limit: the best rate over the sides of
+    `LIMIT_SIDES`, timed in the same rounds. The product writes into one preallocated output:
+    a fresh 8 MB output per product would be paid in page faults, which are not the multiply's
+    speed, and a denominator that a busy allocator lowers would flatter what is compared with it.
+    """
+    sides = _limit_sides() if side is None else (side,)
+    if min(sides) < 1:
         raise ValueError(f"side must be >= 1, got {side}")
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(side, side, generator=gen).to(dtype)
-    b = torch.randn(side, side, generator=gen).to(dtype)
-    seconds = fastest({"matmul": lambda: a @ b}, repeats, warmup=1, clock=clock)["matmul"]
-    return 2 * side**3 / seconds / 1e9
+    products = {}
+    for n in sides:
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        products[n] = lambda a=a, b=b, out=out: torch.mm(a, b, out=out)
+    seconds = fastest({str(n): fn for n, fn in products.items()}, repeats, warmup=1,
+                      round_seconds=_ROUND_SECONDS, clock=clock)
+    return max(2 * n**3 / seconds[str(n)] / 1e9 for n in sides)
+
+
+def matmul_words(side: int | None = None) -> str:
+    """What `matmul_gflops` measured with this ``side``, for a benchmark's header.
+
+    >>> matmul_words(), matmul_words(256)
+    ('best of 1024^2, 2048^2', '256^2')
+    """
+    sides = _limit_sides() if side is None else (side,)
+    return ("best of " if len(sides) > 1 else "") + ", ".join(f"{n}^2" for n in sides)
+
+
+def _limit_sides() -> tuple[int, ...]:
+    return LIMIT_SIDES  # read at call time, so that a test can shrink it
 
 
 @functools.cache

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.bench._data import document_ids, random_qkv
-from qkv.bench._rates import matmul_gflops
+from qkv.bench._rates import matmul_gflops, matmul_words
 from qkv.bench._timing import fastest
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ class BenchConfig:
     repeats: int = 3
     flex: bool = True  # FlexAttention comparisons (compiles for tens of seconds on CPU)
     backward: bool = True
-    matmul: int = 2048  # side of the square matmul (in ``dtype``) that measures the machine's rate
+    matmul: int | None = None  # side of the square matmul (in ``dtype``) that measures the machine's
+    # rate; None: its limit, the best over `qkv.bench.LIMIT_SIDES`
     judge: bool = True  # compare speedups with the goals; False for a smoke run, too small to judge
     dtype: str = "float32"  # of q, k, v and of the matmul rate: "float32" or "bfloat16"
 
@@ -171,7 +172,7 @@ class BenchReport:
         if not judge:
             say("A smoke run (--quick): every comparison runs, on sizes too small and repeats too few "
                 "to judge speed against the goals; run `qkv bench` without --quick for that.")
-        say(f"{config.dtype} matmul on this machine ({config.matmul}^2, same run): {self.matmul_gflops:.1f} GFLOP/s")
+        say(f"{config.dtype} matmul on this machine ({matmul_words(config.matmul)}, same run): {self.matmul_gflops:.1f} GFLOP/s")
         window = self.comparison("window")
         if window is not None:
             say(f"sliding window forward: {window.qkv_gflops:.1f} GFLOP/s on visited tiles = "
