@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from qkv import masks as M
-from qkv.kernels.block_plan import BlockConfig, BlockSizes, plan_intervals, plan_layout
+from qkv.kernels.block_plan import BlockConfig, BlockSizes, _plan_intervals, plan_intervals, plan_layout
 
 
 def test_sizes_are_keyword_only_and_checked() -> None:
@@ -43,3 +45,24 @@ def test_batch_of_per_row_intervals_must_match_n() -> None:
     assert plan.computed_pairs() == 5 * (3 + 7 + 9)
     with pytest.raises(ValueError, match="do not fit"):
         plan_intervals(lo, hi, BlockSizes(N=2, H=3, L=5, S=9, Ep=8, itemsize=4), cfg)
+
+
+def test_plans_of_recent_intervals_are_reused_by_their_exact_content() -> None:
+    L = S = 300
+    sizes = BlockSizes(N=1, H=2, L=L, S=S, Ep=8, itemsize=2, need_grad=False)
+    cfg = BlockConfig(block_q=16, block_k=16)
+    lo, hi = M.sliding_window(40, 7).row_intervals(L, S)  # type: ignore[misc]
+    first = plan_intervals(lo, hi, sizes, cfg)
+    assert plan_intervals(lo.clone(), hi.clone(), sizes, cfg) is first  # same intervals, new tensors
+    # one key more on one row, other sizes or another config: planned anew
+    wider = hi.clone()
+    wider[0, 100] += 1
+    other = plan_intervals(lo, wider, sizes, cfg)
+    assert other is not first and other.computed_pairs() != first.computed_pairs()
+    assert other.intervals is not None and int(other.intervals[1][0, 100]) == int(hi[0, 100]) + 1
+    assert plan_intervals(lo, hi, dataclasses.replace(sizes, need_grad=True), cfg) is not first
+    assert plan_intervals(lo, hi, sizes, BlockConfig(block_q=32, block_k=16)) is not first
+    # each plan is the one planned without the cache
+    for plan, ends in ((first, hi), (other, wider)):
+        fresh = _plan_intervals(lo, ends, sizes, cfg)
+        assert plan.calls == fresh.calls and plan.pieces == fresh.pieces

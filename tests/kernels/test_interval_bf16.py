@@ -22,7 +22,7 @@ from qkv import masks as M
 from qkv.kernels import compiled, interval_bf16
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
-from tests.kernels.test_blocks_bf16 import DTYPE, _err, _naive, assert_by_the_rule
+from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule
 
 CPU = torch.device("cpu")
 
@@ -76,6 +76,47 @@ def test_kernel_by_the_tolerance_rule(case: str, monkeypatch: pytest.MonkeyPatch
         results[name] = out, torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
     assert_by_the_rule(*results["blocks"], *results["naive"], trace.output, ref_grads)
     assert spy.calls == (1 if _can_run() else 0)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("case", ["window-97x1025", "window-1025x97-E59", "gqa-6-2-window-E64-Ev128",
+                                  "key-padding-empty-rows", "no-mask-long-span-online"])
+def test_inference_output_by_the_tolerance_rule(case: str, sign: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without a backward the kernel writes its output in bf16 itself (no float32 copy to
+    # round); a negative scale makes its max pass look for each row's lowest raw score
+    N, H, G, L, S, E, Ev, make = CASES[case]
+    q, k, v, d_out = _problem(N, H, G, L, S, E, Ev, seed=6)
+    mask = make(N, L, S)
+    dense_mask = mask if mask is not None else M.dense(torch.ones(1, 1, L, S, dtype=torch.bool))
+    scale = sign * E**-0.5
+    trace = _reference(q, k, v, dense_mask, d_out, scale)[0]
+    spy = _spy(monkeypatch)
+    ql, kl, vl = (t.to(DTYPE) for t in (q, k, v))
+    with torch.no_grad():
+        out, lse = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=scale, return_lse=True)
+        naive = _naive(ql, kl, vl, dense_mask.to_dense(L, S), scale)
+    assert out.dtype == DTYPE and lse.dtype == torch.float32
+    assert _err(out, trace.output) <= 2 * _err(naive, trace.output) + FLOOR
+    # lse against float64 math on the same bf16 inputs: float32 rounding alone remains
+    rounded = _reference(ql.double(), kl.double(), vl.double(), dense_mask, d_out, scale)[0]
+    assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(rounded.lse))
+    finite = np.isfinite(rounded.lse)
+    assert np.abs(lse.double().numpy()[finite] - rounded.lse[finite]).max() < 1e-4
+    assert spy.calls == (1 if _can_run() else 0)
+
+
+def test_inference_output_is_the_training_output_rounded() -> None:
+    # the bf16 output written by the kernel is its float32 output rounded to nearest even
+    N, H, L, S, E = 1, 2, 300, 300, 64
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(N, H, T, E, generator=gen).to(DTYPE) for T in (L, S, S))
+    mask = M.sliding_window(60, 10)
+    with torch.no_grad():
+        inference, inference_lse = qkv.attention(q, k, v, mask, backend="blocks", return_lse=True)
+    trained = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    training, training_lse = qkv.attention(*trained, mask, backend="blocks", return_lse=True)
+    assert torch.equal(inference, training.detach())
+    assert torch.equal(inference_lse, training_lse.detach())
 
 
 def test_lse_and_empty_rows_match_float64_on_the_rounded_inputs() -> None:

@@ -66,14 +66,15 @@ __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"
 _NEG_INF = float("-inf")
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun) -> CallResult:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False) -> CallResult:
     """Output (N, H, L, Ep) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, Ep):
     the fused bf16 kernel (`qkv.kernels.interval_bf16`) when it applies and builds, else the
-    flash kernel per call."""
+    flash kernel per call. With ``rounded`` (no backward will read it) the output may come
+    in q's dtype instead."""
     intervals = run.plan.intervals
     if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
         assert intervals is not None
-        fused = interval_bf16.forward(q, k, v, *intervals, run.scale)
+        fused = interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -200,7 +201,12 @@ def block_attention(
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU. Both results are differentiable
     in q, k, v; lse is float32 (float64 for float64 inputs).
     """
-    out, lse = _BlockAttention.apply(*kernel_inputs(q, k, v), BlockRun(plan, mask, scale))
+    inputs, run = kernel_inputs(q, k, v), BlockRun(plan, mask, scale)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = _BlockAttention.apply(*inputs, run)
+    else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)
+        out_acc, lse = _forward(*inputs, run, rounded=True)
+        out = out_acc.to(q.dtype)
     return out[..., : v.shape[3]], lse
 
 

@@ -20,11 +20,19 @@
 // 256) n = 16,384 100 -> 72 ms, varlen causal (64 documents) 60 -> 50 ms, dense n = 4,096
 // 162 -> 122 ms; the degree-4 exp2, four max accumulators and vectorized packing: a further
 // 0-10 %; huge pages for the output and a vectorized log for lse: 15-20 % on the window and
-// varlen problems (their 32 MiB output took one page fault per 4 KiB).
+// varlen problems (their 32 MiB output took one page fault per 4 KiB). Then (s5, one thread,
+// interleaved, load 1-1.5, sliding_window n = 16,384): the output in bf16 when no backward
+// reads it (16 instead of 32 MiB, no rounding copy), scratch buffers left uninitialized (V^T
+// was 2 MiB of zeros per thread and call), the max pass over raw scores and exp2's fraction
+// by vreduceps: 1.21x; the keys every lane sees without compares and exp's argument by an
+// fmsub while |m| < 2^20: a further 1.03-1.04x. Phase shares after that: packing V^T and
+// Q^T 11 %, S^T product 23 %, softmax 40 % (~5.5 cycles per 16 scores, near the
+// instruction-throughput bound), O^T product 21 %, output 5 %.
 //
 // Shapes: q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) bfloat16 with a contiguous last
-// dim and E a multiple of 32; lo, hi (N | 1, L) int64; out (N, H, L, Ev) and lse (N, H, L)
-// float32. A row with no visible key gets out = 0 and lse = -inf.
+// dim and E a multiple of 32; lo, hi (N | 1, L) int64; out (N, H, L, Ev) float32 (bfloat16
+// with bf16_out) and lse (N, H, L) float32. A row with no visible key gets out = 0 and
+// lse = -inf.
 
 #include <torch/extension.h>
 
@@ -55,21 +63,41 @@ constexpr int64_t kKeyAlign = 32;       // a chunk starts at a multiple of this 
 constexpr int64_t kChunkKeys = 512;     // keys per online-softmax step of a long span
 constexpr int64_t kOnePassKeys = 1024;  // a span up to this long takes one exact softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// vreduceps's immediate for y - floor(y): keep 0 fraction bits (bits 7:4), round down (1:0),
+// no precision exception (bit 3)
+constexpr int kFloorFraction = 0x09;
+// below this running max (base 2) exp's argument may come from one fused multiply-subtract
+// (group_step): the max key's argument is then at most ulp(2^20) / 2 = 1/16 away from 0
+constexpr float kFusedArgumentBound = 1048576.0f;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// 2^y (lanes may hold anything; the caller masks them): y = n + f with n an integer and
-// |f| <= 1/2, 2^f by a polynomial of degree 4 fitted to its relative error on [-1/2, 1/2]
-// (at most 2.7e-6, far below the bf16 rounding of the probabilities), times 2^n by vscalefps.
+// A per-thread scratch array, 64-byte aligned and not initialized (std::vector zeroes its
+// elements: 2 MiB of V^T per thread and call for n = 16,384).
+template <typename T>
+struct Buffer {
+  explicit Buffer(int64_t n) : ptr(static_cast<T*>(std::aligned_alloc(64, round_up(n * sizeof(T), 64)))) {
+    TORCH_CHECK(ptr != nullptr, "out of memory for the kernel's scratch buffers");
+  }
+  ~Buffer() { std::free(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* data() { return ptr; }
+  T* ptr;
+};
+
+// 2^y (lanes may hold anything; the caller masks them): y = floor(y) + f with 0 <= f < 1 (f
+// in one vreduceps), 2^f by a polynomial of degree 4 fitted to its relative error on [0, 1]
+// (at most 2.6e-6, far below the bf16 rounding of the probabilities), times 2^floor(y) by
+// vscalefps (which floors its exponent itself). y = -inf gives 0.
 inline __m512 exp2_ps(__m512 y) {
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(9.560510206479118e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917039174867955e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981109537327e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121967696061e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999991908565828e-1f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(y, kFloorFraction);
+  __m512 p = _mm512_set1_ps(1.3534165435058204e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146537832498e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275407381763e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038349883887e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025933565264f));
+  return _mm512_scalef_ps(p, y);
 }
 
 // Values of one head (S, Ev), row stride ld, transposed: keys key0..key0+63 (those below S)
@@ -129,6 +157,10 @@ void pack_queries(const BFloat16* q, int64_t ld, int64_t rows, int64_t E, BFloat
 // by all 16 lanes (no compare needed), keys outside ga..gb by none (no exp). Writes the
 // group's bf16 probabilities into p_t (VNNI: key pair u at u * 128, lanes interleaved) and
 // updates the running max m (base 2) and sum l; returns the accumulator factors 2^(m_old - m).
+// The max pass reads the raw scores: the largest scaled score s c is c max(s) for c >= 0 and
+// c min(s) for c < 0 (``kLowest``), and rounding that one product gives exactly the largest
+// of the rounded products s c, so the row's max key still gets 2^0 below.
+template <bool kLowest>
 __m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int64_t width, __m512i va, __m512i vb,
                   int64_t fa, int64_t fb, int64_t ga, int64_t gb, float c, __m512& m, __m512& l) {
   const __m512 vc = _mm512_set1_ps(c), ninf = _mm512_set1_ps(kNegInf), zero = _mm512_setzero_ps();
@@ -137,13 +169,17 @@ __m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int6
     const __m512i vt = _mm512_set1_epi32(static_cast<int32_t>(t));
     return static_cast<__mmask16>(_mm512_cmple_epi32_mask(va, vt) & _mm512_cmple_epi32_mask(vt, vb));
   };
-  // the max over the lanes' own keys: edges with compares, the keys all lanes see unmasked
-  // with four independent maxima (a max has a latency of 4 cycles)
-  __m512 mx[4] = {m, ninf, ninf, ninf};
+  // the extreme raw score over the lanes' own keys: edges with compares, the keys all lanes
+  // see unmasked with four independent accumulators (a max has a latency of 4 cycles)
+  const __m512 none = _mm512_set1_ps(kLowest ? -kNegInf : kNegInf);
+  auto pick = [](__m512 a, __m512 b) { return kLowest ? _mm512_min_ps(a, b) : _mm512_max_ps(a, b); };
+  __m512 mx[4] = {none, none, none, none};
   const float* col_s = s_t + col - c0 * kBlockQ;  // key t at col_s + t * kBlockQ
   auto edge_max = [&](int64_t from, int64_t to) {
-    for (int64_t t = from; t <= to; ++t)
-      mx[0] = _mm512_max_ps(mx[0], _mm512_mask_mov_ps(ninf, visible(t), _mm512_mul_ps(_mm512_loadu_ps(col_s + t * kBlockQ), vc)));
+    for (int64_t t = from; t <= to; ++t) {
+      const __m512 s = _mm512_loadu_ps(col_s + t * kBlockQ);
+      mx[0] = kLowest ? _mm512_mask_min_ps(mx[0], visible(t), mx[0], s) : _mm512_mask_max_ps(mx[0], visible(t), mx[0], s);
+    }
   };
   const int64_t u0 = std::max(fa, t0), u1 = std::min(fb, t1);  // keys every lane sees
   if (u0 > u1) {
@@ -152,11 +188,13 @@ __m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int6
     edge_max(t0, u0 - 1);
     int64_t t = u0;
     for (; t + 3 <= u1; t += 4)
-      for (int64_t i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_mul_ps(_mm512_loadu_ps(col_s + (t + i) * kBlockQ), vc));
-    for (; t <= u1; ++t) mx[1] = _mm512_max_ps(mx[1], _mm512_mul_ps(_mm512_loadu_ps(col_s + t * kBlockQ), vc));
+      for (int64_t i = 0; i < 4; ++i) mx[i] = pick(mx[i], _mm512_loadu_ps(col_s + (t + i) * kBlockQ));
+    for (; t <= u1; ++t) mx[1] = pick(mx[1], _mm512_loadu_ps(col_s + t * kBlockQ));
     edge_max(u1 + 1, t1);
   }
-  const __m512 vmax = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  const __m512 extreme = pick(pick(mx[0], mx[1]), pick(mx[2], mx[3]));
+  const __mmask16 seen = _mm512_cmp_ps_mask(extreme, none, _CMP_NEQ_UQ);  // a lane with a key (or a NaN)
+  const __m512 vmax = _mm512_max_ps(m, _mm512_mask_mul_ps(ninf, seen, extreme, vc));
   const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
   const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_ps(_mm512_sub_ps(m, vmax)));
   m = vmax;
@@ -164,11 +202,25 @@ __m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int6
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 vsum[2] = {zero, zero};
-  for (int64_t t = c0; t < c0 + width; t += 2) {
-    BFloat16* dst = p_t + (t - c0) * kBlockQ + 2 * col;
+  auto store_pair = [&](int64_t t, __m512 e0, __m512 e1) {
+    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // keys t (low half), t + 1 (high half)
+    _mm512_storeu_si512(p_t + (t - c0) * kBlockQ + 2 * col, _mm512_permutexvar_epi16(interleave, pair));
+  };
+  // exp's argument s c - m. Exact mode: the product rounded exactly as in the max pass above
+  // (the module is built with -ffp-contract=off), so the row's max key gets 2^0 = 1 whatever
+  // the scores' size; an fmsub keeps the product unrounded, and the max key's argument is
+  // then m's rounding error, up to ulp(m) / 2: harmless (and one instruction less) while
+  // every lane's |m| < kFusedArgumentBound, an overflow of exp past |s c| ~ 1e8
+  const bool fused = _mm512_cmp_ps_mask(_mm512_abs_ps(m), _mm512_set1_ps(kFusedArgumentBound), _CMP_LT_OQ) == 0xFFFF;
+  auto argument = [&](int64_t key) {
+    const __m512 s = _mm512_loadu_ps(s_t + (key - c0) * kBlockQ + col);
+    return fused ? _mm512_fmsub_ps(s, vc, m) : _mm512_sub_ps(_mm512_mul_ps(s, vc), m);
+  };
+  // any key pair: zeros for keys no lane sees, a compare for the edges
+  auto general_pair = [&](int64_t t) {
     if (t + 1 < t0 || t > t1) {
-      _mm512_storeu_si512(dst, _mm512_setzero_si512());
-      continue;
+      _mm512_storeu_si512(p_t + (t - c0) * kBlockQ + 2 * col, _mm512_setzero_si512());
+      return;
     }
     __m512 e[2];
     for (int64_t u = 0; u < 2; ++u) {
@@ -177,16 +229,25 @@ __m512 group_step(const float* s_t, BFloat16* p_t, int64_t col, int64_t c0, int6
         e[u] = zero;
         continue;
       }
-      // the product rounded exactly as in the max pass above (the module is built with
-      // -ffp-contract=off): the row's max key then gets 2^0 = 1 whatever the scores' size; an
-      // fmsub here would keep the product's rounding error, which past |s| ~ 1e8 overflows exp
-      e[u] = exp2_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s_t + (key - c0) * kBlockQ + col), vc), m));
+      e[u] = exp2_ps(argument(key));
       if (key < fa || key > fb) e[u] = _mm512_maskz_mov_ps(visible(key), e[u]);
       vsum[u] = _mm512_add_ps(vsum[u], e[u]);
     }
-    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);  // keys t (low half), t + 1 (high half)
-    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+    store_pair(t, e[0], e[1]);
+  };
+  // pairs before the keys every lane sees, those keys without compares, the pairs after
+  // (t - c0 stays even: pairs are rows of P^T's VNNI layout)
+  const int64_t end = c0 + width;
+  int64_t t = c0;
+  const int64_t fast0 = u0 <= u1 ? std::min(end, c0 + round_up(std::max<int64_t>(u0 - c0, 0), 2)) : end;
+  for (; t < fast0; t += 2) general_pair(t);
+  for (; t + 1 <= u1 && t < end; t += 2) {
+    const __m512 e0 = exp2_ps(argument(t)), e1 = exp2_ps(argument(t + 1));
+    vsum[0] = _mm512_add_ps(vsum[0], e0);
+    vsum[1] = _mm512_add_ps(vsum[1], e1);
+    store_pair(t, e0, e1);
   }
+  for (; t < end; t += 2) general_pair(t);
   l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(vsum[0], vsum[1]));
   return alpha;
 }
@@ -201,7 +262,7 @@ void advise_huge_pages(const at::Tensor& t) {
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& lo, const at::Tensor& hi, double scale_) {
+                                const at::Tensor& lo, const at::Tensor& hi, double scale_, bool bf16_out) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be (N, H, T, D)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "q, k, v must be bfloat16");
@@ -221,7 +282,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const float c = static_cast<float>(scale_) * static_cast<float>(M_LOG2E);  // base 2: p = 2^(s c - m)
 
   auto opts = q.options();
-  at::Tensor out = at::empty({N, H, L, Ev}, opts.dtype(at::kFloat));
+  at::Tensor out = at::empty({N, H, L, Ev}, opts.dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   advise_huge_pages(out);
   at::Tensor lse = at::empty({N, H, L}, opts.dtype(at::kFloat));
   if (N * H * L == 0) return {out, lse};
@@ -234,16 +295,20 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const BFloat16* q_p = q.const_data_ptr<BFloat16>();
   const BFloat16* k_p = k.const_data_ptr<BFloat16>();
   const BFloat16* v_p = v.const_data_ptr<BFloat16>();
-  float* out_p = out.data_ptr<float>();
+  char* out_p = static_cast<char*>(out.data_ptr());
+  const int64_t out_item = bf16_out ? 2 : 4;  // bytes per output value
   float* lse_p = lse.data_ptr<float>();
   const int64_t q_blocks = (L + kBlockQ - 1) / kBlockQ;
 
   at::parallel_for(0, N * H * q_blocks, 1, [&](int64_t begin, int64_t end) {
     // per thread: V^T of the current head, packed panel by panel when first needed (so it is
     // still in cache when used), the block's Q^T, scores, probabilities and O^T
-    std::vector<BFloat16> vt(std::max<int64_t>(Ev, 1) * S_pad), qt(E * kBlockQ), p_t(kOnePassKeys * kBlockQ);
+    // (left uninitialized: every entry a product reads is written first)
+    Buffer<BFloat16> vt(std::max<int64_t>(Ev, 1) * S_pad), qt(E * kBlockQ), p_t(kOnePassKeys * kBlockQ);
+    for (int64_t e = 0; e < Ev; ++e)  // keys S..S_pad-1 of V^T: a product may read them (times a zero P)
+      std::fill(vt.data() + e * S_pad + S, vt.data() + (e + 1) * S_pad, BFloat16(0.0f));
     std::vector<uint8_t> packed(panels);
-    std::vector<float> s_t(kOnePassKeys * kBlockQ), acc_t(Ev16 * kBlockQ, 0.0f);
+    Buffer<float> s_t(kOnePassKeys * kBlockQ), acc_t(Ev16 * kBlockQ);
     int64_t packed_head = -1;
     alignas(64) int32_t a_[kBlockQ], b_[kBlockQ];
     for (int64_t task = begin; task < end; ++task) {
@@ -262,9 +327,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
         }
       }
       float* dst_lse = lse_p + nh * L + r0;
-      float* dst_out = out_p + (nh * L + r0) * Ev;
+      char* dst_out = out_p + (nh * L + r0) * Ev * out_item;
       if (last < 0) {  // no row of the block sees a key
-        std::fill(dst_out, dst_out + rows * Ev, 0.0f);
+        std::memset(dst_out, 0, rows * Ev * out_item);  // 0.0 in float32 and bfloat16
         std::fill(dst_lse, dst_lse + rows, kNegInf);
         continue;
       }
@@ -301,7 +366,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                         k_head + c0 * k.stride(2), qt.data(), s_t.data());
         for (int64_t g = 0; g < kBlockQ / 16; ++g) {
           const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
-          const __m512 alpha = group_step(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);
+          const __m512 alpha = (c < 0 ? group_step<true> : group_step<false>)(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);
           if (c0 != k0 && _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0)
             for (int64_t e = 0; e < Ev; ++e) {
               float* x = acc_t.data() + e * kBlockQ + 16 * g;
@@ -324,8 +389,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
           for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(acc_t.data() + (e0 + i) * kBlockQ + 16 * g);
           transpose16(r);  // r[i]: query 16 g + i, columns e0..e0+15
           const __mmask16 cols = static_cast<__mmask16>((1u << std::min<int64_t>(16, Ev - e0)) - 1u);
-          for (int64_t i = 0; i < lanes_here; ++i)
-            _mm512_mask_storeu_ps(dst_out + (16 * g + i) * Ev + e0, cols, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
+          for (int64_t i = 0; i < lanes_here; ++i) {
+            const __m512 row = _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i]));
+            char* dst = dst_out + ((16 * g + i) * Ev + e0) * out_item;
+            if (bf16_out)
+              _mm256_mask_storeu_epi16(dst, cols, (__m256i)_mm512_cvtneps_pbh(row));
+            else
+              _mm512_mask_storeu_ps(dst, cols, row);
+          }
         }
       }
     }
@@ -355,7 +426,9 @@ bool pack_matches() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "fused bfloat16 interval attention forward: (out, lse)",
+  module.def("forward", &forward, "fused bfloat16 interval attention forward: (out, lse); out in bfloat16 with bf16_out",
+             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lo"), pybind11::arg("hi"),
+             pybind11::arg("scale"), pybind11::arg("bf16_out") = false,
              // the GIL is released while it runs, as PyTorch's operators do (encoder batches run side by side)
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("micro_kernel_available", &micro_kernel_available, "whether oneDNN packs bfloat16 for brgemm here");

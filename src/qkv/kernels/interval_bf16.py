@@ -104,28 +104,33 @@ def _self_check(module: ModuleType) -> str | None:
     A wrong packed layout on some CPU would give wrong numbers, never an error; this turns it
     into a reason to fall back."""
     gen = torch.Generator().manual_seed(0)
-    # a window with a row that sees nothing and a tail block (one softmax step per block), then
+    # a window with a row that sees nothing and a tail block (one softmax step per block), with
+    # a negative scale (the max pass then takes the lowest score) and the output in bf16; then
     # a causal square of 1,500 keys (diagonals, and spans past 1,024 keys: online steps)
     rows = torch.arange(70)
     window = ((rows - 50).clamp(min=0).view(1, 70), (rows + 60).view(1, 70))  # (1, L) each
     window[1][0, 3] = -1
     rows = torch.arange(1500)
     causal = (torch.zeros(1, 1500, dtype=torch.long), rows.view(1, 1500))
-    for (lo, hi), S, Ev in ((window, 150, 40), (causal, 1500, 64)):
-        reason = _check_one(module, gen, lo, hi, S, Ev)
+    for (lo, hi), S, Ev, scale, rounded in ((window, 150, 40, -0.125, True), (causal, 1500, 64, 0.125, False)):
+        reason = _check_one(module, gen, lo, hi, S, Ev, scale, rounded)
         if reason is not None:
             return reason
     return None
 
 
-def _check_one(module: ModuleType, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int) -> str | None:
+def _check_one(
+    module: ModuleType, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool
+) -> str | None:
     N, H, L, E = 1, 2, lo.shape[1], 64
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
     v = torch.randn(N, H, S, Ev, generator=gen).to(torch.bfloat16)
-    out, lse = module.forward(q, k, v, lo, hi, 0.125)
+    out, lse = module.forward(q, k, v, lo, hi, scale, rounded)
+    if out.dtype != (torch.bfloat16 if rounded else torch.float32):
+        return f"its self-check failed (the output came in {out.dtype})"
     keys = torch.arange(S).view(1, S)
     visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
-    s = (q.double() @ k.double().transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
+    s = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
     want_lse = torch.logsumexp(s, dim=-1)  # (N, H, L)
     want = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v.double()  # (N, H, L, Ev)
     out_err = (out.double() - want).abs().max().item()
@@ -141,12 +146,15 @@ def _module() -> ModuleType | str:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+    rounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Output (N, H, L, Ev) and lse (N, H, L), float32, of q (N, H, L, E), k (N, H, S, E),
     v (N, H, S, Ev) bfloat16, where query i of batch row n sees keys lo[n, i]..hi[n, i]
-    (lo, hi (N | 1, L) int64; an empty interval gives output 0 and lse -inf). None when the
-    kernel is unavailable (`unavailable_reason`): the caller falls back."""
+    (lo, hi (N | 1, L) int64; an empty interval gives output 0 and lse -inf). With ``rounded``
+    the output is bfloat16 (each value the float32 one rounded to nearest even), for callers
+    that run no backward: half the bytes to write and no copy to round. None when the kernel
+    is unavailable (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
     module = _module()
@@ -155,5 +163,5 @@ def forward(
     q, k = compiled.padded_heads(q), compiled.padded_heads(k)  # (N, H, *, E rounded up to 32)
     v = v if v.stride(-1) == 1 else v.contiguous()
     with torch.no_grad():
-        out, lse = module.forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale))
+        out, lse = module.forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale), bool(rounded))
     return out, lse
