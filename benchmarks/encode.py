@@ -16,7 +16,10 @@ by side on its threads, `qkv.models.batches`), then encodes group i of every pat
 order that rotates from group to group, and sums each path's times: one run over the 2,000
 sentences per path, interleaved so that the load of a shared machine falls on all paths
 alike. "qkv bfloat16 one by one" is qkv bf16 padded with its batches one after another
-(``qkv.models.batches.ENABLED = False``), each on all threads, as sentence-transformers runs them. Compare the ratios, not the
+(``qkv.models.batches.ENABLED = False``), each on all threads, as sentence-transformers runs them;
+"qkv bfloat16 unfused" is qkv bf16 padded on eager ops where it fuses (``F.linear`` + bias,
+GELU, residual add + LayerNorm + cast: `qkv.kernels.onednn_linear`, `qkv.kernels.add_norm_bf16`
+switched off). Compare the ratios, not the
 absolute rates. The CPU time of this process (all threads) is reported next to the wall
 clock because it is steadier when other processes compete for the cores.
 
@@ -49,6 +52,7 @@ import numpy as np
 import torch
 
 from qkv.bench import matmul_gflops, matmul_words
+from qkv.kernels import add_norm_bf16, onednn_linear
 from qkv.models import Encoder, batches, load_encoder
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
@@ -109,6 +113,7 @@ def main() -> None:
             runs[f"qkv {dtype} packed"] = (lambda t, e=ours: e.encode(t, batch_size=BATCH, packed=True), "qkv")
             if dtype == "bfloat16":
                 runs["qkv bfloat16 one by one"] = (lambda t, e=ours: _one_by_one(e, t), "qkv")
+                runs["qkv bfloat16 unfused"] = (lambda t, e=ours: _unfused(e, t), "qkv")
         dtype_of |= {name: dtype for name in runs if name not in dtype_of}
     order = {"qkv": by_tokens, "sentence-transformers": by_chars}
     rates = {dtype: matmul_gflops(getattr(torch, dtype)) for dtype in dict.fromkeys(dtype_of.values())}
@@ -169,6 +174,17 @@ def _one_by_one(encoder: Encoder, texts: list[str]) -> torch.Tensor:
         return encoder.encode(texts, batch_size=BATCH)
     finally:
         batches.ENABLED = True
+
+
+def _unfused(encoder: Encoder, texts: list[str]) -> torch.Tensor:
+    """qkv's padded encode on eager PyTorch ops for the products and the residual add +
+    LayerNorm (``F.linear``, ``F.gelu``, ``norm(x + y)``, the cast) instead of oneDNN's fused
+    linear and the compiled add + norm kernel."""
+    onednn_linear.ENABLED = add_norm_bf16.ENABLED = False
+    try:
+        return encoder.encode(texts, batch_size=BATCH)
+    finally:
+        onednn_linear.ENABLED = add_norm_bf16.ENABLED = True
 
 
 def _load(load: tuple[float, float, float]) -> str:

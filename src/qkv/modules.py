@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qkv._checks import positive_int
@@ -31,6 +30,7 @@ from qkv._problem import autocast_dtype, normalize_mask
 from qkv.bias import Bias
 from qkv.cache import KVCache
 from qkv.functional import attention
+from qkv.kernels import onednn_linear
 from qkv.kernels.scores import check_softcap
 from qkv.masks import Mask
 from qkv.positional import RotaryEmbedding
@@ -361,14 +361,15 @@ class MultiHeadAttention(nn.Module):
         if context is not None or rows < cfg.d_model * _FUSE_ROWS_PER_WIDTH:
             source = x if context is None else context
             S = source.shape[1]
-            q = self.q_proj(x).view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
-            k = self.k_proj(source).view(B, S, G, E).transpose(1, 2)  # (B, G, S, E)
-            v = self.v_proj(source).view(B, S, G, Ev).transpose(1, 2)  # (B, G, S, Ev)
+            # bf16 inference: oneDNN's linear, bias in the epilogue (else the modules' own call)
+            q = onednn_linear.run(self.q_proj, x).view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
+            k = onednn_linear.run(self.k_proj, source).view(B, S, G, E).transpose(1, 2)  # (B, G, S, E)
+            v = onednn_linear.run(self.v_proj, source).view(B, S, G, Ev).transpose(1, 2)  # (B, G, S, Ev)
             return q, k, v
         # Self-attention on many rows: one matrix multiply over the three weights side by side
         # reads x once and runs a wider, more efficient product.
         weight, bias = self._fused_projection()  # (H*E + G*E + G*Ev, D), (H*E + G*E + G*Ev,) or None
-        qkv = F.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev)
+        qkv = onednn_linear.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev); bf16 inference: bias in the epilogue
         if cfg.num_heads == cfg.num_kv_heads and cfg.d_k == cfg.d_v:
             # one copy to head-major order: each head's rows contiguous, which the attention
             # kernel reads faster than the interleaved product (and its input checks too)
@@ -450,7 +451,7 @@ class MultiHeadAttention(nn.Module):
             result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
-        out = self.out_proj(concat)  # (B, L, D)
+        out = onednn_linear.run(self.out_proj, concat)  # (B, L, D); bf16 inference: bias in the epilogue
         if not cfg.batch_first:
             out = out.transpose(0, 1)  # (L, B, D)
         if return_weights:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from qkv.kernels import add_norm_bf16, onednn_linear
 from qkv.masks import Mask
 from qkv.models.config import BertConfig
 from qkv.modules import MultiHeadAttention
@@ -77,22 +77,35 @@ class BertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | Mask | None, return_weights: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, L, D) -> (x (B, L, D), weights (B, H, L, L) or None).
+        """x (B, L, D) -> (x (B, L, D), weights (B, H, L, L) or None)."""
+        x, _, weights = self.step(x, None, mask, return_weights)
+        return x, weights
+
+    def step(
+        self, x: torch.Tensor, x_low: torch.Tensor | None, mask: torch.Tensor | Mask | None, return_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x (B, L, D), and x_low, x in the matmul dtype or None (then cast here) ->
+        (x (B, L, D), x_low (B, L, D), weights (B, H, L, L) or None).
 
         The matrix multiplies run in the dtype of the linear weights; the residual stream and
         the LayerNorms keep theirs (float32 after `BertEncoder.set_matmul_dtype`): the sums
-        x + sublayer(x) promote to the wider of the two.
+        x + sublayer(x) promote to the wider of the two. Each sublayer ends with the residual
+        stream and its copy in the matmul dtype, the next product's input (one pass in
+        bf16 inference: `qkv.kernels.add_norm_bf16`).
         """
         matmul_dtype = self.ffn_in.weight.dtype
+        if x_low is None:
+            x_low = x.to(matmul_dtype)  # (B, L, D)
         weights = None
         if return_weights:
-            mixed, weights = self.attention(x.to(matmul_dtype), mask=mask, return_weights=True)  # (B, L, D), (B, H, L, L)
+            mixed, weights = self.attention(x_low, mask=mask, return_weights=True)  # (B, L, D), (B, H, L, L)
         else:
-            mixed = self.attention(x.to(matmul_dtype), mask=mask)  # (B, L, D)
-        x = self.attention_norm(x + mixed)
-        hidden = F.gelu(self.ffn_in(x.to(matmul_dtype)), approximate="none")  # (B, L, intermediate)
-        x = self.ffn_norm(x + self.ffn_out(hidden))  # (B, L, D)
-        return x, weights
+            mixed = self.attention(x_low, mask=mask)  # (B, L, D)
+        x, x_low = add_norm_bf16.add_norm(x, mixed, self.attention_norm, matmul_dtype)  # (B, L, D) twice
+        # bf16 inference: bias and GELU in the product's epilogue (qkv.kernels.onednn_linear)
+        hidden = onednn_linear.run_gelu(self.ffn_in, x_low)  # (B, L, intermediate)
+        x, x_low = add_norm_bf16.add_norm(x, onednn_linear.run(self.ffn_out, hidden), self.ffn_norm, matmul_dtype)  # (B, L, D)
+        return x, x_low, weights
 
 
 class BertEncoder(nn.Module):
@@ -170,8 +183,12 @@ class BertEncoder(nn.Module):
 
         x = self.embeddings(ids, positions, token_types)  # (B, L, D)
         hidden_states, attentions = [x], []
+        x_low = None  # x in the matmul dtype, handed from block to block
         for layer in self.layers:
-            x, weights = layer(x, mask, return_weights)
+            if onednn_linear.hooked(layer):  # a hook on the block must see its call
+                (x, weights), x_low = layer(x, mask, return_weights), None
+            else:
+                x, x_low, weights = layer.step(x, x_low, mask, return_weights)
             hidden_states.append(x)
             attentions.append(weights)
         return EncoderOutput(
