@@ -97,6 +97,26 @@ def test_the_gelu_is_the_exact_erf_form() -> None:
     assert at_minus_3.item() == pytest.approx(-0.00405, rel=5e-3)
 
 
+def test_row_padding_leaves_the_rows_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rows padded to a bucket (primitive reuse) give the same rows as the product on the rows
+    # alone (each output row depends on its own input row only)
+    x, weight, b = _problem((3, 43, 64), 40, True, seed=5)  # 129 rows: 127 padded rows at 128
+    monkeypatch.setattr(onednn_linear, "ROW_BUCKET", 128)
+    padded = onednn_linear.linear_gelu(x, weight, b)
+    monkeypatch.setattr(onednn_linear, "ROW_BUCKET", 1)
+    alone = onednn_linear.linear_gelu(x, weight, b)
+    assert padded.shape == alone.shape == (3, 43, 40) and padded.is_contiguous()
+    assert torch.equal(padded, alone)
+    want = F.gelu(_exact(x, weight, b), approximate="none")
+    assert _err(padded, want) <= 2 * _err(F.gelu(F.linear(x, weight, b)), want) + FLOOR
+
+
+def test_no_input_features_take_f_linear() -> None:
+    x, weight, b = torch.ones(4, 0, dtype=BF16), torch.ones(3, 0, dtype=BF16), torch.arange(3.0).to(BF16)
+    assert onednn_linear.unavailable_reason(x, weight, b) == "there are no input features (K = 0: the output is the bias)"
+    assert torch.equal(onednn_linear.linear(x, weight, b), b.expand(4, 3))
+
+
 def test_the_live_weight_is_read_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
     # nothing is kept between calls: in-place and .data updates are seen
     layer = nn.Linear(40, 24).to(BF16)

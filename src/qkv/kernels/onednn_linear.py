@@ -38,6 +38,15 @@ __all__ = ["ENABLED", "hooked", "linear", "linear_gelu", "run", "run_gelu", "una
 # Switch for comparisons (benchmarks time F.linear with it off); QKV_NO_COMPILED_KERNELS=1 too.
 ENABLED = True
 
+# oneDNN creates (JIT-compiles) a primitive for every new row count, ~3 ms for a plain
+# linear and ~10 ms with the GELU at the encoder's sizes (1 thread), 50 % more when the count
+# is not a multiple of 32: as much as the product itself when every batch has its own length.
+# Rows are padded to a multiple of this, so that batches of nearby lengths share primitives
+# (whole bf16 encode, 1,024 sentences, 1 thread, interleaved, load 0.8: CPU time 8.23 s
+# unpadded, 7.52 s at 256, 7.19 s at 128; packed 7.42 -> 6.82 s at 256); the padded rows are
+# zeros and their outputs are dropped (rows are independent: the kept rows are unchanged).
+ROW_BUCKET = 128
+
 # the outcome of the one check of this process: None (passed) or why the op cannot be used
 _checked: dict[str, str | None] = {}
 _CHECK_LOCK = threading.Lock()
@@ -79,9 +88,19 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """oneDNN's linear with ``activation`` ("none" or "gelu") in its epilogue."""
+    """oneDNN's linear with ``activation`` ("none" or "gelu") in its epilogue, on x's rows
+    padded to a multiple of `ROW_BUCKET` (zero rows; the output's first rows returned)."""
+    rows = math.prod(x.shape[:-1])
+    pad = -rows % ROW_BUCKET if rows > 0 else 0
+    flat = x.reshape(rows, x.shape[-1])  # (R, K)
+    if pad:
+        padded = torch.empty(rows + pad, x.shape[-1], dtype=x.dtype, device=x.device)  # (R + pad, K)
+        padded[:rows].copy_(flat)
+        padded[rows:].zero_()
+        flat = padded
     # GELU's algorithm "none" is the erf GELU ("tanh" would be the approximation); see _check
-    return _op()(x, weight, bias, activation, [], "none" if activation == "gelu" else "")
+    out = _op()(flat, weight, bias, activation, [], "none" if activation == "gelu" else "")  # (R + pad, N)
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])  # (..., N)
 
 
 def _op():  # type: ignore[no-untyped-def]
@@ -139,6 +158,8 @@ def _static_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "a gradient is needed (training keeps F.linear and its backward)"
     if x.ndim < 2 or weight.ndim != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
         return "the shapes are not (..., K), (N, K), (N,) (F.linear says what is wrong)"
+    if x.shape[-1] == 0:
+        return "there are no input features (K = 0: the output is the bias)"
     if torch.compiler.is_compiling():
         return "torch.compile is tracing (Inductor fuses linear layers itself)"
     if not torch.backends.mkldnn.is_available():
