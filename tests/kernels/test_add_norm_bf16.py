@@ -104,6 +104,24 @@ def test_nan_and_inf_rows_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (out[finite] - eager[finite]).abs().max().item() < 1e-4
 
 
+def test_huge_rows_are_normalized_not_flattened_to_the_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    # |x - mean| ~ 1e20: the float32 squares overflow; float64 LayerNorm still gives the
+    # normalized values (eager float32 gives NaN). The kernel must not return the bias alone.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, generator=gen) * 1e20
+    x[1] = torch.randn(40, generator=gen) * 1e37  # the float32 row sum overflows too
+    y = torch.randn(3, 40, generator=gen).to(BF16)
+    norm = _norm(40)
+    spy = _spy(monkeypatch)
+    with torch.no_grad():
+        out, low = add_norm_bf16.add_norm(x, y, norm, BF16)
+    if _can_run():
+        assert spy.calls == 1
+        want = _want(x, y, norm)
+    assert _err(out, want) < 1e-5 * want.abs().max().item()
+    assert torch.equal(low, out.to(BF16))
+
+
 def test_reasons_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     x, y, norm = torch.randn(3, 8), torch.randn(3, 8).to(BF16), _norm(8)
     reason = add_norm_bf16.unavailable_reason

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from qkv import masks as M
-from qkv.kernels.block_plan import BlockConfig, BlockSizes, _plan_intervals, plan_intervals, plan_layout
+from qkv.kernels.block_plan import (
+    BlockConfig,
+    BlockSizes,
+    _plan_intervals,
+    plan_intervals,
+    plan_layout,
+)
 
 
 def test_sizes_are_keyword_only_and_checked() -> None:

@@ -13,6 +13,8 @@ build folder is named by the source's hash, so no earlier build of another sourc
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -171,6 +173,26 @@ def test_huge_scores_keep_the_max_key(size: float, n: int, mask: M.Mask) -> None
     want = _reference(q.double(), q.double(), v.double(), mask, torch.zeros(1, 2, n, 64, dtype=torch.float64), 0.125)[0]
     assert torch.isfinite(out).all()
     assert _err(out, want.output) <= 2e-2  # the own key's value, rounded to bf16
+
+
+@pytest.mark.parametrize("mask", [M.sliding_window(37, 5), M.causal()])
+def test_large_scores_pick_the_top_keys_value_exactly(mask: M.Mask) -> None:
+    # scaled scores ~ 3e5 (about 2^18.8 in base 2): each row's own key outweighs the others by
+    # e^(1e5), so every output row is exactly its own value. An fmsub of the unrounded product
+    # leaves the top key's exponent up to ulp(2^19) / 2 = 2^-5 away from 0, enough to turn its
+    # bf16 probability into 1.0078 (one value off by an ulp in many rows); the kernel takes that
+    # shortcut only while the product's rounding cannot change a bf16 probability of 1.
+    gen = torch.Generator().manual_seed(0)
+    n = 600
+    q = (torch.randn(1, 2, n, 64, generator=gen) * 200).to(DTYPE)
+    v = torch.randn(1, 2, n, 24, generator=gen).to(DTYPE)
+    scores = q.double() @ q.double().transpose(-1, -2) * 0.125  # (1, 2, n, n)
+    own = scores.diagonal(dim1=-2, dim2=-1)  # (1, 2, n)
+    others = scores.masked_fill(torch.eye(n, dtype=torch.bool), float("-inf")).amax(dim=-1)  # (1, 2, n)
+    assert bool((own - others > 1e4).all()) and 2**17 < float(own.max()) * math.log2(math.e) < 2**20
+    with torch.no_grad():
+        out = qkv.attention(q, q, v, mask, scale=0.125, backend="blocks")
+    assert torch.equal(out, v)
 
 
 def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -255,3 +255,32 @@ def test_it_runs_where_onednn_is_available() -> None:
         assert "without oneDNN" in str(onednn_linear.unavailable_reason(x, weight, b))
         return
     assert onednn_linear.unavailable_reason(x, weight, b) is None
+
+
+def test_a_strided_bias_is_read_as_it_is() -> None:
+    # oneDNN reads the bias buffer as contiguous: a strided (N,) view must be made contiguous
+    x, weight, _ = _problem((4, 16), 8, False)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(5)).to(BF16)[::2]  # (N,), stride 2
+    with torch.no_grad():
+        got = onednn_linear.linear(x, weight, bias)
+    want = _exact(x, weight, bias)
+    assert _err(got, want) <= 2 * _err(F.linear(x, weight, bias), want) + FLOOR
+
+
+def test_float16_autocast_keeps_f_linear_and_its_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # under CPU autocast to float16, F.linear computes and returns float16; the fused op would
+    # return bfloat16. The first call may also run the one-time check: autocast must not reach it.
+    monkeypatch.setattr(onednn_linear, "_checked", {})
+    x, weight, b = _problem((4, 16), 8, True)
+    spy = _spy(monkeypatch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert onednn_linear.unavailable_reason(x, weight, b) == "CPU autocast to float16 is on"
+        got = onednn_linear.linear(x, weight, b)
+        want = F.linear(x, weight, b)
+    assert spy.calls == 0 and got.dtype == want.dtype == torch.float16 and torch.equal(got, want)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = onednn_linear.linear(x, weight, b)  # bf16 autocast: bf16 inputs stay bf16, the op runs
+    if _can_run():
+        assert spy.calls == 1 and fused.dtype == BF16
+    # the check ran outside autocast: its outcome is the plain one
+    assert onednn_linear.unavailable_reason(x, weight, b) == onednn_linear._check()

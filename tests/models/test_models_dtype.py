@@ -90,3 +90,25 @@ def test_autocast_encodes(encoder: Encoder) -> None:
 def test_unsupported_dtypes_are_refused(dtype: object) -> None:
     with pytest.raises(TypeError, match=r"dtype must be one of torch\.float32, torch\.bfloat16"):
         load_encoder(dtype=dtype)  # type: ignore[arg-type]
+
+
+def test_blocks_of_different_matmul_dtypes_encode() -> None:
+    # one block in bf16, the others float32 (a hand-made mixed model): each block must get the
+    # residual stream in its own matmul dtype, not the previous block's copy
+    from qkv.models.bert import BertEncoder
+    from qkv.models.config import BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16)
+    model = BertEncoder(config).eval()
+    reference = copy.deepcopy(model)
+    for layer in model.layers[1:2]:
+        for part in (layer.attention, layer.ffn_in, layer.ffn_out):
+            part.to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        got = model(ids).last_hidden
+        want = reference(ids).last_hidden
+    assert got.dtype == torch.float32
+    assert F.cosine_similarity(got.flatten(1), want.flatten(1)).min().item() > 0.999

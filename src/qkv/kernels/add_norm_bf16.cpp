@@ -40,6 +40,24 @@ inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// One row of LayerNorm in float64, from its float32 sums: for rows whose float32 statistics
+// overflow (|x - mean| beyond ~1.8e19 squares to inf), which would otherwise come out as the
+// bias alone, finite and wrong. A row holding inf or NaN still comes out NaN, as in eager.
+void normalize_row_in_double(const float* row, int64_t D, const float* g, const float* b, float epsilon, float* orow,
+                             at::BFloat16* lrow) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < D; ++j) sum += row[j];
+  const double mean = sum / double(D);
+  double squares = 0.0;
+  for (int64_t j = 0; j < D; ++j) squares += (row[j] - mean) * (row[j] - mean);
+  const double rstd = 1.0 / std::sqrt(squares / double(D) + double(epsilon));
+  for (int64_t j = 0; j < D; ++j) {
+    const float o = float((row[j] - mean) * rstd * g[j] + b[j]);
+    orow[j] = o;
+    lrow[j] = at::BFloat16(o);  // round to nearest even, as _mm512_cvtneps_pbh
+  }
+}
+
 void add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma, const at::Tensor& beta,
                     double eps, at::Tensor& out, at::Tensor& low) {
   const int64_t D = x.size(-1);
@@ -80,11 +98,15 @@ void add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& 
       const float shift = _mm512_reduce_add_ps(deviations) * inv_d;
       const float mean = rough + shift;
       const float variance = std::max(_mm512_reduce_add_ps(squares) * inv_d - shift * shift, 0.0f);
+      float* orow = os + r * D;
+      at::BFloat16* lrow = ls + r * D;
+      if (!std::isfinite(mean) || !std::isfinite(variance)) {
+        normalize_row_in_double(row.data(), D, g, b, epsilon, orow, lrow);
+        continue;
+      }
       const float rstd = 1.0f / std::sqrt(variance + epsilon);
       const __m512 mean_v = _mm512_set1_ps(mean);
       const __m512 rstd_v = _mm512_set1_ps(rstd);
-      float* orow = os + r * D;
-      at::BFloat16* lrow = ls + r * D;
       for (int64_t j = 0; j < D; j += kLanes) {
         __mmask16 m = tail_mask(D - j);
         __m512 normed = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row.data() + j), mean_v), rstd_v);

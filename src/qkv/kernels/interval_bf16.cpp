@@ -25,7 +25,7 @@
 // reads it (16 instead of 32 MiB, no rounding copy), scratch buffers left uninitialized (V^T
 // was 2 MiB of zeros per thread and call), the max pass over raw scores and exp2's fraction
 // by vreduceps: 1.21x; the keys every lane sees without compares and exp's argument by an
-// fmsub while |m| < 2^20: a further 1.03-1.04x. Phase shares after that: packing V^T and
+// fmsub while |m| < 2^16: a further 1.03-1.04x. Phase shares after that: packing V^T and
 // Q^T 11 %, S^T product 23 %, softmax 40 % (~5.5 cycles per 16 scores, near the
 // instruction-throughput bound), O^T product 21 %, output 5 %. Tasks taken in chunks from a
 // shared counter instead of two fixed halves: 2 threads at load 4-4.5, 1.12x (window) and
@@ -71,8 +71,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // no precision exception (bit 3)
 constexpr int kFloorFraction = 0x09;
 // below this running max (base 2) exp's argument may come from one fused multiply-subtract
-// (group_step): the max key's argument is then at most ulp(2^20) / 2 = 1/16 away from 0
-constexpr float kFusedArgumentBound = 1048576.0f;
+// (group_step): the max key's argument, the rounding error of its product, is then at most
+// ulp(m) / 2 <= 2^-9 away from 0, and 2^(+-2^-9) rounds to exactly 1 in bf16 (below 2^20 the
+// top key's bf16 probability could come out 1.0078: a one-key row missed its value by an ulp)
+constexpr float kFusedArgumentBound = 65536.0f;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

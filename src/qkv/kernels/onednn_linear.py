@@ -67,7 +67,8 @@ def unavailable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if "outcome" not in _checked:
         with _CHECK_LOCK:
             if "outcome" not in _checked:
-                _checked["outcome"] = _check()
+                with torch.autocast("cpu", enabled=False):  # the check compares with plain bf16 F.linear
+                    _checked["outcome"] = _check()
     return _checked["outcome"]
 
 
@@ -98,6 +99,8 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
         padded[:rows].copy_(flat)
         padded[rows:].zero_()
         flat = padded
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # oneDNN reads the bias as contiguous: a strided one gave wrong sums
     # GELU's algorithm "none" is the erf GELU ("tanh" would be the approximation); see _check
     out = _op()(flat, weight, bias, activation, [], "none" if activation == "gelu" else "")  # (R + pad, N)
     return out[:rows].view(*x.shape[:-1], weight.shape[0])  # (..., N)
@@ -156,6 +159,9 @@ def _static_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "it runs on CPU only"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "a gradient is needed (training keeps F.linear and its backward)"
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        # F.linear would compute in the autocast dtype (e.g. float16) and return that dtype
+        return f"CPU autocast to {str(torch.get_autocast_dtype('cpu')).removeprefix('torch.')} is on"
     if x.ndim < 2 or weight.ndim != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
         return "the shapes are not (..., K), (N, K), (N,) (F.linear says what is wrong)"
     if x.shape[-1] == 0:

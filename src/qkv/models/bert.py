@@ -94,7 +94,7 @@ class BertLayer(nn.Module):
         bf16 inference: `qkv.kernels.add_norm_bf16`).
         """
         matmul_dtype = self.ffn_in.weight.dtype
-        if x_low is None:
+        if x_low is None or x_low.dtype != matmul_dtype:  # the first block, or blocks of mixed dtypes
             x_low = x.to(matmul_dtype)  # (B, L, D)
         weights = None
         if return_weights:
