@@ -16,6 +16,7 @@ import qkv.functional
 from qkv import masks as M
 from qkv._problem import describe_problem
 from qkv.dispatch import choose_path, ring_block_path, weights_plan
+from qkv.kernels import interval_bf16
 
 
 def _plan(L: int, S: int, mask: object, *, backend: str = "auto", weights: bool = False, lse: bool = False,
@@ -188,3 +189,24 @@ def test_explain_counts_the_pairs_of_sdpas_causal_route_by_hand() -> None:
     e = qkv.explain(q, q, q, qkv.masks.causal(), backend="fused")
     assert "is_causal" in e.route
     assert e.visited_fraction == 28 / 49
+
+
+def test_auto_sends_dense_bf16_to_the_fused_kernel_where_it_wins() -> None:
+    gen = torch.Generator().manual_seed(3)
+    # 600 keys: past the short-sequence kernel's 512 (its problems stay its own)
+    q, k, v = (torch.randn(1, 2, 600, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    kernel = interval_bf16.unavailable_reason(torch.bfloat16, torch.device("cpu")) is None
+    for mask in (None, M.causal()):
+        said = qkv.explain(q, k, v, mask)
+        assert said.path == ("blocks" if kernel else "fused")
+        assert ("beats PyTorch's CPU flash kernel" in said.reason) == kernel
+        with torch.no_grad():
+            out = qkv.attention(q, k, v, mask)
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=mask is not None)
+        assert (out.float() - want).abs().max() < 2e-2  # the output's bf16 rounding and P's
+    # where SDPA stays: wide heads, gradients, small problems, float32
+    wide = [torch.randn(1, 2, 600, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    assert qkv.explain(*wide).path == "fused"
+    assert qkv.explain(q.requires_grad_(True), k, v).path == "fused"
+    assert qkv.explain(q[:, :, :100].detach(), k[:, :, :100], v[:, :, :100], M.causal()).path == "fused"
+    assert qkv.explain(q.detach().float(), k.float(), v.float()).path == "fused"
