@@ -204,9 +204,13 @@ def test_auto_sends_dense_bf16_to_the_fused_kernel_where_it_wins() -> None:
             out = qkv.attention(q, k, v, mask)
             want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=mask is not None)
         assert (out.float() - want).abs().max() < 2e-2  # the output's bf16 rounding and P's
-    # where SDPA stays: wide heads, gradients, small problems, float32
-    wide = [torch.randn(1, 2, 600, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    heads_128 = [torch.randn(1, 2, 600, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    assert qkv.explain(*heads_128).path == ("blocks" if kernel else "fused")
+    # where SDPA stays: wider heads, gradients, small problems, float32
+    wide = [torch.randn(1, 2, 600, 192, generator=gen).to(torch.bfloat16) for _ in range(3)]
     assert qkv.explain(*wide).path == "fused"
     assert qkv.explain(q.requires_grad_(True), k, v).path == "fused"
     assert qkv.explain(q[:, :, :100].detach(), k[:, :, :100], v[:, :, :100], M.causal()).path == "fused"
+    assert qkv.explain(q[:, :, :255].detach(), k, v).path == "fused"  # few queries over 600 keys
+    assert qkv.explain(q[:, :, :256].detach(), k, v).path == ("blocks" if kernel else "fused")
     assert qkv.explain(q.detach().float(), k.float(), v.float()).path == "fused"

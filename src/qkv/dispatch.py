@@ -77,12 +77,16 @@ _SPARSE_MIN_PAIRS = 256 * 256
 
 # 'auto' sends dense bfloat16 attention on CPU (no mask, or causal with L == S) that needs no
 # gradient to the block engine, whose fused bf16 interval kernel (`kernels.interval_bf16`)
-# beats PyTorch's CPU flash kernel there, for head dims up to this. Measured (n = 4,096, H = 8,
-# one thread, CPU time, interleaved, load 6; SDPA / engine): E = 64 no mask 1.07x, causal
-# 1.19x; E = 128 no mask 0.82x, causal 1.05x (so E = 128 stays on SDPA). Gradients stay on
-# SDPA too: its flash backward is faster than the engine's. Without a mask, up to
-# `short_bf16.MAX_KEYS` keys belong to the short-sequence kernel.
-_DENSE_BF16_KERNEL_MAX_HEAD_DIM = 64
+# beats PyTorch's CPU flash kernel there, for head dims up to this. Measured through
+# qkv.attention, input checks included (n = 4,096, H = 8, 2 threads, interleaved, load 1.1-1.3;
+# SDPA time / engine time): E = 64 no mask 1.39x, causal 1.37x; E = 128 no mask 1.24x, causal
+# 1.30x. Gradients stay on SDPA: its flash backward is faster than the engine's. Without a
+# mask, up to `short_bf16.MAX_KEYS` keys belong to the short-sequence kernel.
+_DENSE_BF16_KERNEL_MAX_HEAD_DIM = 128
+# ... and for at least this many queries: each task of the kernel packs its head's keys and
+# values for 64 queries, which few queries do not repay (measured the same way, no mask: L, S =
+# 16, 8192 0.58x; 64, 8192 0.97x; 256, 4096 (E = 128) 1.10x; 1024, 4096 1.16x)
+_DENSE_BF16_KERNEL_MIN_QUERIES = 256
 
 # 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
 # finite values span more than this: PyTorch's CPU flash backward then misses DESIGN.md's
@@ -187,7 +191,7 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
     q = problem.q
     if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active or needs_grad(problem):
         return None
-    if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L * problem.S < _SPARSE_MIN_PAIRS:
+    if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L < _DENSE_BF16_KERNEL_MIN_QUERIES:
         return None
     if problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
         return None  # the short-sequence kernel's problems (`short_kernel_reason`)
@@ -195,7 +199,8 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
         return None
     what = "no mask" if problem.mask is None else "causal (L == S)"
     reason = (
-        f"dense bfloat16 on CPU with {what}, head dims <= {_DENSE_BF16_KERNEL_MAX_HEAD_DIM} and no gradient: "
+        f"dense bfloat16 on CPU with {what}, head dims <= {_DENSE_BF16_KERNEL_MAX_HEAD_DIM}, "
+        f"at least {_DENSE_BF16_KERNEL_MIN_QUERIES} queries and no gradient: "
         f"the block engine's {interval_bf16.KERNEL_NAME} beats PyTorch's CPU flash kernel here"
     )
     return _sparse_plan(problem, "blocks", reason, False, return_lse)
