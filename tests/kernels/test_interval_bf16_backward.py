@@ -19,6 +19,7 @@ from qkv.kernels import compiled, interval_bf16_backward
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule
+from tests.kernels.test_interval_bf16 import _ids
 
 CPU = torch.device("cpu")
 
@@ -30,10 +31,6 @@ def _can_run() -> bool:
 def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     """Counts the kernel's calls that returned a result."""
     return CallSpy(monkeypatch, interval_bf16_backward, "backward")
-
-
-def _ids(lengths: list[int]) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
 # (N, H, G, L, S, E, Ev, mask): awkward sizes, every mask kind with row intervals

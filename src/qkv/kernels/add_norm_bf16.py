@@ -67,10 +67,7 @@ def unavailable_reason(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> str
         return "a gradient is needed (training keeps the eager ops and their backward)"
     if torch.compiler.is_compiling():
         return "torch.compile is tracing (Inductor fuses these itself)"
-    reason = compiled.static_reason(torch.bfloat16, x.device)
-    if reason is None and isinstance(_built.get("module"), str):
-        return str(_built["module"])
-    return reason
+    return compiled.static_reason(torch.bfloat16, x.device) or compiled.build_failure(_built)
 
 
 def add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module, low_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

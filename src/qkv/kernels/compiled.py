@@ -111,6 +111,18 @@ def built_once(cache: dict[str, ModuleType | str], make: Callable[[], ModuleType
     return cache["module"]
 
 
+def build_failure(cache: dict[str, ModuleType | str]) -> str | None:
+    """Why the kernel's one build attempt of this process (`built_once`) failed, or None when
+    it built or has not been tried yet."""
+    outcome = cache.get("module")
+    return outcome if isinstance(outcome, str) else None
+
+
+def first_use_note(cache: dict[str, ModuleType | str]) -> str:
+    """What `qkv.explain` adds to a kernel's name before its first build in this process."""
+    return "" if isinstance(cache.get("module"), ModuleType) else ", built on first use (about a minute, once)"
+
+
 @functools.cache
 def _toolchain_reason(compiler: str, search_path: str) -> str | None:
     """Why the build tools are missing, or None: two PATH scans, done once per compiler and PATH

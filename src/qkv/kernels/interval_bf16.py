@@ -72,9 +72,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     reason = _static_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    if reason is None and isinstance(_built.get("module"), str):
-        return str(_built["module"])
-    return reason
+    return reason or compiled.build_failure(_built)
 
 
 def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> str:
@@ -85,8 +83,7 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> s
     """
     reason = unavailable_reason(dtype, device, has_intervals)
     if reason is None:
-        built = isinstance(_built.get("module"), ModuleType)
-        return f"the {KERNEL_NAME} (C++, AMX micro-kernels){'' if built else ', built on first use (about a minute, once)'}"
+        return f"the {KERNEL_NAME} (C++, AMX micro-kernels){compiled.first_use_note(_built)}"
     return f"PyTorch's CPU flash kernel per tile (the {KERNEL_NAME} does not run: {reason})"
 
 

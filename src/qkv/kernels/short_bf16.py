@@ -60,9 +60,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     if not ENABLED:
         return "it is switched off (qkv.kernels.short_bf16.ENABLED = False)"
     reason = compiled.static_reason(dtype, device)
-    if reason is None and isinstance(_built.get("module"), str):
-        return str(_built["module"])
-    return reason
+    return reason or compiled.build_failure(_built)
 
 
 def describe(dtype: torch.dtype, device: torch.device) -> str:
@@ -73,8 +71,7 @@ def describe(dtype: torch.dtype, device: torch.device) -> str:
     """
     reason = unavailable_reason(dtype, device)
     if reason is None:
-        built = isinstance(_built.get("module"), ModuleType)
-        return f"the {KERNEL_NAME} (C++, AMX tiles){'' if built else ', built on first use (about a minute, once)'}"
+        return f"the {KERNEL_NAME} (C++, AMX tiles){compiled.first_use_note(_built)}"
     return f"PyTorch's SDPA (the {KERNEL_NAME} does not run: {reason})"
 
 
