@@ -269,7 +269,7 @@ def test_a_strided_bias_is_read_as_it_is() -> None:
 
 def test_float16_autocast_keeps_f_linear_and_its_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     # under CPU autocast to float16, F.linear computes and returns float16; the fused op would
-    # return bfloat16. The first call may also run the one-time check: autocast must not reach it.
+    # return bfloat16. Under bf16 autocast the first call runs the one-time check, which must pass.
     monkeypatch.setattr(onednn_linear, "_checked", {})
     x, weight, b = _problem((4, 16), 8, True)
     spy = _spy(monkeypatch)
@@ -282,5 +282,5 @@ def test_float16_autocast_keeps_f_linear_and_its_dtype(monkeypatch: pytest.Monke
         fused = onednn_linear.linear(x, weight, b)  # bf16 autocast: bf16 inputs stay bf16, the op runs
     if _can_run():
         assert spy.calls == 1 and fused.dtype == BF16
-    # the check ran outside autocast: its outcome is the plain one
+    # the outcome kept from the check under bf16 autocast is the one a plain check gives
     assert onednn_linear.unavailable_reason(x, weight, b) == onednn_linear._check()

@@ -47,7 +47,7 @@ def matmul_gflops(
     a fresh 8 MB output per product would be paid in page faults, which are not the multiply's
     speed, and a denominator that a busy allocator lowers would flatter what is compared with it.
     """
-    sides = _limit_sides() if side is None else (side,)
+    sides = LIMIT_SIDES if side is None else (side,)
     if min(sides) < 1:
         raise ValueError(f"side must be >= 1, got {side}")
     gen = torch.Generator().manual_seed(0)
@@ -68,12 +68,8 @@ def matmul_words(side: int | None = None) -> str:
     >>> matmul_words(), matmul_words(256)
     ('best of 1024^2, 2048^2', '256^2')
     """
-    sides = _limit_sides() if side is None else (side,)
+    sides = LIMIT_SIDES if side is None else (side,)
     return ("best of " if len(sides) > 1 else "") + ", ".join(f"{n}^2" for n in sides)
-
-
-def _limit_sides() -> tuple[int, ...]:
-    return LIMIT_SIDES  # read at call time, so that a test can shrink it
 
 
 @functools.cache
