@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qkv.bias import Bias, as_bias
+from qkv.kernels import magnitude_bf16
 from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
@@ -188,6 +189,14 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     return max(-low, high)
 
 
+def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+    """`_largest_magnitude` of each tensor; large bfloat16 ones by the compiled scan
+    (`qkv.kernels.magnitude_bf16`: 2.5x torch.aminmax, the same answer)."""
+    compacted = [compact(x) for x in tensors]
+    scanned = magnitude_bf16.largest_magnitudes(compacted)
+    return [_largest_magnitude(x) if m is None else m for x, m in zip(compacted, scanned, strict=True)]
+
+
 def _largest_row_norm(x: torch.Tensor) -> float:
     """max_i ||x_i|| over the last axis, in float64 (finite entries assumed)."""
     with torch.no_grad():
@@ -210,7 +219,7 @@ def _check_magnitudes(
     """
     if torch.compiler.is_compiling():
         return False
-    magnitudes = [_largest_magnitude(x) for x in (q, k, v)]
+    magnitudes = _largest_magnitudes((q, k, v))
     finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():

@@ -135,18 +135,23 @@ def _toolchain_reason(compiler: str, search_path: str) -> str | None:
 
 
 def build(
-    stem: str, source: Path, description: str, check: Callable[[ModuleType], str | None], cflags: list[str] | None = None
+    stem: str,
+    source: Path,
+    description: str,
+    check: Callable[[ModuleType], str | None],
+    cflags: list[str] | None = None,
+    duration: str = "about a minute",
 ) -> ModuleType | str:
     """Compile (or load the cached build of) ``source`` as the module ``qkv_<stem>_<hash>`` and
     run ``check`` on it: the module, or why there is none (the build's first error line, or
-    what ``check`` returned). ``description`` names the kernel in the one line printed on
-    stderr when it compiles."""
+    what ``check`` returned). ``description`` names the kernel, and ``duration`` says how long
+    its build takes, in the one line printed on stderr when it compiles."""
     with _BUILD_LOCK:
         logger = logging.getLogger("torch.utils.cpp_extension")
         level = logger.level
         logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
         try:
-            module = _load(stem, source, description, CFLAGS if cflags is None else cflags)
+            module = _load(stem, source, description, CFLAGS if cflags is None else cflags, duration)
         finally:
             logger.setLevel(level)  # the caller's logging as it was
         if isinstance(module, str):
@@ -158,7 +163,7 @@ def build(
         return module if error is None else error
 
 
-def _load(stem: str, source: Path, description: str, cflags: list[str]) -> ModuleType | str:
+def _load(stem: str, source: Path, description: str, cflags: list[str], duration: str) -> ModuleType | str:
     text = source.read_text(encoding="utf-8")
     digest = hashlib.sha256((text + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:16]
     name = f"qkv_{stem}_{digest}"
@@ -173,7 +178,7 @@ def _load(stem: str, source: Path, description: str, cflags: list[str]) -> Modul
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
         if not any(folder.glob(f"{name}*.so")):
-            print(f"qkv: compiling the {description} once (about a minute) into {folder}", file=sys.stderr, flush=True)
+            print(f"qkv: compiling the {description} once ({duration}) into {folder}", file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return cpp_extension.load(

@@ -1,0 +1,151 @@
+"""The largest |x| of large bfloat16 tensors in one exact pass: the input check's reduction.
+
+Every attention call checks q, k and v before any work (`qkv._problem._check_magnitudes`):
+their largest magnitudes bound the scores (an overflow is refused), and an infinite or NaN
+entry switches the NaN rule on. For bfloat16, ``torch.aminmax`` converts every value to
+float32 and runs at about a third of the memory bandwidth: on the block engine's goal
+problem (three 16 MiB tensors, 2 threads) it took 2.8 ms of a ~30 ms call. The compiled
+scan (``magnitude_bf16.cpp``) reads each value's 15 magnitude bits as an unsigned integer,
+which orders them as the magnitudes (0x7F80 is infinity, anything above a NaN), and keeps
+the largest: 1.1 ms for the three, the same answer to the bit.
+
+`largest_magnitudes` takes the tensors it can (bfloat16 on the CPU, at least `MIN_VALUES`
+values, a contiguous last dim, any strides elsewhere, the compiled
+kernels allowed here: `qkv.kernels.compiled.static_reason`) and leaves None for the others,
+which the caller reduces with ``torch.aminmax``. Small tensors never build it: the first
+large bfloat16 input does (about 10 seconds, once per machine, one line on stderr).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from qkv.kernels import compiled
+
+__all__ = ["ENABLED", "KERNEL_NAME", "MIN_VALUES", "largest_magnitudes", "strided_rows", "unavailable_reason"]
+
+# Switch for comparisons and tests; QKV_NO_COMPILED_KERNELS=1 switches it off too.
+ENABLED = True
+
+KERNEL_NAME = "bfloat16 magnitude scan"
+_SOURCE = Path(__file__).with_name("magnitude_bf16.cpp")
+# below this many values torch.aminmax costs microseconds, and no input should build a kernel
+MIN_VALUES = 1 << 20
+_INFINITY_BITS = 0x7F80  # bfloat16 +inf with the sign bit cleared; more is a NaN
+
+# the outcome of the one build attempt of this process: the module, or why there is none
+_built: dict[str, ModuleType | str] = {}
+
+
+def unavailable_reason(x: torch.Tensor) -> str | None:
+    """Why the scan does not take x, or None when it does (possibly after building it on
+    first use). Never builds.
+
+    >>> unavailable_reason(torch.ones(3, dtype=torch.bfloat16))
+    'it takes tensors of at least 1048576 values (this one has 3)'
+    """
+    if not ENABLED:
+        return "it is switched off (qkv.kernels.magnitude_bf16.ENABLED = False)"
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        return f"it reads plain tensors only (this is a {type(x).__name__})"
+    if x.numel() < MIN_VALUES:
+        return f"it takes tensors of at least {MIN_VALUES} values (this one has {x.numel()})"
+    if strided_rows(x) is None:
+        return "its last dim is not contiguous"
+    return compiled.static_reason(x.dtype, x.device) or compiled.build_failure(_built)
+
+
+def strided_rows(x: torch.Tensor) -> tuple[list[int], list[int], int] | None:
+    """x's values as rows of ``inner`` contiguous values: (sizes, strides, inner), the row at
+    index (i_0, i_1, ...) of ``sizes`` starting sum_d i_d * strides[d] values after x's first
+    one; dims that step over the ones inside them are merged. None when x's innermost dim
+    (of more than one value) is not contiguous.
+
+    >>> strided_rows(torch.ones(2, 3, 4))
+    ([], [], 24)
+    >>> strided_rows(torch.ones(2, 3, 4).transpose(0, 1))
+    ([3, 2], [4, 12], 4)
+    """
+    dims = [(n, s) for n, s in zip(x.shape, x.stride(), strict=True) if n != 1]  # size-1 dims: any stride
+    merged: list[tuple[int, int]] = []
+    for n, s in reversed(dims):  # innermost first: a dim that steps over the one inside it joins it
+        if merged and s == merged[-1][1] * merged[-1][0]:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1])
+        else:
+            merged.append((n, s))
+    merged.reverse()
+    if not merged:
+        return [], [], 1  # one value
+    inner, step = merged.pop()
+    if step != 1:
+        return None
+    return [n for n, _ in merged], [s for _, s in merged], inner
+
+
+def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[float | None]:
+    """Per tensor its largest |x_i| (math.inf when an entry is infinite or NaN), or None for a
+    tensor the scan does not take (`unavailable_reason`), or for all of them when its build
+    failed."""
+    taken = [i for i, x in enumerate(tensors) if unavailable_reason(x) is None]
+    found: list[float | None] = [None] * len(tensors)
+    if not taken:
+        return found
+    module = compiled.built_once(_built, _build)
+    if isinstance(module, str):
+        return found
+    rows = []
+    for i in taken:
+        try:
+            data = tensors[i].data_ptr()
+        except RuntimeError:  # a tensor without storage (a transform's wrapper): torch reduces it
+            continue
+        sizes, strides, inner = strided_rows(tensors[i])  # type: ignore[misc]
+        rows.append((i, module.Strided(data, sizes, strides, inner)))
+    bits = module.largest_magnitude_bits([r for _, r in rows])
+    for (i, _), b in zip(rows, bits, strict=True):
+        found[i] = magnitude_of(b)
+    return found
+
+
+def magnitude_of(bits: int) -> float:
+    """The value of a bfloat16 magnitude field (inf for infinity and every NaN).
+
+    >>> magnitude_of(0x3F80), magnitude_of(0x7F80), magnitude_of(0x7FC0)
+    (1.0, inf, inf)
+    """
+    if bits >= _INFINITY_BITS:
+        return float("inf")
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bfloat16 is float32's upper half
+
+
+def _build() -> ModuleType | str:
+    return compiled.build("magnitude_bf16", _SOURCE, KERNEL_NAME, _check, duration="about 10 seconds")
+
+
+def _check(module: ModuleType) -> str | None:
+    """Scan awkward tensors once against torch's own reduction: None, or what went wrong. The
+    largest magnitude negative, in a masked tail, in a strided layout, then an inf and a NaN."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, 45, generator=gen).bfloat16()  # rows of 45: one vector and a tail of 13
+    x[3, 6, 44] = -300.0  # the largest magnitude is negative and the very last value
+    cases = [x, x.transpose(0, 1), x[:, 1:, 3:]]
+    for case in cases:
+        layout = strided_rows(case)
+        if layout is None:
+            return "its self-check could not lay out a test tensor"
+        (bits,) = module.largest_magnitude_bits([module.Strided(case.data_ptr(), *layout)])
+        want = float(case.float().abs().max())
+        if magnitude_of(bits) != want:
+            return f"its self-check failed (largest magnitude {magnitude_of(bits)!r}, want {want!r})"
+    for special in (float("-inf"), float("nan")):
+        y = x.clone()
+        y[1, 2, 3] = special
+        (bits,) = module.largest_magnitude_bits([module.Strided(y.data_ptr(), *strided_rows(y))])  # type: ignore[misc]
+        if magnitude_of(bits) != float("inf"):
+            return f"its self-check failed ({special} was not seen)"
+    return None
