@@ -7,7 +7,8 @@ Cases (B = 1, H = 8, E = 64 unless --head-dim):
 - dense attention without a mask at n = 4,096: qkv auto against SDPA in each dtype.
 
 Every contender of a case is timed with the others by `qkv.bench.fastest` (rotating rounds,
-fastest run kept), so that a slow spell of a shared machine hits all of them. Each dtype's
+fastest run kept; a forward repeats within its round for 0.25 s, as the limit's products do),
+so that a slow spell of a shared machine hits all of them. Each dtype's
 matrix-multiply limit (`qkv.bench.matmul_gflops`: the best of 1024^2 and 2048^2 products) is
 measured before and after all the cases, and the higher of the two is the denominator of every
 "of mm" column, so the tables print at the end. The load average is printed with every table:
@@ -30,6 +31,10 @@ from qkv.bench import fastest, matmul_gflops, matmul_words, random_qkv
 
 B, H = 1, 8
 DTYPES = (torch.float32, torch.bfloat16)
+# a forward runs again within its round until its calls add up to this, as the matmul limit's
+# products do (`matmul_gflops`): a short call gets as many tries at a quiet moment of a shared
+# machine as the limit it is divided by
+FORWARD_ROUND_SECONDS = 0.25
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -53,7 +58,7 @@ def engine(n: int, E: int, window: int, reps: int) -> Table:
     flops = qkv.explain(*inputs[torch.float32], mask).flops
     forward = {_name(d): (lambda x=x: qkv.attention(*x, mask)) for d, x in inputs.items()}
     with torch.inference_mode():
-        fwd = fastest(forward, reps, warmup=1)
+        fwd = fastest(forward, reps, warmup=1, round_seconds=FORWARD_ROUND_SECONDS)
     trained = {dtype: _inputs(n, E, dtype, grad=True) for dtype in DTYPES}
     grads = {dtype: torch.randn(B, H, n, E, generator=torch.Generator().manual_seed(1)).to(dtype) for dtype in DTYPES}
 
@@ -87,7 +92,7 @@ def dense(n: int, E: int, reps: int) -> Table:
         fns[f"SDPA {_name(dtype)}"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)
         fns[f"qkv {_name(dtype)}"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v)
     with torch.inference_mode():
-        seconds = fastest(fns, reps, warmup=1)
+        seconds = fastest(fns, reps, warmup=1, round_seconds=FORWARD_ROUND_SECONDS)
     load = _load()
     return lambda rates: _dense_table(n, E, seconds, load, rates)
 
