@@ -136,3 +136,81 @@ def test_magnitude_of_bits() -> None:
         assert magnitude_bf16.magnitude_of(bits) == abs(float(torch.tensor(value, dtype=BF16)))
     assert magnitude_bf16.magnitude_of(0x7F80) == math.inf
     assert magnitude_bf16.magnitude_of(0x7FFF) == math.inf  # a NaN
+
+
+def _views(gen: torch.Generator) -> torch.Tensor:
+    """A random strided view of torch.arange (each value is its own offset in the storage):
+    1-4 dims of 1-5 values, the last of stride 1 and at least 2 values, the others of any
+    stride from 0 to 12 (so some dims step over the ones inside them exactly, some overlap)."""
+    dims = int(torch.randint(1, 5, (1,), generator=gen))
+    sizes = [int(n) for n in torch.randint(1, 6, (dims,), generator=gen)]
+    sizes[-1] = max(sizes[-1], 2)
+    strides = [int(t) for t in torch.randint(0, 13, (dims,), generator=gen)]
+    strides[-1] = 1
+    for d in range(dims - 2, -1, -1):  # half the dims step exactly over the one inside them
+        if bool(torch.rand(1, generator=gen) < 0.5):
+            strides[d] = sizes[d + 1] * strides[d + 1]
+    offset = int(torch.randint(0, 3, (1,), generator=gen))
+    extent = offset + sum((n - 1) * t for n, t in zip(sizes, strides, strict=True)) + 1
+    return torch.arange(extent).as_strided(sizes, strides, offset)
+
+
+def test_rows_lay_out_every_value_in_order() -> None:
+    """strided_rows of random views names exactly the view's values, in row-major order."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(500):
+        x = _views(gen)
+        layout = magnitude_bf16.strided_rows(x)
+        assert layout is not None, (tuple(x.shape), x.stride())
+        sizes, strides, inner = layout
+        starts = [0]
+        for n, s in zip(sizes, strides, strict=True):
+            starts = [a + i * s for a in starts for i in range(n)]
+        offsets = [a + j for a in starts for j in range(inner)]
+        assert offsets == (x.flatten() - x.storage_offset()).tolist(), (tuple(x.shape), x.stride())
+
+
+def test_unreadable_tensors_go_to_torch() -> None:
+    """Tensors without memory behind their values are never scanned (the scan would read
+    through a null pointer): a functionalize wrapper gives the attention torch's answer; a
+    storage freed to 0 bytes, FSDP-style, is refused by the scan."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 4096, 128, generator=gen).to(BF16) for _ in range(3))  # 1,048,576 values each
+    want = qkv.attention(q[:, :, :8], k, v)
+    got = torch.func.functionalize(lambda q, k, v: qkv.attention(q[:, :, :8], k, v))(q, k, v)
+    assert torch.equal(got, want)
+    k.untyped_storage().resize_(0)
+    assert magnitude_bf16.largest_magnitudes([k]) == [None]
+    if compiled.static_reason(BF16, CPU) is None:
+        assert "not in memory" in magnitude_bf16.unavailable_reason(k)
+
+
+def test_a_failed_build_leaves_the_check_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(magnitude_bf16, "_built", {"module": "its build failed (no compiler)"})
+    x = _base(5)
+    x[1, 2, 3, 4] = -9.0
+    assert magnitude_bf16.largest_magnitudes([x]) == [None]
+    assert "no compiler" in (magnitude_bf16.unavailable_reason(x) or "")
+    assert _problem._largest_magnitudes((x,)) == [_want(x)] == [9.0]
+
+
+def test_the_self_check_catches_a_wrong_scan() -> None:
+    """A module whose scan misses values (here: one that sees only each row's first value) is
+    refused at load, so the input check keeps torch's reduction."""
+
+    class FirstValueOnly:
+        Strided = staticmethod(lambda data, sizes, strides, inner: (data, sizes, strides))
+
+        @staticmethod
+        def largest_magnitude_bits(rows: list[tuple[int, list[int], list[int]]]) -> list[int]:
+            return [0x3F80 for _ in rows]  # 1.0
+
+    assert "self-check failed" in (magnitude_bf16._check(FirstValueOnly()) or "")
+
+
+def test_tensor_subclasses_go_to_torch() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    x = _base(6).as_subclass(Tagged)
+    assert "plain tensors" in (magnitude_bf16.unavailable_reason(x) or "")

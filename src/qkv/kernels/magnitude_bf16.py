@@ -57,7 +57,25 @@ def unavailable_reason(x: torch.Tensor) -> str | None:
         return f"it takes tensors of at least {MIN_VALUES} values (this one has {x.numel()})"
     if strided_rows(x) is None:
         return "its last dim is not contiguous"
-    return compiled.static_reason(x.dtype, x.device) or compiled.build_failure(_built)
+    reason = compiled.static_reason(x.dtype, x.device)
+    if reason is None and not _readable(x):
+        reason = "its values are not in memory it can read (no data pointer, or a storage smaller than the view)"
+    return reason or compiled.build_failure(_built)
+
+
+def _readable(x: torch.Tensor) -> bool:
+    """Whether every value of x lies in its storage's memory, at a real address. Some plain
+    tensors have none (a functionalize wrapper's data pointer is 0; a storage resized to 0
+    bytes, as FSDP frees parameters, still backs its views): the scan would read through them."""
+    try:
+        data, storage = x.data_ptr(), x.untyped_storage()
+        begin, size = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    if data == 0 or begin == 0 or torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._is_functional_tensor(x):
+        return False
+    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))  # the farthest value, in values
+    return begin <= data and data + (last + 1) * x.element_size() <= begin + size
 
 
 def strided_rows(x: torch.Tensor) -> tuple[list[int], list[int], int] | None:
@@ -100,12 +118,8 @@ def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[float | None]:
         return found
     rows = []
     for i in taken:
-        try:
-            data = tensors[i].data_ptr()
-        except RuntimeError:  # a tensor without storage (a transform's wrapper): torch reduces it
-            continue
         sizes, strides, inner = strided_rows(tensors[i])  # type: ignore[misc]
-        rows.append((i, module.Strided(data, sizes, strides, inner)))
+        rows.append((i, module.Strided(tensors[i].data_ptr(), sizes, strides, inner)))
     bits = module.largest_magnitude_bits([r for _, r in rows])
     for (i, _), b in zip(rows, bits, strict=True):
         found[i] = magnitude_of(b)
@@ -129,11 +143,18 @@ def _build() -> ModuleType | str:
 
 def _check(module: ModuleType) -> str | None:
     """Scan awkward tensors once against torch's own reduction: None, or what went wrong. The
-    largest magnitude negative, in a masked tail, in a strided layout, then an inf and a NaN."""
+    largest magnitude is negative each time: in a masked tail, in strided layouts, in the
+    fourth piece of one long row (rows past 65,536 values are split between threads), in the
+    third share of many short rows (each share finds its first row by division, then steps);
+    then an inf and a NaN."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, 45, generator=gen).bfloat16()  # rows of 45: one vector and a tail of 13
-    x[3, 6, 44] = -300.0  # the largest magnitude is negative and the very last value
-    cases = [x, x.transpose(0, 1), x[:, 1:, 3:]]
+    x[3, 6, 44] = -300.0
+    long = torch.randn(200_003, generator=gen).bfloat16()
+    long[150_001] = -300.0
+    many = torch.randn(64, 50, 45, generator=gen).bfloat16()  # as (50, 64) rows of 45: 1,456 rows per share
+    many[20, 45, 7] = -300.0  # row 45 * 64 + 20 = 2,900 of the transposed view
+    cases = [x, x.transpose(0, 1), x[:, 1:, 3:], long, many.transpose(0, 1)]
     for case in cases:
         layout = strided_rows(case)
         if layout is None:
