@@ -49,18 +49,27 @@ def unavailable_reason(x: torch.Tensor) -> str | None:
     >>> unavailable_reason(torch.ones(3, dtype=torch.bfloat16))
     'it takes tensors of at least 1048576 values (this one has 3)'
     """
+    return _rows_or_reason(x)[1]
+
+
+def _rows_or_reason(x: torch.Tensor) -> tuple[tuple[list[int], list[int], int] | None, str | None]:
+    """x's `strided_rows` when the scan takes it, else why not (`unavailable_reason`)."""
     if not ENABLED:
-        return "it is switched off (qkv.kernels.magnitude_bf16.ENABLED = False)"
+        return None, "it is switched off (qkv.kernels.magnitude_bf16.ENABLED = False)"
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
-        return f"it reads plain tensors only (this is a {type(x).__name__})"
+        return None, f"it reads plain tensors only (this is a {type(x).__name__})"
     if x.numel() < MIN_VALUES:
-        return f"it takes tensors of at least {MIN_VALUES} values (this one has {x.numel()})"
-    if strided_rows(x) is None:
-        return "its last dim is not contiguous"
+        return None, f"it takes tensors of at least {MIN_VALUES} values (this one has {x.numel()})"
     reason = compiled.static_reason(x.dtype, x.device)
-    if reason is None and not _readable(x):
-        reason = "its values are not in memory it can read (no data pointer, or a storage smaller than the view)"
-    return reason or compiled.build_failure(_built)
+    if reason is not None:
+        return None, reason
+    rows = strided_rows(x)
+    if rows is None:
+        return None, "its last dim is not contiguous"
+    if not _readable(x):
+        return None, "its values are not in memory it can read (no data pointer, or a storage smaller than the view)"
+    failure = compiled.build_failure(_built)
+    return (None, failure) if failure is not None else (rows, None)
 
 
 def _readable(x: torch.Tensor) -> bool:
@@ -109,19 +118,16 @@ def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[float | None]:
     """Per tensor its largest |x_i| (math.inf when an entry is infinite or NaN), or None for a
     tensor the scan does not take (`unavailable_reason`), or for all of them when its build
     failed."""
-    taken = [i for i, x in enumerate(tensors) if unavailable_reason(x) is None]
+    plans = [_rows_or_reason(x) for x in tensors]
     found: list[float | None] = [None] * len(tensors)
+    taken = [(i, rows) for i, (rows, _) in enumerate(plans) if rows is not None]
     if not taken:
         return found
     module = compiled.built_once(_built, _build)
     if isinstance(module, str):
         return found
-    rows = []
-    for i in taken:
-        sizes, strides, inner = strided_rows(tensors[i])  # type: ignore[misc]
-        rows.append((i, module.Strided(tensors[i].data_ptr(), sizes, strides, inner)))
-    bits = module.largest_magnitude_bits([r for _, r in rows])
-    for (i, _), b in zip(rows, bits, strict=True):
+    bits = module.largest_magnitude_bits([module.Strided(tensors[i].data_ptr(), *rows) for i, rows in taken])
+    for (i, _), b in zip(taken, bits, strict=True):
         found[i] = magnitude_of(b)
     return found
 
