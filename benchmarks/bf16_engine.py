@@ -32,14 +32,10 @@ import os
 import torch
 
 import qkv
-from qkv.bench import fastest, matmul_gflops, matmul_words
+from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, matmul_words
 from qkv.kernels import interval_bf16, interval_bf16_backward, matmul_backward
 
 B, H, E, WINDOW = 1, 8, 64, 256
-# a forward runs again within its round until its calls add up to this, as the matmul limit's
-# products do (`matmul_gflops`): a 30 ms call gets as many tries at a quiet moment of a shared
-# machine as the limit it is divided by
-FORWARD_ROUND_SECONDS = 0.25
 
 
 def _load() -> str:

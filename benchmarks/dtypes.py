@@ -27,14 +27,10 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.bench import fastest, matmul_gflops, matmul_words, random_qkv
+from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, matmul_words, random_qkv
 
 B, H = 1, 8
 DTYPES = (torch.float32, torch.bfloat16)
-# a forward runs again within its round until its calls add up to this, as the matmul limit's
-# products do (`matmul_gflops`): a short call gets as many tries at a quiet moment of a shared
-# machine as the limit it is divided by
-FORWARD_ROUND_SECONDS = 0.25
 
 
 def _name(dtype: torch.dtype) -> str:

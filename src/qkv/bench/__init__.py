@@ -1,7 +1,8 @@
 """Benchmarks as library code: the suite behind `qkv bench` and benchmarks/sparse.py, and the
 measuring tools that every script under benchmarks/ and the `quadratic` example share.
 
-- timing: `fastest`, the one timing rule (rotating interleaved rounds, fastest run kept);
+- timing: `fastest`, the one timing rule (rotating interleaved rounds, fastest run kept), and
+  `FORWARD_ROUND_SECONDS`, its round length for a call divided by the matmul limit;
 - rates: `matmul_gflops`, this machine's matrix-multiply rate in a dtype (by default its limit:
   the best over the sides of `LIMIT_SIDES`, `matmul_words` names it), measured in the same
   run as what is compared with it; `machine_matmul_gflops`, the same once per process (what
@@ -36,10 +37,10 @@ from qkv.bench._suite import (
     run_suite,
     steps,
 )
-from qkv.bench._timing import fastest
+from qkv.bench._timing import FORWARD_ROUND_SECONDS, fastest
 
 __all__ = [  # noqa: RUF022  (grouped as the list above, not sorted)
-    "fastest", "matmul_gflops", "matmul_words", "LIMIT_SIDES", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",
+    "fastest", "FORWARD_ROUND_SECONDS", "matmul_gflops", "matmul_words", "LIMIT_SIDES", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",
     "status_bytes", "traced_peak_bytes", "random_qkv", "document_ids", "document_lengths",
     "BenchConfig", "STANDARD", "QUICK", "BenchReport", "Comparison", "PEAK_RSS_GOAL_BYTES", "run_suite", "steps",
 ]

@@ -13,7 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["fastest"]
+__all__ = ["FORWARD_ROUND_SECONDS", "fastest"]
+
+# `fastest`'s round_seconds for one attention call compared with the matmul limit: the call
+# runs again within its round until its calls add up to this, as the limit's products do
+# (`matmul_gflops`), so a 30 ms call gets as many tries at a quiet moment of a shared machine
+# as the limit it is divided by (with one call per round it had 3 to the limit's ~25)
+FORWARD_ROUND_SECONDS = 0.25
 
 
 def fastest(
