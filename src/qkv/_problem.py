@@ -145,9 +145,11 @@ def describe_problem(
     scale = 1.0 / math.sqrt(E) if scale is None else _check_scale(scale)
     scale = float(scale)
     normalized = normalize_mask(mask, q, batch_shape, H, L, S)
+    N = math.prod(batch_shape)
+    if isinstance(normalized, Mask):  # a size error before the data checks (which may build the scan)
+        normalized.validate(N, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
     nonfinite = _check_magnitudes(q, k, v, normalized, scale)
-    N = math.prod(batch_shape)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -163,8 +165,6 @@ def describe_problem(
         terms=terms,
         nonfinite=nonfinite,
     )
-    if isinstance(normalized, Mask):
-        normalized.validate(N, H, L, S)
     return problem
 
 

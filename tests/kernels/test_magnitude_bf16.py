@@ -220,3 +220,15 @@ def test_tensor_subclasses_go_to_torch() -> None:
 
     x = _base(6).as_subclass(Tagged)
     assert "plain tensors" in (magnitude_bf16.unavailable_reason(x) or "")
+
+
+def test_a_mask_that_does_not_fit_is_refused_before_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Size errors come before the data checks: a wrong mask on a large bf16 input neither
+    scans it nor builds the scan on a fresh machine."""
+    spy = CallSpy(monkeypatch, magnitude_bf16, "largest_magnitudes")
+    q = torch.zeros(1, 2, 4096, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="batch size 3"):
+        qkv.attention(q, q, q, qkv.masks.key_padding(torch.ones(3, 4096, dtype=torch.bool)))
+    assert spy.calls == 0
+    qkv.attention(q[:, :, :8], q, q, qkv.masks.key_padding(torch.ones(1, 4096, dtype=torch.bool)))
+    assert spy.calls == 1  # the spy sees the check when the mask fits
