@@ -18,7 +18,7 @@ from qkv.kernels import interval_bf16, interval_bf16_backward, short_bf16
 from qkv.kernels.blocks import engine_extra_bytes
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
-from qkv.kernels.machine import emulation_note
+from qkv.kernels.machine import cpu_features, emulation_note
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
 
@@ -62,6 +62,7 @@ class Explanation:
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
     matmul_threads: int = 0  # the intra-op threads those rates were measured with
+    cpu_tier: str = ""  # CPU inputs: the tier qkv uses on this machine (`qkv.kernels.machine`)
 
     def __str__(self) -> str:
         lines = [
@@ -83,6 +84,8 @@ class Explanation:
         if self.backward_kernel:
             lines.append(f"backward kernel: {self.backward_kernel}")
         lines.append(f"extra memory: {_format_bytes(self.peak_extra_bytes)} (estimate)")
+        if self.cpu_tier:
+            lines.append(f"cpu tier: {self.cpu_tier}")
         lines += [f"note: {note}" for note in self.notes]
         if self.matmul_rates:
             rates = ", ".join(f"{name} {rate:.0f}" for name, rate in self.matmul_rates)
@@ -132,9 +135,12 @@ def _format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) -> Explanation:
+def explanation(
+    problem: AttentionProblem, plan: Plan, measure: bool = False, stored: torch.dtype | None = None
+) -> Explanation:
     """Describe ``plan`` for ``problem``: path, reason, work and memory; with ``measure`` this
-    machine's matmul rates too (`qkv.kernels.machine`)."""
+    machine's matmul rates too (`qkv.bench.machine_matmul_gflops`). ``stored``: the caller's
+    dtype when the problem was widened to float32 for this CPU (`qkv.kernels.machine`)."""
     NH = problem.N * problem.H
     L, S, E, Ev = problem.L, problem.S, problem.E, problem.Ev
     pairs = _visible_pairs(problem, plan)
@@ -152,11 +158,11 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         )
     q = problem.q
     batch = "x".join(str(b) for b in problem.batch_shape) or "()"
-    shape = (
-        f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} "
-        f"{str(q.dtype).removeprefix('torch.')} on {q.device}"
-    )
-    note = emulation_note(q.dtype, q.device)
+    dtype_text = str(q.dtype).removeprefix("torch.")
+    if stored is not None and stored != q.dtype:
+        dtype_text = f"{str(stored).removeprefix('torch.')} computed in {dtype_text}"
+    shape = f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} {dtype_text} on {q.device}"
+    note = emulation_note(stored or q.dtype, q.device)
     forward_kernel = backward_kernel = ""
     if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
         has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
@@ -172,7 +178,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         threads = torch.get_num_threads()
         rates = tuple(
             (str(dtype).removeprefix("torch."), machine_matmul_gflops(dtype, threads))
-            for dtype in dict.fromkeys((torch.float32, q.dtype))
+            for dtype in dict.fromkeys((torch.float32, stored or q.dtype))
         )
     return Explanation(
         path=plan.path,
@@ -193,6 +199,7 @@ def explanation(problem: AttentionProblem, plan: Plan, measure: bool = False) ->
         notes=() if note is None else (note,),
         matmul_rates=rates,
         matmul_threads=threads,
+        cpu_tier=cpu_features().describe() if q.device.type == "cpu" else "",
     )
 
 

@@ -28,6 +28,7 @@ from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import autocast_dtype, check_indices, describe_problem
 from qkv.bias import Bias
 from qkv.dispatch import Backend, choose_path, weights_plan
+from qkv.kernels.machine import compute_dtype
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
 
@@ -113,6 +114,16 @@ def attention(
                 q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
                 return_weights=return_weights, return_lse=return_lse, backend=backend,
             )
+    wide = _widened_dtype(q, k, v)
+    if wide is not None:
+        # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
+        result = attention(
+            q.to(wide), k.to(wide), v.to(wide), mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+            dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
+        )  # fmt: skip
+        if isinstance(result, torch.Tensor):
+            return result.to(q.dtype)
+        return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
     problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
     if not problem.nonfinite:
@@ -128,6 +139,21 @@ def attention(
 
 def _cast_for_autocast(low: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+
+
+def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:
+    """float32 when q, k and v share a low-precision dtype whose products this CPU only emulates
+    (`qkv.kernels.machine.compute_dtype`): the whole call then runs in float32 and its output is
+    rounded back once, which is faster there and at least as accurate. None otherwise (mixed
+    dtypes are left to the input checks, which name them)."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    assert isinstance(q, torch.Tensor)
+    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[union-attr]
+        return None
+    wide = compute_dtype(q.dtype, q.device)
+    return None if wide == q.dtype else wide
 
 
 def explain(
@@ -150,7 +176,8 @@ def explain(
 
     Nothing is computed: the inputs are validated exactly as `attention` does. The score
     terms (bias, softcap, score_mod) are named and their work counted apart. A note says
-    when a low-precision dtype has no native products on this CPU (slow emulation). With
+    when a low-precision dtype has no native products on this CPU: the call then runs in
+    float32 (`qkv.kernels.machine.compute_dtype`) and the Plan described is float32's. With
     ``measure=True`` the machine's float32 and input-dtype matmul rates are measured (once
     per process, a fraction of a second; `qkv.bench.machine_matmul_gflops`) and reported, with the time
     this work would take at that rate.
@@ -158,8 +185,12 @@ def explain(
     low = autocast_dtype(q)
     if low is not None:
         q, k, v = _cast_for_autocast(low, q, k, v)
+    stored = q.dtype if isinstance(q, torch.Tensor) else None
+    wide = _widened_dtype(q, k, v)
+    if wide is not None:
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
     problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
-    return explanation(problem, choose_path(problem, backend, return_weights, return_lse), measure)
+    return explanation(problem, choose_path(problem, backend, return_weights, return_lse), measure, stored=stored)
 
 
 def attention_weights(
@@ -208,6 +239,9 @@ def attention_weights(
             return attention_weights(
                 q, k, v, mask, heads=heads, rows=rows, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale
             )
+    wide = _widened_dtype(q, k, v)
+    if wide is not None:  # the weights are float32 either way; only the products' speed differs
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
     problem = describe_problem(q, k, v, mask, scale, 0.0, bias=bias, softcap=softcap, score_mod=score_mod)
     heads_idx = check_indices(heads, problem.H, "heads", q.device)
     rows_idx = check_indices(rows, problem.L, "rows", q.device)

@@ -223,10 +223,13 @@ def test_explain_names_the_kernel_or_why_not(monkeypatch: pytest.MonkeyPatch) ->
         assert "does not run: " in text
     assert qkv.explain(q.float(), q.float(), q.float(), mask).forward_kernel == ""  # float32: nothing to say
     per_head = M.predicate(lambda b, h, i, j: (i - j).abs() < 50, heads=2)
-    assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").forward_kernel
-    monkeypatch.setattr(compiled, "cpu_flags", lambda: frozenset({"avx512f"}))
-    assert "this CPU lacks avx512bw" in qkv.explain(q, q, q, mask).forward_kernel
-    assert "amx_bf16" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
+    with monkeypatch.context() as able:  # as on a machine that could run it (explain builds nothing)
+        able.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
+        assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").forward_kernel
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # its own reason would come first
+    monkeypatch.setenv("QKV_CPU_TIER", "avx2")  # as on an AVX2 machine, whatever this one is
+    assert "this CPU's tier is avx2" in qkv.explain(q, q, q, mask).forward_kernel
+    assert "compiled kernels need amx" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
 
 
 def test_onednn_switched_off_falls_back_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import qkv.cli.bench  # registers `qkv bench`
+import qkv.cli.doctor  # registers `qkv doctor`
 import qkv.cli.embed  # registers `qkv embed`
 import qkv.cli.examples  # registers `qkv examples`
 import qkv.cli.heads  # registers `qkv heads`

@@ -35,7 +35,8 @@ __all__ = ["ENABLED", "KERNEL_NAME", "add_norm", "unavailable_reason"]
 ENABLED = True
 
 KERNEL_NAME = "residual add + LayerNorm kernel"
-_SOURCE = Path(__file__).with_name("add_norm_bf16.cpp")
+# the kernel's source and build (`qkv.kernels.compiled`)
+NATIVE = compiled.NativeKernel("add_norm_bf16", Path(__file__).with_name("add_norm_bf16.cpp"), KERNEL_NAME)
 
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
@@ -99,7 +100,7 @@ def _fused(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Ten
 
 
 def _build() -> ModuleType | str:
-    return compiled.build("add_norm_bf16", _SOURCE, KERNEL_NAME, _check)
+    return compiled.build(NATIVE, _check)
 
 
 def _check(module: ModuleType) -> str | None:

@@ -3,7 +3,8 @@
 Each compiled kernel of qkv (a ``.cpp`` file next to its Python module) is built the first
 time it is needed with ``torch.utils.cpp_extension`` and cached in PyTorch's folder for
 extensions (``TORCH_EXTENSIONS_DIR`` when set), in a folder named by the hash of the source,
-the compiler flags and the torch version: a change of any of them builds anew, an unchanged
+the compiler flags, the torch version and the Python ABI (`build_folder`): a change of any of
+them builds anew, an unchanged
 build is loaded in a second. Nothing here raises: a kernel that cannot be built is a
 sentence saying why, and its caller falls back to a path that needs no compiler.
 
@@ -20,22 +21,36 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from qkv.kernels.machine import cpu_flags
+from qkv.kernels.machine import cpu_features
 
-__all__ = ["CFLAGS", "HEAD_MULTIPLE", "REQUIRED_FLAGS", "build", "built_once", "onednn_packing_reason", "padded_heads", "static_reason"]
+__all__ = [
+    "CFLAGS",
+    "HEAD_MULTIPLE",
+    "REQUIRED_TIER",
+    "NativeKernel",
+    "build",
+    "build_folder",
+    "built_once",
+    "is_built",
+    "onednn_packing_reason",
+    "padded_heads",
+    "static_reason",
+]
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile", "amx_bf16")
+REQUIRED_TIER = "amx"
 # -ffp-contract=off: a product and a difference written apart stay apart (GCC would fuse them
 # into one FMA, whose unrounded product makes a softmax's max score differ from itself).
 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into each
@@ -79,7 +94,7 @@ def onednn_packing_reason(module: ModuleType) -> str | None:
 
 def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool = False) -> str | None:
     """Why no compiled bf16 kernel of qkv can run for these inputs, from facts that need no
-    build (dtype, device, CPU flags, the switch, the tools), or None. ``needs_onednn``: the
+    build (dtype, device, the CPU tier, the switch, the tools), or None. ``needs_onednn``: the
     kernel calls oneDNN's micro-kernels (``cpublas::brgemm``), which refuse to run while
     ``torch.backends.mkldnn`` is switched off; that is checked on every call.
 
@@ -90,12 +105,11 @@ def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool =
         return f"it runs bfloat16 only (inputs are {str(dtype).removeprefix('torch.')})"
     if device.type != "cpu":
         return "it runs on CPU only"
-    flags = cpu_flags()
-    missing = [f for f in REQUIRED_FLAGS if flags is None or f not in flags]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo)"
     if os.environ.get("QKV_NO_COMPILED_KERNELS", "") not in ("", "0"):
-        return "QKV_NO_COMPILED_KERNELS is set"
+        return "QKV_NO_COMPILED_KERNELS is set"  # the user's own choice comes first, on any machine
+    features = cpu_features()
+    if features.tier != REQUIRED_TIER or not features.avx512_bf16:
+        return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
     if needs_onednn and not torch.backends.mkldnn.enabled:
         return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
     return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
@@ -134,24 +148,36 @@ def _toolchain_reason(compiler: str, search_path: str) -> str | None:
     return None
 
 
-def build(
-    stem: str,
-    source: Path,
-    description: str,
-    check: Callable[[ModuleType], str | None],
-    cflags: list[str] | None = None,
-    duration: str = "about a minute",
-) -> ModuleType | str:
-    """Compile (or load the cached build of) ``source`` as the module ``qkv_<stem>_<hash>`` and
+@dataclass(frozen=True)
+class NativeKernel:
+    """One compiled kernel of qkv: its C++ source, how it is built, and its name in messages."""
+
+    stem: str  # the module is qkv_<stem>_<hash>
+    source: Path
+    name: str  # e.g. "fused bf16 interval kernel", as explain and the build messages say it
+    cflags: tuple[str, ...] = tuple(CFLAGS)
+    duration: str = "about a minute"  # how long a cold build takes, said when it starts
+
+    def folder(self) -> Path:
+        """Its folder in the build cache (`build_folder`)."""
+        return build_folder(self.stem, self.source, list(self.cflags))
+
+    def is_built(self) -> bool:
+        """Whether its finished build is in the cache."""
+        return is_built(self.stem, self.source, list(self.cflags))
+
+
+def build(kernel: NativeKernel, check: Callable[[ModuleType], str | None]) -> ModuleType | str:
+    """Compile (or load the cached build of) ``kernel`` as the module ``qkv_<stem>_<hash>`` and
     run ``check`` on it: the module, or why there is none (the build's first error line, or
-    what ``check`` returned). ``description`` names the kernel, and ``duration`` says how long
-    its build takes, in the one line printed on stderr when it compiles."""
+    what ``check`` returned). Its name and build duration are said on stderr when it compiles,
+    and how long it took when done."""
     with _BUILD_LOCK:
         logger = logging.getLogger("torch.utils.cpp_extension")
         level = logger.level
         logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
         try:
-            module = _load(stem, source, description, CFLAGS if cflags is None else cflags, duration)
+            module = _load(kernel.stem, kernel.source, kernel.name, list(kernel.cflags), kernel.duration)
         finally:
             logger.setLevel(level)  # the caller's logging as it was
         if isinstance(module, str):
@@ -163,28 +189,63 @@ def build(
         return module if error is None else error
 
 
-def _load(stem: str, source: Path, description: str, cflags: list[str], duration: str) -> ModuleType | str:
+def build_folder(stem: str, source: Path, cflags: list[str] | None = None) -> Path:
+    """Where the build of ``source`` with ``cflags`` (default `CFLAGS`) lives: a folder of
+    PyTorch's extension cache (``TORCH_EXTENSIONS_DIR`` when set) named by the hash of the
+    source, the flags, the torch version and the Python ABI (two environments with the same
+    torch but different Pythons never load each other's build). Nothing is created."""
+    cpp_extension = _cpp_extension()
     text = source.read_text(encoding="utf-8")
-    digest = hashlib.sha256((text + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:16]
-    name = f"qkv_{stem}_{digest}"
-    from torch.utils import cpp_extension
-
-    # PyTorch's own folder for extensions, or the one its users choose with TORCH_EXTENSIONS_DIR
+    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    key = "\n".join([text, " ".join(CFLAGS if cflags is None else cflags), torch.__version__, str(abi)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    folder = Path(root) / name
+    return Path(root) / f"qkv_{stem}_{digest}"
+
+
+def is_built(stem: str, source: Path, cflags: list[str] | None = None) -> bool:
+    """Whether a finished build of ``source`` is in the cache (`build_folder`): loading it then
+    takes about a second, where building takes up to a minute."""
+    folder = build_folder(stem, source, cflags)
+    return any(folder.glob(f"{folder.name}*.so"))
+
+
+def _cpp_extension() -> ModuleType:
+    """torch.utils.cpp_extension, imported without its CUDA notice (it logs a warning at import
+    when no CUDA runtime is found, which means nothing for qkv's CPU builds)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
+
+
+def _load(stem: str, source: Path, description: str, cflags: list[str], duration: str) -> ModuleType | str:
+    cpp_extension = _cpp_extension()
+
+    folder = build_folder(stem, source, cflags)
+    name = folder.name
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
-        if not any(folder.glob(f"{name}*.so")):
+        compiles = not any(folder.glob(f"{name}*.so"))
+        if compiles:
             print(f"qkv: compiling the {description} once ({duration}) into {folder}", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder),
                 with_cuda=False, verbose=False,
             )  # fmt: skip
+        if compiles:
+            print(f"qkv: built the {description} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        return module
     except Exception as error:  # a failed build is a reason to fall back, never a traceback
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"its build failed ({first[:200]})"

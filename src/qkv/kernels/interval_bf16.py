@@ -41,7 +41,8 @@ __all__ = ["ENABLED", "KERNEL_NAME", "describe", "forward", "unavailable_reason"
 ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval kernel"
-_SOURCE = Path(__file__).with_name("interval_bf16.cpp")
+# the kernel's source and build (`qkv.kernels.compiled`)
+NATIVE = compiled.NativeKernel("interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME)
 # Causal squares run it too. PyTorch's flash kernel computes a causal square in one call that
 # skips the blocks above the diagonal; the first version of this kernel (scores per query row,
 # one product per 64 keys) lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16
@@ -89,7 +90,7 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> s
 
 def _build() -> ModuleType | str:
     """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
-    return compiled.build("interval_bf16", _SOURCE, KERNEL_NAME, _check)
+    return compiled.build(NATIVE, _check)
 
 
 def _check(module: ModuleType) -> str | None:

@@ -37,7 +37,8 @@ __all__ = ["ENABLED", "KERNEL_NAME", "backward", "describe", "unavailable_reason
 ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
-_SOURCE = Path(__file__).with_name("interval_bf16_backward.cpp")
+# the kernel's source and build (`qkv.kernels.compiled`)
+NATIVE = compiled.NativeKernel("interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME)
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
 
@@ -75,7 +76,7 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> s
 
 def _build() -> ModuleType | str:
     """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
-    return compiled.build("interval_bf16_backward", _SOURCE, KERNEL_NAME, _check)
+    return compiled.build(NATIVE, _check)
 
 
 def _check(module: ModuleType) -> str | None:

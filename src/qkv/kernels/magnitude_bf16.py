@@ -33,7 +33,10 @@ __all__ = ["ENABLED", "KERNEL_NAME", "MIN_VALUES", "largest_magnitudes", "stride
 ENABLED = True
 
 KERNEL_NAME = "bfloat16 magnitude scan"
-_SOURCE = Path(__file__).with_name("magnitude_bf16.cpp")
+# the kernel's source and build (`qkv.kernels.compiled`)
+NATIVE = compiled.NativeKernel(
+    "magnitude_bf16", Path(__file__).with_name("magnitude_bf16.cpp"), KERNEL_NAME, duration="about 10 seconds"
+)
 # below this many values torch.aminmax costs microseconds, and no input should build a kernel
 MIN_VALUES = 1 << 20
 _INFINITY_BITS = 0x7F80  # bfloat16 +inf with the sign bit cleared; more is a NaN
@@ -144,7 +147,7 @@ def magnitude_of(bits: int) -> float:
 
 
 def _build() -> ModuleType | str:
-    return compiled.build("magnitude_bf16", _SOURCE, KERNEL_NAME, _check, duration="about 10 seconds")
+    return compiled.build(NATIVE, _check)
 
 
 def _check(module: ModuleType) -> str | None:

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from qkv.kernels.machine import compute_dtype, cpu_features
+
 __all__ = ["ENABLED", "hooked", "linear", "linear_gelu", "run", "run_gelu", "unavailable_reason"]
 
 # Switch for comparisons (benchmarks time F.linear with it off); QKV_NO_COMPILED_KERNELS=1 too.
@@ -77,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``: x (..., K), weight (N, K), bias (N,) -> (..., N), with the
     bias added in the product's epilogue when `unavailable_reason` is None."""
     if unavailable_reason(x, weight, bias) is not None:
-        return F.linear(x, weight, bias)
+        return _widened_linear(x, weight, bias)
     return _fused(x, weight, bias, "none")  # (..., N)
 
 
@@ -85,8 +87,29 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.gelu(F.linear(x, weight, bias))`` with the exact erf GELU: x (..., K), weight (N, K),
     bias (N,) -> (..., N). Fused: the GELU is applied to the float32 accumulator, rounded once."""
     if unavailable_reason(x, weight, bias) is not None:
-        return F.gelu(F.linear(x, weight, bias), approximate="none")
+        wide = _widened_linear(x, weight, bias, keep_wide=True)  # (..., N)
+        return F.gelu(wide, approximate="none").to(_result_dtype(x, weight, bias))
     return _fused(x, weight, bias, "gelu")  # (..., N)
+
+
+def _result_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    return torch.result_type(x, weight) if bias is None else torch.promote_types(torch.result_type(x, weight), bias.dtype)
+
+
+def _widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_wide: bool = False
+) -> torch.Tensor:
+    """``F.linear``, computed in float32 when its tensors share a low-precision dtype whose
+    products this CPU only emulates (`qkv.kernels.machine.compute_dtype`): there PyTorch's own
+    bf16 product runs tens of times slower than float32. The result is rounded back to that
+    dtype once (``keep_wide``: returned in float32, for an activation that follows)."""
+    dtype = x.dtype
+    same = weight.dtype == dtype and (bias is None or bias.dtype == dtype)
+    wide = compute_dtype(dtype, x.device)
+    if not same or wide == dtype or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide))  # (..., N)
+    return out if keep_wide else out.to(dtype)
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -169,6 +192,9 @@ def _static_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "there are no input features (K = 0: the output is the bias)"
     if torch.compiler.is_compiling():
         return "torch.compile is tracing (Inductor fuses linear layers itself)"
+    if not cpu_features().native(torch.bfloat16) and x.device.type == "cpu":
+        # oneDNN has no bf16 inner product there ("could not create a primitive descriptor")
+        return f"bfloat16 products are not native on this CPU (tier {cpu_features().describe()}): F.linear in float32"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch is built without oneDNN (torch.backends.mkldnn.is_available() is False)"
     if not torch.backends.mkldnn.enabled:

@@ -37,7 +37,6 @@ __all__ = ["ENABLED", "KERNEL_NAME", "MAX_KEYS", "describe", "forward", "unavail
 ENABLED = True
 
 KERNEL_NAME = "short-sequence bf16 kernel"
-_SOURCE = Path(__file__).with_name("short_bf16.cpp")
 # The kernel keeps 16 rows' scores over all keys; with many keys PyTorch's flash kernel pays
 # back its set-up. Measured (B = 32, H = 12, E = 32, key padding, 1 thread, CPU time, load ~4;
 # SDPA / this kernel, ms): L = S = 20: 1.31 / 0.89; 62: 6.96 / 2.83; 110: 12.9 / 7.0;
@@ -45,6 +44,10 @@ _SOURCE = Path(__file__).with_name("short_bf16.cpp")
 MAX_KEYS = 512
 # the kernel programs the AMX tiles itself (compiled.CFLAGS covers AVX-512 only)
 _AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+# the kernel's source and build flags (`qkv.kernels.compiled`)
+NATIVE = compiled.NativeKernel(
+    "short_bf16", Path(__file__).with_name("short_bf16.cpp"), KERNEL_NAME, cflags=(*compiled.CFLAGS, *_AMX_FLAGS)
+)
 
 # the outcome of the one build attempt of this process: the module, or why there is none
 _built: dict[str, ModuleType | str] = {}
@@ -76,7 +79,7 @@ def describe(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def _build() -> ModuleType | str:
-    return compiled.build("short_bf16", _SOURCE, KERNEL_NAME, _check, cflags=[*compiled.CFLAGS, *_AMX_FLAGS])
+    return compiled.build(NATIVE, _check)
 
 
 def _check(module: ModuleType) -> str | None:
