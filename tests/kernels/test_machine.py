@@ -138,3 +138,27 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
     assert "machine: matmul float32 400, bfloat16 2000 GFLOP/s" in text
     # 4 * B * H * L * S * E = 4 * 2 * 8 * 8 * 4 FLOPs at 2000 GFLOP/s
     assert f"{4 * 2 * 8 * 8 * 4 / 2000e9 * 1e3:.2f} ms at the bfloat16 matmul rate" in text
+
+
+def test_linear_layers_compute_an_emulated_dtype_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the encoder's and MultiHeadAttention's projections (`onednn_linear.run` / `run_gelu`):
+    # one float32 product rounded once, with and without a gradient
+    from torch import nn
+    from torch.nn import functional as F
+
+    from qkv.kernels import onednn_linear
+
+    _fake_machine(monkeypatch, "avx2", avx512_bf16=False, amx=False)
+    gen = torch.Generator().manual_seed(1)
+    layer = nn.Linear(40, 24).to(torch.bfloat16)
+    x = torch.randn(3, 5, 40, generator=gen).bfloat16()
+    wide = F.linear(x.float(), layer.weight.float(), layer.bias.float())  # (3, 5, 24)
+    with torch.no_grad():
+        assert torch.equal(onednn_linear.run(layer, x), wide.bfloat16())
+        assert torch.equal(onednn_linear.run_gelu(layer, x), F.gelu(wide).bfloat16())
+    out = onednn_linear.run(layer, x)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
+    with torch.no_grad():
+        reason = onednn_linear.unavailable_reason(x, layer.weight, layer.bias)
+    assert reason is not None and reason.startswith("bfloat16 products are not native on this CPU (tier avx2)")

@@ -1,0 +1,92 @@
+"""`qkv doctor`: the CPU tier from PyTorch's queries, native dtypes, and each compiled kernel with
+its reason, in text and JSON; `--build` builds what may run here and reports a failed build as a
+reason. Expected values come from torch's own queries and from `compiled.static_reason`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qkv.cli import app
+from qkv.kernels import (
+    add_norm_bf16,
+    compiled,
+    interval_bf16,
+    interval_bf16_backward,
+    machine,
+    magnitude_bf16,
+    short_bf16,
+)
+
+KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16", "magnitude_bf16"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probe() -> object:
+    machine._features.cache_clear()
+    yield
+    machine._features.cache_clear()
+
+
+def _report(*args: str) -> dict:  # type: ignore[type-arg]
+    result = CliRunner().invoke(app, ["doctor", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_names_the_tier_and_every_kernel() -> None:
+    report = _report()
+    assert report["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert report["tier"] == machine.cpu_features().tier
+    assert report["native"]["bfloat16"] == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert report["torch"] == torch.__version__
+    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS
+    static = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    for kernel in report["kernels"]:
+        assert kernel["available"] == (kernel["reason"] is None)
+        if static is not None:  # the machine's reason stops every kernel alike
+            assert kernel["reason"] == static and not kernel["available"]
+
+
+def test_a_forced_tier_turns_the_kernels_off_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
+    monkeypatch.setenv("QKV_CPU_TIER", "avx2")
+    report = _report()
+    assert report["tier"] == "avx2" and not report["native"]["bfloat16"]
+    assert all(not k["available"] and "tier is avx2" in k["reason"] for k in report["kernels"])
+    monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
+    assert all(k["reason"] == "QKV_NO_COMPILED_KERNELS is set" for k in _report()["kernels"])
+
+
+def test_text_output_is_one_line_per_fact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKV_CPU_TIER", "default")
+    result = CliRunner().invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("tier: default") for line in lines)
+    assert "bfloat16: not native: qkv computes its products in float32" in lines
+    kernel_lines = [line for line in lines if line.startswith("- ")]
+    assert len(kernel_lines) == len(KERNEL_STEMS) and all("does not run here" in line for line in kernel_lines)
+
+
+def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # as on a machine that could run every kernel, with a compiler that fails: no traceback,
+    # each kernel's reason is its build's first error line, and how long the attempt took
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Error building extension: c++ exited with 1\nmore lines")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
+    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
+        monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
+    report = _report("--build")
+    for kernel in report["kernels"]:
+        assert kernel["reason"] == "its build failed (Error building extension: c++ exited with 1)"
+        assert kernel["seconds"] is not None and not kernel["built"]
+        assert kernel["folder"].startswith(str(tmp_path))
