@@ -26,9 +26,9 @@ KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_no
 
 @pytest.fixture(autouse=True)
 def _fresh_probe() -> object:
-    machine._features.cache_clear()
+    machine._FEATURES.clear()
     yield
-    machine._features.cache_clear()
+    machine._FEATURES.clear()
 
 
 def _report(*args: str) -> dict:  # type: ignore[type-arg]

@@ -18,16 +18,16 @@ def _fake_machine(monkeypatch: pytest.MonkeyPatch, tier: str, avx512_bf16: bool,
     """Make the probe see a machine of ``tier`` (every forced tier is derived from it)."""
     capability = {"amx": "AVX512", "avx512": "AVX512", "avx2": "AVX2", "default": "DEFAULT"}[tier]
     monkeypatch.setattr(machine, "_machine", lambda: (tier, capability, avx512_bf16, amx, amx))
-    machine._features.cache_clear()
+    machine._FEATURES.clear()
     monkeypatch.delenv(machine.TIER_VARIABLE, raising=False)
     monkeypatch.delenv(machine.KEEP_VARIABLE, raising=False)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_probe() -> object:
-    machine._features.cache_clear()
+    machine._FEATURES.clear()
     yield
-    machine._features.cache_clear()
+    machine._FEATURES.clear()
 
 
 def test_the_tier_agrees_with_torchs_own_queries() -> None:

@@ -100,9 +100,9 @@ def _query(name: str) -> bool:
     return bool(probe()) if callable(probe) else False
 
 
-@functools.cache
 def _machine() -> tuple[str, str, bool, bool, bool]:
-    """(tier, capability, avx512_bf16, amx, amx_fp16) of the machine itself, probed once."""
+    """(tier, capability, avx512_bf16, amx, amx_fp16) of the machine itself (`_features` keeps
+    what follows from it)."""
     capability = torch.backends.cpu.get_cpu_capability()
     amx = _query("_is_amx_tile_supported")
     avx512 = _query("_is_avx512_supported") or capability in ("AVX512", "AMX")
@@ -111,8 +111,19 @@ def _machine() -> tuple[str, str, bool, bool, bool]:
     return tier, capability, _query("_is_avx512_bf16_supported"), amx, _query("_is_amx_fp16_supported")
 
 
-@functools.cache
+# the features per QKV_CPU_TIER value, probed once each: a plain dict, which torch.compile traces
+# (it warns on functools caches, and the test suite turns warnings into errors)
+_FEATURES: dict[str, CpuFeatures] = {}
+
+
 def _features(forced: str) -> CpuFeatures:
+    features = _FEATURES.get(forced)
+    if features is None:
+        features = _FEATURES[forced] = _probe(forced)
+    return features
+
+
+def _probe(forced: str) -> CpuFeatures:
     detected, capability, avx512_bf16, amx, amx_fp16 = _machine()
     tier, note = detected, None
     wanted = forced.strip().lower()
@@ -152,7 +163,9 @@ def native_low_precision(dtype: torch.dtype, device: torch.device) -> bool:
     >>> native_low_precision(torch.float32, torch.device("cpu"))
     True
     """
-    return device.type != "cpu" or cpu_features().native(dtype)
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
+        return True
+    return cpu_features().native(dtype)
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
