@@ -7,7 +7,9 @@ exact weights and `qkv.explain` apply. Switching is one import:
 - PyTorch SDPA: `scaled_dot_product_attention` (``_sdpa.py``; ``is_causal`` top-left);
 - FlashAttention 2: `flash_attn_func`, `flash_attn_varlen_func`, `flash_attn_with_kvcache`
   (``_flash.py``, ``_flash_varlen.py``, ``_flash_kvcache.py``; causal bottom-right, window -1
-  unbounded, softcap 0.0 off, alibi_slopes).
+  unbounded, softcap 0.0 off, alibi_slopes);
+- FlexAttention: `flex_attention`, `create_block_mask`, `and_masks`, `or_masks`,
+  `from_block_mask` (``_flex.py``).
 
 Where a drop-in refuses an argument (a paged ``block_table``, rotary tables, ...) or
 returns something else than its peer (FlashAttention's testing-only ``S_dmask``), its
@@ -19,11 +21,25 @@ from __future__ import annotations
 from qkv.compat._flash import flash_attn_func
 from qkv.compat._flash_kvcache import flash_attn_with_kvcache
 from qkv.compat._flash_varlen import flash_attn_varlen_func
+from qkv.compat._flex import (
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    flex_attention,
+    from_block_mask,
+    or_masks,
+)
 from qkv.compat._sdpa import scaled_dot_product_attention
 
 __all__ = [
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "flex_attention",
+    "from_block_mask",
+    "or_masks",
     "scaled_dot_product_attention",
 ]
