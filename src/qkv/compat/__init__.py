@@ -9,7 +9,9 @@ exact weights and `qkv.explain` apply. Switching is one import:
   (``_flash.py``, ``_flash_varlen.py``, ``_flash_kvcache.py``; causal bottom-right, window -1
   unbounded, softcap 0.0 off, alibi_slopes);
 - FlexAttention: `flex_attention`, `create_block_mask`, `and_masks`, `or_masks`,
-  `from_block_mask` (``_flex.py``).
+  `from_block_mask` (``_flex.py``);
+- xformers: `from_xformers` for its ``attn_bias`` types and `memory_efficient_attention`
+  (``_xformers.py``).
 
 Where a drop-in refuses an argument (a paged ``block_table``, rotary tables, ...) or
 returns something else than its peer (FlashAttention's testing-only ``S_dmask``), its
@@ -30,9 +32,11 @@ from qkv.compat._flex import (
     or_masks,
 )
 from qkv.compat._sdpa import scaled_dot_product_attention
+from qkv.compat._xformers import XformersBias, from_xformers, memory_efficient_attention
 
 __all__ = [
     "BlockMask",
+    "XformersBias",
     "and_masks",
     "create_block_mask",
     "flash_attn_func",
@@ -40,6 +44,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flex_attention",
     "from_block_mask",
+    "from_xformers",
+    "memory_efficient_attention",
     "or_masks",
     "scaled_dot_product_attention",
 ]
