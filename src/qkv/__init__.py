@@ -26,13 +26,14 @@ _EXPORTS: dict[str, str] = {
     "KVCache": "qkv.cache",
     "attention_varlen": "qkv.varlen",
 }
-_SUBMODULES = ("bias", "masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
+_SUBMODULES = ("bias", "compat", "masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:
     from qkv import (
         bias,
+        compat,
         distributed,
         examples,
         functional,

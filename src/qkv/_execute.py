@@ -63,8 +63,10 @@ def _mask_tensor(problem: AttentionProblem, route: MaskRoute) -> torch.Tensor | 
         return None
     if not isinstance(mask, Mask):
         return mask  # already a tensor (N | 1, H | 1, L, S)
-    rendered = mask.to_dense(problem.L, problem.S, device=problem.q.device)  # (B | 1, H | 1, L, S)
-    normalized = normalize_mask(rendered, problem.q, problem.batch_shape, problem.H, problem.L, problem.S)
+    rendered = mask.to_dense(problem.L, problem.S, device=problem.q.device)  # (N | 1, H | 1, L, S)
+    # a mask's batch axis is the flattened one (Mask.validate checks it against N), so it is
+    # normalized against (N,), whatever the caller's batch dims: none (H, L, E), or several
+    normalized = normalize_mask(rendered, problem.q, (problem.N,), problem.H, problem.L, problem.S)
     assert isinstance(normalized, torch.Tensor)
     return normalized
 

@@ -1,0 +1,185 @@
+"""`flash_attn_with_kvcache`: FlashAttention 2's ``flash_attn_with_kvcache`` on qkv's dispatcher,
+for contiguous caches.
+
+q (B, L, H, E) attends to row b of the cache, k_cache / v_cache (B_cache, S_cache, G, E):
+its first cache_seqlens[b] keys, plus the L_new keys of ``k`` / ``v`` when given, which are
+first written into the cache *in place* at positions cache_seqlens[b] .. + L_new (what
+FlashAttention does for incremental decoding). Row b thus has n_b keys, and ``causal``,
+``window_size`` and ``alibi_slopes`` align bottom-right to n_b (query i sits at i + n_b - L):
+`qkv.masks.padded` with per-row key lengths. ``cache_batch_idx`` picks the cache rows.
+
+Refused with a clear error: ``block_table`` (a paged cache; qkv has none yet),
+``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.positional.RotaryEmbedding`)
+and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes nothing here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.compat._alibi import alibi_from_slopes
+from qkv.compat._args import check_flag, flash_mask_options, flash_softcap, tensor_of_rank
+from qkv.compat._flash_varlen import refuse_block_table
+from qkv.functional import attention
+from qkv.masks import padded
+
+__all__ = ["flash_attn_with_kvcache"]
+
+_LAYOUT_CACHE = "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+_LAYOUT_NEW = "(batch_size, seqlen_new, nheads_k, headdim)"
+
+
+def _index_tensor(value: object, name: str, size: int, device: torch.device) -> torch.Tensor:
+    """A (size,) int32 / int64 tensor as int64 on ``device``."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{name} must be an int32 or int64 tensor (batch_size,), got {got}")
+    if tuple(value.shape) != (size,):
+        raise ValueError(f"{name} must have shape (batch_size,) = ({size},), got {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.long)
+
+
+def _cache_lengths(cache_seqlens: object, B: int, S_cache: int, device: torch.device) -> torch.Tensor:
+    if cache_seqlens is None:
+        return torch.full((B,), S_cache, dtype=torch.long, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = torch.full((B,), cache_seqlens, dtype=torch.long, device=device)
+    else:
+        lengths = _index_tensor(cache_seqlens, "cache_seqlens", B, device)
+    if bool(((lengths < 0) | (lengths > S_cache)).any()):
+        raise ValueError(f"cache_seqlens must lie in [0, seqlen_cache={S_cache}], got {lengths.tolist()}")
+    return lengths
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's ``flash_attn_with_kvcache`` on a contiguous cache, computed by `qkv.attention`.
+
+    Args:
+        q: (B, L, H, E).
+        k_cache, v_cache: (B_cache, S_cache, G, E) and (B_cache, S_cache, G, Ev), updated in
+            place when k and v are given.
+        k, v: None, or the new keys and values (B, L_new, G, E) / (B, L_new, G, Ev), written
+            at cache_seqlens[b] (cache_seqlens is then required, as in FlashAttention).
+        cache_seqlens: None (every row holds S_cache keys), an int, or (B,) int32 / int64.
+        cache_batch_idx: None (rows 0..B-1, B_cache = B), or (B,) cache row of each query row.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as `flash_attn_func`,
+            with S = n_b, the keys of row b.
+        return_softmax_lse: also return softmax_lse (B, H, L).
+        rotary_cos, rotary_sin, cache_leftpad, block_table: must be None (ValueError).
+        rotary_interleaved, num_splits: accepted (a bool, an int >= 0); they change nothing here.
+
+    Returns:
+        out (B, L, H, Ev), or (out, softmax_lse) with softmax_lse float32 (float64 for float64
+        inputs), -inf for a row that sees no key. If the attention raises, the cache is left
+        as it was.
+
+    Example: one decoding step over a cache holding 3 and 5 keys:
+        >>> import torch
+        >>> from qkv.compat import flash_attn_with_kvcache
+        >>> k_cache, v_cache = torch.zeros(2, 8, 1, 4), torch.zeros(2, 8, 1, 4)
+        >>> q, k, v = torch.randn(2, 1, 2, 4), torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4)
+        >>> lengths = torch.tensor([3, 5], dtype=torch.int32)
+        >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+        >>> out.shape, torch.equal(k_cache[1, 5], k[1, 0])
+        (torch.Size([2, 1, 2, 4]), True)
+    """
+    refuse_block_table(block_table)
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError(
+            "rotary_cos / rotary_sin are not supported: rotate q and the new k before the call "
+            "(qkv.positional.RotaryEmbedding) and pass them already rotated"
+        )
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported: keep each cache row's keys from position 0")
+    check_flag(rotary_interleaved, "rotary_interleaved")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    want_lse = check_flag(return_softmax_lse, "return_softmax_lse")
+    q = tensor_of_rank(q, 4, "q", "(batch_size, seqlen, nheads, headdim)")
+    k_cache = tensor_of_rank(k_cache, 4, "k_cache", _LAYOUT_CACHE)
+    v_cache = tensor_of_rank(v_cache, 4, "v_cache", _LAYOUT_CACHE)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share (B_cache, S_cache, G)")
+    B, L, H, _ = q.shape
+    B_cache, S_cache = k_cache.shape[:2]
+    device = q.device
+    if cache_batch_idx is None:
+        if B_cache != B:
+            raise ValueError(f"k_cache has {B_cache} rows and q {B}; pass cache_batch_idx to pick cache rows")
+        rows = None
+    else:
+        rows = _index_tensor(cache_batch_idx, "cache_batch_idx", B, device)
+        if bool(((rows < 0) | (rows >= B_cache)).any()):
+            raise ValueError(f"cache_batch_idx must lie in [0, {B_cache}), got {rows.tolist()}")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new keys and values) or neither")
+    if k is not None and cache_seqlens is None:
+        raise ValueError("cache_seqlens is required with k and v: it says where the new keys go")
+    lengths = _cache_lengths(cache_seqlens, B, S_cache, device)  # (B,) keys already in each row
+    new = 0
+    if k is not None and v is not None:
+        k = tensor_of_rank(k, 4, "k", _LAYOUT_NEW)
+        v = tensor_of_rank(v, 4, "v", _LAYOUT_NEW)
+        if k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or v.shape[:2] != k.shape[:2] or v.shape[2:] != v_cache.shape[2:]:
+            raise ValueError(
+                f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch_size={B}, seqlen_new, G, E) matching "
+                f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}"
+            )
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            raise TypeError(f"k and v ({k.dtype}, {v.dtype}) must have the caches' dtypes ({k_cache.dtype}, {v_cache.dtype})")
+        new = k.shape[1]
+        if bool((lengths + new > S_cache).any()):
+            raise ValueError(
+                f"the cache holds {S_cache} positions; cache_seqlens {lengths.tolist()} plus {new} new keys do not fit"
+            )
+    n = lengths + new  # (B,) keys each query row sees
+    S = max(1, int(n.max()))
+    cache_rows = torch.arange(B, device=device) if rows is None else rows
+    slots = None
+    if k is not None and v is not None and new > 0:
+        slots = (cache_rows[:, None], lengths[:, None] + torch.arange(new, device=device))  # (B, 1), (B, L_new)
+        saved = k_cache[slots].clone(), v_cache[slots].clone()  # (B, L_new, G, E | Ev): restored on error
+        k_cache[slots], v_cache[slots] = k, v
+    keys = k_cache[:, :S] if rows is None else k_cache[rows, :S]  # (B, S, G, E)
+    values = v_cache[:, :S] if rows is None else v_cache[rows, :S]  # (B, S, G, Ev)
+    is_causal, window = flash_mask_options(causal, window_size, max(L, S))
+    try:
+        result = attention(
+            q.transpose(1, 2),  # (B, H, L, E)
+            keys.transpose(1, 2),  # (B, G, S, E)
+            values.transpose(1, 2),  # (B, G, S, Ev)
+            padded(torch.full((B,), L, dtype=torch.long, device=device), n, causal=is_causal, window=window),
+            bias=alibi_from_slopes(alibi_slopes, B, H),
+            softcap=flash_softcap(softcap),
+            scale=softmax_scale,
+            return_lse=want_lse,
+        )
+    except Exception:
+        if slots is not None:
+            k_cache[slots], v_cache[slots] = saved
+        raise
+    if not want_lse:
+        assert isinstance(result, torch.Tensor)
+        return result.transpose(1, 2).contiguous()  # (B, L, H, Ev)
+    out, lse = result
+    return out.transpose(1, 2).contiguous(), lse  # (B, L, H, Ev), (B, H, L)

@@ -1,0 +1,253 @@
+"""`qkv.compat.flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache` against a
+float64 re-implementation of FlashAttention's documented rules (flash-attn is not installed).
+
+The rules, from the docstrings of ``flash_attn_interface.py`` (FlashAttention >= 2.1):
+query i of L against S keys sits at p = i + S - L (bottom-right); ``causal`` hides keys
+j > p; ``window_size=(left, right)`` keeps p - left <= j <= p + right, -1 meaning that side
+is unbounded, and with ``causal`` the right side is 0; ``softcap`` > 0 replaces the scaled
+score s by softcap * tanh(s / softcap); ``alibi_slopes`` (H,) or (B, H) adds
+-slope * |p - j|; a row with no key gives zeros; heads h reads key/value head h // (H // G).
+Varlen applies them per sequence at its own lengths; the KV cache per row at n_b keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkv.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from tests.compat._reference import attend
+
+
+def flash_rules(
+    L: int, S: int, causal: bool, window: tuple[int, int], slopes: torch.Tensor | None, H: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """allowed (1, 1, L, S) and the ALiBi bias (B | 1, H, L, S) of one (L, S) problem."""
+    i = torch.arange(L)[:, None]
+    j = torch.arange(S)[None, :]
+    p = i + S - L
+    left, right = window
+    if causal:
+        right = 0
+    allowed = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        allowed &= j <= p
+    if left >= 0:
+        allowed &= j >= p - left
+    if right >= 0:
+        allowed &= j <= p + right
+    bias = None
+    if slopes is not None:
+        per_row = slopes.double().reshape(-1, H)  # (B | 1, H)
+        bias = -per_row[:, :, None, None] * (p - j).abs().double()  # (B | 1, H, L, S)
+    return allowed[None, None], bias
+
+
+def reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+    """flash_attn_func's result by the rules: q (B, L, H, E) -> (out (B, L, H, Ev), lse (B, H, L), probs)."""
+    L, H, S = q.shape[1], q.shape[2], k.shape[1]
+    allowed, bias = flash_rules(L, S, causal, window, slopes, H)
+    out, lse, probs = attend(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, bias, scale, softcap or None
+    )
+    return out.transpose(1, 2), lse, probs
+
+
+# (B, L, S, H, G, E, Ev): L = S, L < S with head dim 59, L > S (rows with no key under
+# causal), a decoding step over 97 keys, Ev != E
+SIZES = [
+    (2, 7, 7, 4, 2, 8, 8),
+    (1, 5, 13, 3, 1, 59, 59),
+    (2, 13, 5, 2, 2, 16, 16),
+    (1, 1, 97, 4, 4, 32, 32),
+    (2, 6, 9, 2, 1, 8, 3),
+]
+WINDOWS = [(-1, -1), (3, -1), (-1, 2), (2, 1), (0, 0)]
+
+
+def _tensors(sizes: tuple, seed: int) -> tuple[torch.Tensor, ...]:
+    B, L, S, H, G, E, Ev = sizes
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, L, H, E, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, S, G, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, S, G, Ev, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def _slopes(kind: str, B: int, H: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    shape = (H,) if kind == "per-head" else (B, H)
+    return torch.rand(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("alibi", ["none", "per-head", "per-row"])
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sizes", SIZES, ids=[f"case{i}" for i in range(len(SIZES))])
+def test_flash_attn_func_follows_the_documented_rules(sizes, causal, window, softcap, alibi) -> None:
+    q, k, v = _tensors(sizes, seed=sum(sizes))
+    slopes = _slopes(alibi, sizes[0], sizes[3])
+    kwargs = {"causal": causal, "window_size": window, "softcap": softcap, "alibi_slopes": slopes}
+    out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    want_out, want_lse, want_probs = reference(q, k, v, causal, window, softcap, slopes)
+    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(probs, want_probs, atol=1e-10, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-10, rtol=0)
+    assert out.is_contiguous() and out.shape == (sizes[0], sizes[1], sizes[3], sizes[6])
+    plain = flash_attn_func(q, k, v, **kwargs)
+    torch.testing.assert_close(plain, out, atol=0, rtol=0)
+
+
+def test_flash_attn_func_scale_gradients_and_float32() -> None:
+    q, k, v = (t.requires_grad_(True) for t in _tensors((2, 6, 9, 4, 2, 8, 8), seed=5))
+    out = flash_attn_func(q, k, v, softmax_scale=0.2, causal=True)
+    want = reference(q, k, v, causal=True, scale=0.2)[0]
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    want_grads = torch.autograd.grad(want, (q, k, v), d_out)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    out32 = flash_attn_func(q32, k32, v32, causal=True, window_size=(2, -1))
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), reference(q, k, v, True, (2, -1))[0].detach(), atol=1e-5, rtol=0)
+
+
+def test_flash_attn_func_refusals() -> None:
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"\(batch_size, seqlen, nheads, headdim\)"):
+        flash_attn_func(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="window_size left must be -1"):
+        flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        flash_attn_func(q, q, q, window_size=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"softcap must be 0\.0"):
+        flash_attn_func(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flash_attn_func(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attn_func(q, q, q, deterministic=None)  # type: ignore[arg-type]
+
+
+def test_softcap_accepts_numpy_and_zero_dim_tensors() -> None:
+    import numpy as np
+
+    q, k, v = _tensors((1, 4, 4, 2, 2, 8, 8), seed=1)
+    want = reference(q, k, v, softcap=2.0)[0]
+    for cap in (np.float32(2.0), torch.tensor(2.0)):
+        torch.testing.assert_close(flash_attn_func(q, k, v, softcap=cap), want, atol=1e-10, rtol=0)  # type: ignore[arg-type]
+
+
+# varlen ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alibi", ["none", "per-head", "per-row"])
+@pytest.mark.parametrize("window", [(-1, -1), (2, -1), (1, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func_is_each_sequence_on_its_own(causal, window, alibi) -> None:
+    q_lens, k_lens, H, G, E = [3, 1, 7, 4], [5, 1, 2, 4], 4, 2, 8  # L < S, L = S = 1, L > S, L = S
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(q_lens), H, E, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(k_lens), G, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(k_lens), G, E, generator=gen, dtype=torch.float64)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    slopes = _slopes(alibi, len(q_lens), H)
+    out, lse, probs = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, window_size=window, alibi_slopes=slopes,
+        softcap=3.0, return_attn_probs=True,
+    )
+    assert out.shape == (sum(q_lens), H, E) and lse.shape == (H, sum(q_lens))
+    assert probs.shape == (len(q_lens), H, max(q_lens), max(k_lens))
+    for d in range(len(q_lens)):
+        q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+        row_slopes = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[d])
+        want_out, want_lse, want_probs = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, window, 3.0, row_slopes)
+        torch.testing.assert_close(out[q0:q1], want_out[0], atol=1e-10, rtol=0)
+        torch.testing.assert_close(probs[d, :, : q1 - q0, : k1 - k0], want_probs[0], atol=1e-10, rtol=0)
+        assert torch.equal(torch.isneginf(lse[:, q0:q1]), torch.isneginf(want_lse[0]))
+    assert probs.sum() == pytest.approx(float(torch.isfinite(lse).sum()))  # nothing outside the slices
+
+
+def test_flash_attn_varlen_func_refusals() -> None:
+    q = torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_q=2 is below the longest sequence"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 2, 3)
+    with pytest.raises(ValueError, match="ends at 5 but the packed tensor holds 4"):
+        flash_attn_varlen_func(q[:4], q, q, cu, cu, 3, 3)
+    with pytest.raises(ValueError, match=r"\(total_q, nheads, headdim\)"):
+        flash_attn_varlen_func(q[None], q, q, cu, cu, 3, 3)
+
+
+# KV cache --------------------------------------------------------------------------------------
+
+
+def _cache_case(seed: int, B=3, S_cache=12, L=2, new=2, H=4, G=2, E=8):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(B, S_cache, G, E, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(B, S_cache, G, E, generator=gen, dtype=torch.float64)
+    q = torch.randn(B, L, H, E, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, new, G, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, new, G, E, generator=gen, dtype=torch.float64)
+    return q, k_cache, v_cache, k, v
+
+
+@pytest.mark.parametrize("alibi", ["none", "per-row"])
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[0, 4, 9], [10, 1, 5]])
+def test_flash_attn_with_kvcache_appends_then_attends(lengths, causal, window, alibi) -> None:
+    q, k_cache, v_cache, k, v = _cache_case(seed=len(lengths) + lengths[0])
+    before = k_cache.clone()
+    B, _, H = q.shape[:3]
+    slopes = _slopes(alibi, B, H)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=causal, window_size=window,
+        alibi_slopes=slopes, softcap=4.0, return_softmax_lse=True,
+    )
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(k_cache[b, n : n + 2], k[b], atol=0, rtol=0)  # written in place
+        torch.testing.assert_close(k_cache[b, :n], before[b, :n], atol=0, rtol=0)
+        keys, values = k_cache[b : b + 1, : n + 2], v_cache[b : b + 1, : n + 2]
+        row_slopes = None if slopes is None else slopes[b]
+        want_out, want_lse, _ = reference(q[b : b + 1], keys, values, causal, window, 4.0, row_slopes)
+        torch.testing.assert_close(out[b : b + 1], want_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse[b : b + 1], want_lse, atol=1e-10, rtol=0)
+
+
+def test_flash_attn_with_kvcache_without_new_keys_and_with_batch_index() -> None:
+    q, k_cache, v_cache, _, _ = _cache_case(seed=4)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)  # every row holds S_cache keys
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, causal=True)[0], atol=1e-10, rtol=0)
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q[:2], k_cache, v_cache, cache_seqlens=5, cache_batch_idx=rows)
+    want = reference(q[:2], k_cache[[2, 0], :5], v_cache[[2, 0], :5])[0]
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+
+
+def test_flash_attn_with_kvcache_refusals_leave_the_cache_alone() -> None:
+    q, k_cache, v_cache, k, v = _cache_case(seed=6)
+    before = (k_cache.clone(), v_cache.clone())
+    seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    refusals = [
+        ({"block_table": torch.zeros(3, 1, dtype=torch.int32)}, ValueError, "paged KV cache"),
+        ({"rotary_cos": torch.ones(4, 4), "rotary_sin": torch.ones(4, 4)}, ValueError, "RotaryEmbedding"),
+        ({"cache_leftpad": torch.zeros(3, dtype=torch.int32)}, ValueError, "cache_leftpad"),
+        ({"cache_seqlens": torch.tensor([1, 11, 3], dtype=torch.int32)}, ValueError, "do not fit"),
+        ({"cache_seqlens": None}, ValueError, "cache_seqlens is required"),
+        ({"cache_seqlens": seqlens, "softmax_scale": float("nan")}, ValueError, "scale must be a finite number"),
+    ]
+    for kwargs, error, message in refusals:
+        kwargs = {"cache_seqlens": seqlens, **kwargs}
+        with pytest.raises(error, match=message):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), kwargs
