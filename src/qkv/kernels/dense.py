@@ -4,7 +4,7 @@ Both take the flattened problem of `qkv._problem`: q (N, H, L, E), k (N, G, S, E
 v (N, G, S, Ev) and a mask that is None, is_causal, or a tensor (N | 1, H | 1, L, S).
 
 - `math_attention` materializes scores and weights in float32 or wider (the softmax state
-  of DESIGN.md) and reads grouped key/value heads without copying them.
+  of docs/design.md) and reads grouped key/value heads without copying them.
 - `fused_attention` calls `torch.nn.functional.scaled_dot_product_attention`, the kernels
   people run. Query rows with no visible key are made harmless before the call (their mask
   row is opened) and zeroed after it, so neither the forward nor the backward sees a NaN.

@@ -17,8 +17,8 @@ piece is the row's whole softmax and needs no saved log-sum-exp:
 Numerics. PyTorch offers no CPU bf16 product with a float32 result, so every product above
 accumulates in float32 inside the matrix unit and rounds its result to bf16, as a naive bf16
 implementation does; the softmax and its backward keep their row state (max, sum, rowsum)
-in float32 (DESIGN.md), and the gradients of a call are added into float32 accumulators.
-The gradients obey DESIGN.md's tolerance rule (at most 3x the error of the naive bf16
+in float32 (docs/design.md), and the gradients of a call are added into float32 accumulators.
+The gradients obey docs/design.md's tolerance rule (at most 3x the error of the naive bf16
 implementation, plus a small floor: tests/kernels/test_matmul_backward.py); they are less
 exact than the float32 kernel's, which is the price of the speed.
 
