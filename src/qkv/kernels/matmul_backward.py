@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from qkv._private import torch as private_torch
+
 __all__ = ["MATMUL_BACKWARD_DTYPES", "MAX_THREADS", "call_gradients", "suits"]
 
 # Input dtypes whose calls take this backward: bfloat16, whose products the CPU's matrix
@@ -143,7 +145,7 @@ def _chunk(
     torch.matmul(probs.transpose(-1, -2), grad_out, out=dv)  # (items, H, width, D)
     grad_probs = torch.matmul(grad_out, v.transpose(-1, -2))  # (items, H, q_len, width)
     # P * (dP - rowsum(dP * P)) in one pass, float32 inside (the softmax's own backward)
-    grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    grad_scores = private_torch.softmax_backward(grad_probs, probs, -1, probs.dtype)
     del grad_probs, probs
     dq.copy_(torch.matmul(grad_scores, k)).mul_(scale)  # (items, H, q_len, D)
     dk.copy_(torch.matmul(grad_scores.transpose(-1, -2), q)).mul_(scale)  # (items, H, width, D)
