@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -84,3 +85,19 @@ def test_installing_qkv_brings_no_heavy_packages() -> None:
     assert "qkv-minilm" in closure and "torch" in closure  # the walk reached the dependencies
     heavy = {"sentence-transformers", "transformers", "scikit-learn", "scipy"}
     assert sorted(closure & heavy) == []
+
+
+def test_a_transformers_model_without_the_extra_names_it(tmp_path: Path) -> None:
+    """Without transformers (blocked here as in a light install), a model directory that needs
+    it is refused in one line that names the `transformers` extra."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    script = (
+        "import sys; sys.modules['transformers'] = None\n"  # import transformers -> ImportError
+        "from qkv.cli import main\n"
+        f"sys.argv = ['qkv', 'inspect', 'hello', '--model', {str(tmp_path)!r}]\n"
+        "main()\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 2, completed.stderr
+    assert "pip install 'qkv[transformers]'" in completed.stderr
+    assert "Traceback" not in completed.stderr
