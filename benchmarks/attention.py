@@ -4,7 +4,7 @@
         [--dtype float32 bfloat16] [--head-dim 64 128 ...]
 
 B=1, H=8, E=64, float32 and bfloat16 (one table each; --dtype, --head-dim), n in 1k..8k, with and without a causal mask. FLOPs follow
-DESIGN.md: 4 * B * H * E per visible (query, key) pair (n^2 pairs, n(n+1)/2 when causal),
+docs/design.md: 4 * B * H * E per visible (query, key) pair (n^2 pairs, n(n+1)/2 when causal),
 forward only. Every implementation is charged the same useful FLOPs, so GFLOP/s compare
 directly; "auto / SDPA" is the goal's ratio (>= 0.95 wanted), and the last two columns are
 SDPA's and qkv auto's GFLOP/s as fractions of a square matrix multiply in the same dtype,

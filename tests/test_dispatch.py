@@ -1,6 +1,6 @@
 """qkv.dispatch: every decision of a call is in its Plan, and explain runs no kernel.
 
-The expected routes are the design's (DESIGN.md, the module docstring of qkv.dispatch): SDPA's
+The expected routes are the design's (docs/design.md, the module docstring of qkv.dispatch): SDPA's
 is_causal only for top-left-equal causal masks, no mask at all where causality hides nothing,
 tiles for the structured engines. Numbers for the memory model are counted by hand.
 """

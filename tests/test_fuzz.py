@@ -7,9 +7,9 @@ return_lse / return_weights. The expected values come from a float64 formula wri
 (plain torch ops, independent of qkv's kernels) and are tied to `qkv.reference` once; the
 NaN rule of `qkv.attention`'s docstring is re-derived here from the inputs.
 
-Tolerance (DESIGN.md): the error of the path against float64 is at most 2x (forward) / 3x
+Tolerance (docs/design.md): the error of the path against float64 is at most 2x (forward) / 3x
 (gradients) the error of a naive implementation in the same dtype, plus a floor scaled by the
-size of the values. The naive implementation adds the mask in float32 or wider, as DESIGN.md
+size of the values. The naive implementation adds the mask in float32 or wider, as docs/design.md
 requires of every path; when it overflows itself, the math path's error is the yardstick.
 
 Profiles: HYPOTHESIS_PROFILE=ci (default, 200 examples) or thorough (3000 examples).

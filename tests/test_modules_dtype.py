@@ -1,6 +1,6 @@
 """MultiHeadAttention with bfloat16 parameters and under torch.autocast.
 
-Judged by DESIGN.md's tolerance rule against the float64 reference run on the same (bf16-
+Judged by docs/design.md's tolerance rule against the float64 reference run on the same (bf16-
 rounded) weights: the module's error at most 2x that of a naive module computed entirely in
 bfloat16 (every projection, the scores, the softmax), plus a small floor.
 """

@@ -1,4 +1,4 @@
-"""DESIGN.md's tolerance rule for low precision.
+"""docs/design.md's tolerance rule for low precision.
 
 The error of a path against the float64 reference must be at most 2x (forward) or 3x
 (gradients) the error of a naive implementation computed entirely in the same dtype, plus a

@@ -22,3 +22,14 @@ def test_readme_python_block_runs(index: int) -> None:
     # each block states what it shows with an assert, so running it checks the claim
     assert "assert " in BLOCKS[index], f"README block {index} checks nothing"
     exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": f"readme_{index}"})
+
+
+def test_readme_images_are_absolute_links_to_files_in_docs() -> None:
+    """The package index shows the README away from the repository: every image is an absolute
+    URL, and the file it names exists under docs/."""
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text(encoding="utf-8"))
+    assert images
+    raw = "https://raw.githubusercontent.com/qkv-dev/qkv/main/"
+    for url in images:
+        assert url.startswith(raw), url
+        assert (README.parent / url.removeprefix(raw)).is_file(), url

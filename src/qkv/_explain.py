@@ -30,7 +30,7 @@ class Explanation:
     """Which path `qkv.attention` takes for given inputs, why, and what it costs.
 
     flops counts 2 * (E + Ev) FLOPs per visited (query, key) pair and head (E multiply-adds
-    for the score and Ev for the output, two FLOPs each), the DESIGN.md rule
+    for the score and Ev for the output, two FLOPs each), the docs/design.md rule
     4 * B * H * L * S * E when E == Ev. peak_extra_bytes is an estimate of the memory the
     path allocates beyond inputs and output.
     """

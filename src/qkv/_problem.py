@@ -1,7 +1,7 @@
 """Validation of attention inputs, done once, before any kernel runs.
 
 `describe_problem` checks q, k, v, mask, scale, dropout and the score terms (bias, softcap,
-score_mod) and returns an `AttentionProblem`: the sizes by their DESIGN.md letters and the
+score_mod) and returns an `AttentionProblem`: the sizes by their docs/design.md letters and the
 inputs flattened to one batch axis. Keys and values with batch size 1 broadcast against
 queries with a larger batch (one shared context, or a prefix cache). Every
 error names the offending shapes or values. PyTorch's own kernels are not trusted to catch
@@ -70,7 +70,7 @@ def autocast_dtype(x: object) -> torch.dtype | None:
 
     Under autocast qkv's attention behaves like SDPA there: float32 q, k, v are cast to the
     autocast dtype, and autocast is switched off inside so that qkv's own float32 softmax
-    state and accumulation (DESIGN.md) are not cast down behind its back.
+    state and accumulation (docs/design.md) are not cast down behind its back.
     """
     if not isinstance(x, torch.Tensor):
         return None

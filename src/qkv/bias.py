@@ -1,7 +1,7 @@
 """Additive score terms that combine with any mask: ALiBi, T5's relative bias, a dense tensor.
 
 A bias adds ``bias[b, h, i, j]`` to the (scaled, possibly soft-capped) score of query i and
-key j before the mask removes pairs and the row is softmaxed (DESIGN.md's score order). Like a
+key j before the mask removes pairs and the row is softmaxed (docs/design.md's score order). Like a
 mask, a bias is a description, not an L x S tensor: it answers
 
 - ``terms(b, h, q_idx, kv_idx, q_pos)``: the bias on broadcasting index tensors (float), where

@@ -18,7 +18,7 @@ for another batch size, make another cache.
 Use one cache per layer, under ``torch.no_grad()`` or ``torch.inference_mode()``: the storage
 is written in place, which autograd cannot differentiate through across steps.
 
-Shape legend (DESIGN.md): B batch, G key/value heads, S length, E key dim, Ev value dim.
+Shape legend (docs/design.md): B batch, G key/value heads, S length, E key dim, Ev value dim.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ _DENSE_BF16_KERNEL_MAX_HEAD_DIM = 128
 _DENSE_BF16_KERNEL_MIN_QUERIES = 256
 
 # 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
-# finite values span more than this: PyTorch's CPU flash backward then misses DESIGN.md's
+# finite values span more than this: PyTorch's CPU flash backward then misses docs/design.md's
 # tolerance rule (3x the naive error plus 1e-6). Measured (L = S = 128..1024, E = 64): ALiBi-like
 # ramps spanning 5e3..3e4 gave 1.2x..3.4x the allowed error, random spreads of 1e4 1.4x; spans up
 # to 2e3 stayed below 0.9x, and two-valued padding masks (0 / -1e4, 0 / finfo.min) below 0.3x but

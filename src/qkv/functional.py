@@ -1,6 +1,6 @@
 """`qkv.attention`, `qkv.explain` and `qkv.attention_weights`: validate, then one Plan.
 
-Shape legend (DESIGN.md): B batch (any number of leading dims), H query heads, G key/value
+Shape legend (docs/design.md): B batch (any number of leading dims), H query heads, G key/value
 heads, L query length, S key length, E q/k head dim, Ev value head dim.
 
 Paths, chosen in one place (`qkv.dispatch.choose_path`):
@@ -54,7 +54,7 @@ def attention(
 
     Per (b, h, i, j) the score is s = scale * q_i . k_j; then softcap * tanh(s / softcap)
     when ``softcap`` is set; then + bias[b, h, i, j]; then score_mod(s, b, h, i, j); then the
-    mask removes pairs and each row is softmaxed (DESIGN.md).
+    mask removes pairs and each row is softmaxed (docs/design.md).
 
     Args:
         q: (..., H, L, E) queries.

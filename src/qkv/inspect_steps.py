@@ -11,7 +11,7 @@ model that produced it: the per-head q, k, v of every layer (after any rotary em
 score scale, and the (query, key) pairs that were allowed. Any model (qkv's BERT, a
 transformers model) can fill it in.
 
-Shape legend (DESIGN.md): T tokens (queries and keys of one text), H query heads, G key/value
+Shape legend (docs/design.md): T tokens (queries and keys of one text), H query heads, G key/value
 heads (head h reads key/value head h // (H // G)), E q/k head width, Ev value head width.
 """
 

@@ -14,7 +14,7 @@ The per-head matrices live side by side in four `nn.Linear` layers, ``q_proj`` (
 ``k_proj`` (Dc -> G*E), ``v_proj`` (Dc -> G*Ev), ``out_proj`` (H*Ev -> D); head h owns output
 features [h*E, (h+1)*E) of ``q_proj``, so BERT-style checkpoints copy in unchanged.
 
-Shape legend (DESIGN.md): B batch, H query heads, G key/value heads, L query length, S key
+Shape legend (docs/design.md): B batch, H query heads, G key/value heads, L query length, S key
 length, E q/k head dim (d_k), Ev value head dim (d_v), D model width, Dc context width.
 """
 
@@ -227,7 +227,7 @@ class MultiHeadAttention(nn.Module):
         What differs: PyTorch averages the weights over heads by default (B, L, S), qkv returns
         them per head (B, H, L, S) (``weights.mean(dim=1)`` gives PyTorch's); a query row whose
         keys are all masked is NaN in PyTorch (need_weights=True and its inference path) and
-        gets ``out_proj``'s bias here (attention output zeros, DESIGN.md).
+        gets ``out_proj``'s bias here (attention output zeros, docs/design.md).
 
         Raises:
             TypeError: ``module`` is not an `nn.MultiheadAttention`.

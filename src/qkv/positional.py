@@ -21,7 +21,7 @@ model dtype (``module.to(torch.bfloat16)`` keeps them float32). A float32 angle 
 would carry an absolute error of about pos * 6e-8 rad (6e-3 at pos = 1e5); computing it in
 float64 first leaves only the float32 rounding of cos and sin themselves.
 
-Shape legend (DESIGN.md): B batch, H heads, L length, E head dim, D model width.
+Shape legend (docs/design.md): B batch, H heads, L length, E head dim, D model width.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class RotaryEmbedding(_Float32Tables):
             raise TypeError(f"RotaryEmbedding needs a floating-point x, got {x.dtype}")
         L = x.shape[-2]
         self.check_positions(offset, L)
-        compute = accumulation_dtype(x.dtype)  # float32 at least, float64 kept (DESIGN.md)
+        compute = accumulation_dtype(x.dtype)  # float32 at least, float64 kept (docs/design.md)
         cos = self.cos[offset : offset + L].to(compute)  # (L, E/2)
         sin = self.sin[offset : offset + L].to(compute)  # (L, E/2)
         xc = x.to(compute)

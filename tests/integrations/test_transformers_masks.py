@@ -74,7 +74,7 @@ def test_hf_sliding_window_w_is_qkv_window_w_minus_1() -> None:
 
 
 def test_cache_steps_are_bottom_right_causal() -> None:
-    """Queries continuing a cache sit at its end (DESIGN.md's bottom-right alignment); one
+    """Queries continuing a cache sit at its end (docs/design.md's bottom-right alignment); one
     decoding step sees every cached key, so nothing is hidden and no mask is passed."""
     got = structured_mask(batch_size=1, q_length=4, kv_length=10, q_offset=6, mask_function=hf.causal_mask_function)
     assert got.mask == Causal("bottom-right")

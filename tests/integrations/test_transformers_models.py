@@ -101,7 +101,7 @@ def test_output_attentions_equal_eager_for_every_layer(family: str, capfd: pytes
         assert a.shape == b.shape == (2, 4, 9, 9), layer
         torch.testing.assert_close(a * real, b * real, **TOL)
         # the difference, documented: a left-padding query sees no real key; qkv gives it zero
-        # weights (DESIGN.md's empty-row rule), eager a uniform row over every key
+        # weights (docs/design.md's empty-row rule), eager a uniform row over every key
         assert torch.equal(a[1, :, :3], torch.zeros_like(a[1, :, :3]))
         torch.testing.assert_close(b[1, :, :3], torch.full_like(b[1, :, :3], 1 / 9))
     assert "output_attentions" not in capfd.readouterr().err  # no fallback warning

@@ -1,4 +1,4 @@
-"""The CPU block engine in bfloat16, every mask kind, forward and backward, by DESIGN.md's
+"""The CPU block engine in bfloat16, every mask kind, forward and backward, by docs/design.md's
 tolerance rule: error against the float64 reference at most 2x (output) / 3x (gradients)
 the error of a naive implementation computed entirely in bfloat16, plus a floor of 1e-3.
 

@@ -2,7 +2,7 @@
 
 Its forward goes through the whole engine (`qkv.attention(..., backend="blocks")`), so the
 backward (the engine's own, from the kernel's output and lse) is checked too, against the
-float64 reference by DESIGN.md's tolerance rule (`assert_by_the_rule`). A spy counts the
+float64 reference by docs/design.md's tolerance rule (`assert_by_the_rule`). A spy counts the
 kernel's calls, so a test fails if the kernel silently stops running on a machine that can
 run it. On a machine that cannot (no AMX, no compiler), the same tests check the fallback
 (the per-tile flash path) and that a reason is given.

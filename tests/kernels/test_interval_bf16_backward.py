@@ -1,7 +1,7 @@
 """The fused bf16 interval backward kernel (`qkv.kernels.interval_bf16_backward`) and its fallback.
 
 Every gradient goes through the whole engine (`qkv.attention(..., backend="blocks")` and
-autograd), against the float64 reference by DESIGN.md's tolerance rule (`assert_by_the_rule`:
+autograd), against the float64 reference by docs/design.md's tolerance rule (`assert_by_the_rule`:
 within 3x the error of a naive bf16 implementation). A spy counts the kernel's calls, so a
 test fails if the kernel silently stops running on a machine that can run it; on a machine
 that cannot (no AMX, no compiler), the same tests check the engine's other backward and

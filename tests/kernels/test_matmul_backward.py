@@ -2,7 +2,7 @@
 
 Expected values come from the float64 reference (`qkv.reference` through the engine tests'
 helpers, or float64 autograd of the formula), never from the kernel itself. The bar is
-DESIGN.md's tolerance rule: gradient error at most 3x that of a naive implementation computed
+docs/design.md's tolerance rule: gradient error at most 3x that of a naive implementation computed
 entirely in bfloat16, plus a floor of 1e-3.
 """
 

@@ -1,7 +1,7 @@
 """oneDNN's fused bf16 linear (`qkv.kernels.onednn_linear`): results, the erf GELU, when it
 runs, why it does not, and its check at first use.
 
-Expected values come from float64 math on the bf16-rounded inputs; the rule is DESIGN.md's
+Expected values come from float64 math on the bf16-rounded inputs; the rule is docs/design.md's
 (error at most twice that of eager ``F.linear`` / ``F.gelu`` in bfloat16, plus a floor). A
 spy counts the fused calls, so a test fails if the path silently stops running on a machine
 that can run it; where it cannot, the same tests check the fallback and its reason.

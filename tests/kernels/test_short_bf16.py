@@ -3,7 +3,7 @@
 Every case goes through `qkv.attention` with ``backend="auto"`` and a spy that counts the
 kernel's calls, so a test fails if the dispatcher silently stops choosing it on a machine that
 can run it; on one that cannot (no AMX, no compiler) the same tests check SDPA and the reason.
-Outputs are compared with the float64 reference by DESIGN.md's tolerance rule (twice the
+Outputs are compared with the float64 reference by docs/design.md's tolerance rule (twice the
 error of a naive bf16 implementation, plus a floor).
 """
 

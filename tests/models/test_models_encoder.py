@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.models import Encoder, TextTooLongError, load_encoder, resolve_model_dir
+from qkv.models import Encoder, TextTooLongError, builtin_model_dir, load_encoder, resolve_model_dir
+from qkv.models import encoder as encoder_module
 
 # Varied lengths (one token to ~240 tokens), subwords, punctuation, CJK, accents, digits and
 # an empty text, deliberately unsorted so that the length sort inside encode must be undone.
@@ -241,6 +242,32 @@ def test_builtin_names_and_directory_load_the_same_model(encoder: Encoder, model
     for (name, a), (_, b) in zip(encoder.model.state_dict().items(), by_path.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert by_path.name == str(model_dir)
+
+
+def test_builtin_model_is_found_without_importing_its_package(model_dir: Path) -> None:
+    """The built-in model's directory comes from the import path (find_spec), so qkv_minilm's
+    code never runs; here the test imported it only for the independent MODEL_DIR."""
+    assert builtin_model_dir() == model_dir
+    assert all((model_dir / name).is_file() for name in ("config.json", "tokenizer.json", "model.safetensors"))
+
+
+def test_builtin_model_package_missing_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encoder_module, "_BUILTIN_MODULE", "qkv_minilm_not_installed")
+    with pytest.raises(FileNotFoundError, match=r"package qkv-minilm, which is not installed: pip install qkv-minilm"):
+        load_encoder()
+
+
+def test_builtin_model_package_incomplete_names_the_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_dir: Path
+) -> None:
+    package = tmp_path / "qkv_minilm_damaged"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('qkv must not import the model package')\n")
+    (package / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(encoder_module, "_BUILTIN_MODULE", "qkv_minilm_damaged")
+    with pytest.raises(FileNotFoundError, match=r"lacks tokenizer\.json, model\.safetensors; reinstall it"):
+        resolve_model_dir("all-MiniLM-L6-v2")
 
 
 def test_missing_directory(tmp_path: Path) -> None:

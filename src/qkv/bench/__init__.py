@@ -15,7 +15,7 @@ measuring tools that every script under benchmarks/ and the `quadratic` example 
   `Comparison` rows, which prints itself (`BenchReport.print`) and converts to JSON.
 
 Speed is reported as ratios against the best peer measured in the same run, never asserted
-in tests (DESIGN.md). Importing this package imports PyTorch; `qkv --help` never does.
+in tests (docs/design.md). Importing this package imports PyTorch; `qkv --help` never does.
 """
 
 from qkv.bench._data import document_ids, document_lengths, random_qkv

@@ -2,7 +2,7 @@
 
 Every comparison times qkv and its peer in the same process by the one timing rule
 (`qkv.bench.fastest`: rotating rounds, fastest run kept) and reports the ratio (machines are
-shared and noisy; absolute times are only context). Work is counted with DESIGN.md's
+shared and noisy; absolute times are only context). Work is counted with docs/design.md's
 formula: forward FLOPs = 4 * B * H * L * S_visited * E, where S_visited counts only the keys
 of visited tiles for qkv; backward = 2.5 x forward. Peak memory is the high-water resident
 set (`qkv.bench.peak_rss_bytes`) of a fresh subprocess that runs one problem size after

@@ -1,7 +1,7 @@
 """The one timing rule of qkv's benchmarks: the fastest of interleaved, rotating rounds.
 
 Machines are shared and noisy, so implementations are compared as ratios of times measured
-in the same process, never against an absolute time (DESIGN.md). A slow spell of the machine
+in the same process, never against an absolute time (docs/design.md). A slow spell of the machine
 should hit every contender alike, so they run in rounds: every function once per round, in
 an order that rotates from round to round (a b c, b c a, c a b, ...: no function always
 follows the same one, whose allocations or spinning threads it would inherit). The fastest

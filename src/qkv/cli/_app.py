@@ -26,8 +26,9 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.text import Text
-from typer._click import exceptions as click_errors  # typer vendors click (typer >= 0.29)
 from typer.core import TyperGroup
+
+from qkv._private.typer import click_errors  # typer's vendored click
 
 __all__ = [
     "USAGE_ERROR",

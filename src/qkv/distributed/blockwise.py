@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.dispatch import ring_block_path
 from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
 
@@ -89,7 +90,7 @@ def block_forward(
     """
     H = q.shape[1]
     if block_path(q, v) == "cpu-flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = private_torch.cpu_flash_attention(
             q, expand_kv_heads(k, H), expand_kv_heads(v, H), 0.0, diagonal, scale=scale
         )
         return out, lse.to(q.dtype)  # (N, H, L_blk, Ev), (N, H, L_blk)
@@ -143,7 +144,7 @@ def block_backward(
     H, G = q.shape[1], k.shape[1]
     if block_path(q, v) == "cpu-flash":
         # the kernel recomputes P from the lse and delta from out: pass the global ones
-        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_q, grad_k, grad_v = private_torch.cpu_flash_attention_backward(
             d_out, q, expand_kv_heads(k, H), expand_kv_heads(v, H), out, lse, 0.0, diagonal, scale=scale
         )
         dq += grad_q

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.kernels import interval_bf16, interval_bf16_backward
 from qkv.kernels.block_calls import (
     BlockRun,
@@ -77,7 +78,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, r
         fused = interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash = private_torch.cpu_flash_attention
 
     def compute(call: Call) -> CallResult:
         bias, empty_rows = mask_tile(run, call, q.dtype) if call.masked else (None, None)
@@ -135,7 +136,7 @@ def _backward(
     dq = torch.zeros(N, H, L, cols, dtype=acc_dtype)
     dk = torch.zeros(N, H, S, cols, dtype=acc_dtype)
     dv = torch.zeros(N, H, S, cols, dtype=acc_dtype)
-    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    flash_backward = private_torch.cpu_flash_attention_backward
     for call, products in zip(run.plan.calls, by_products, strict=True):
         if products:
             # bf16 products on the matrix units (qkv.kernels.matmul_backward), not the flash kernel

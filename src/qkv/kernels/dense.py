@@ -4,7 +4,7 @@ Both take the flattened problem of `qkv._problem`: q (N, H, L, E), k (N, G, S, E
 v (N, G, S, Ev) and a mask that is None, is_causal, or a tensor (N | 1, H | 1, L, S).
 
 - `math_attention` materializes scores and weights in float32 or wider (the softmax state
-  of DESIGN.md) and reads grouped key/value heads without copying them.
+  of docs/design.md) and reads grouped key/value heads without copying them.
 - `fused_attention` calls `torch.nn.functional.scaled_dot_product_attention`, the kernels
   people run. Query rows with no visible key are made harmless before the call (their mask
   row is opened) and zeroed after it, so neither the forward nor the backward sees a NaN.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qkv._private import torch as private_torch
 from qkv.kernels.block_calls import kernel_inputs
 from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.scores import ScoreTerms
@@ -170,10 +171,7 @@ def _acc_bytes(dtype: torch.dtype) -> int:
 def flash_kernel_available() -> bool:
     """Whether this PyTorch has the CPU flash-attention kernels (forward and backward) that the
     fused path's lse and the CPU block engine call."""
-    ops = torch.ops.aten
-    return hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
-        ops, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    )
+    return private_torch.has_cpu_flash_attention()
 
 
 def fused_lse_available(q: torch.Tensor) -> bool:
@@ -223,7 +221,7 @@ class _FlashWithLse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal: bool, scale: float):  # type: ignore[override]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = private_torch.cpu_flash_attention(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )[:2]  # (N, H, L, Ev), (N, H, L)
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -241,7 +239,7 @@ class _FlashWithLse(torch.autograd.Function):
         if grad_lse is not None:
             q, k, v, out, grad_out = with_lse_gradient(q, k, v, out, grad_out, grad_lse)  # (N, H, *, E + 1)
             mask = _additive_mask(mask, q)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = private_torch.cpu_flash_attention_backward(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
         )
         grads = (g[..., :E].to(dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True))

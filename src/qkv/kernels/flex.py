@@ -13,7 +13,7 @@ with ``BlockMask.from_kv_blocks``:
 - mask_mod(b, h, q_idx, kv_idx) = ``mask.visible(b, h, q_idx, kv_idx, L, S)``.
 
 Score terms (softcap, a `qkv.bias`, a score_mod) become FlexAttention's own ``score_mod``:
-`ScoreTerms.apply` on the scalar indices FlexAttention passes, in DESIGN.md's order. The bias
+`ScoreTerms.apply` on the scalar indices FlexAttention passes, in docs/design.md's order. The bias
 tensors are captured by that function; FlexAttention differentiates captured tensors on CUDA.
 
 A query row with no visible key gets output 0 and lse = -inf here as everywhere in qkv.

@@ -1,7 +1,7 @@
 """Grouped-query attention bookkeeping shared by the kernels: key/value heads served to
 several query heads, and their gradients gathered back.
 
-Head h of H reads key/value head h // (H // G) (DESIGN.md), so copies of kv head g sit at
+Head h of H reads key/value head h // (H // G) (docs/design.md), so copies of kv head g sit at
 query heads g*r .. g*r + r - 1 with r = H // G.
 """
 

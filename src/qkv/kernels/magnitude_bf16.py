@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.kernels import compiled
 
 __all__ = ["ENABLED", "KERNEL_NAME", "MIN_VALUES", "largest_magnitudes", "strided_rows", "unavailable_reason"]
@@ -84,7 +85,7 @@ def _readable(x: torch.Tensor) -> bool:
         begin, size = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    if data == 0 or begin == 0 or torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._is_functional_tensor(x):
+    if data == 0 or begin == 0 or private_torch.is_wrapped_tensor(x):
         return False
     last = sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))  # the farthest value, in values
     return begin <= data and data + (last + 1) * x.element_size() <= begin + size

@@ -17,8 +17,8 @@ piece is the row's whole softmax and needs no saved log-sum-exp:
 Numerics. PyTorch offers no CPU bf16 product with a float32 result, so every product above
 accumulates in float32 inside the matrix unit and rounds its result to bf16, as a naive bf16
 implementation does; the softmax and its backward keep their row state (max, sum, rowsum)
-in float32 (DESIGN.md), and the gradients of a call are added into float32 accumulators.
-The gradients obey DESIGN.md's tolerance rule (at most 3x the error of the naive bf16
+in float32 (docs/design.md), and the gradients of a call are added into float32 accumulators.
+The gradients obey docs/design.md's tolerance rule (at most 3x the error of the naive bf16
 implementation, plus a small floor: tests/kernels/test_matmul_backward.py); they are less
 exact than the float32 kernel's, which is the price of the speed.
 
@@ -35,6 +35,8 @@ Intel AMX (Advanced Matrix Extensions) bf16 tile multiply with float32 accumulat
 from __future__ import annotations
 
 import torch
+
+from qkv._private import torch as private_torch
 
 __all__ = ["MATMUL_BACKWARD_DTYPES", "MAX_THREADS", "call_gradients", "suits"]
 
@@ -143,7 +145,7 @@ def _chunk(
     torch.matmul(probs.transpose(-1, -2), grad_out, out=dv)  # (items, H, width, D)
     grad_probs = torch.matmul(grad_out, v.transpose(-1, -2))  # (items, H, q_len, width)
     # P * (dP - rowsum(dP * P)) in one pass, float32 inside (the softmax's own backward)
-    grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    grad_scores = private_torch.softmax_backward(grad_probs, probs, -1, probs.dtype)
     del grad_probs, probs
     dq.copy_(torch.matmul(grad_scores, k)).mul_(scale)  # (items, H, q_len, D)
     dk.copy_(torch.matmul(grad_scores.transpose(-1, -2), q)).mul_(scale)  # (items, H, width, D)

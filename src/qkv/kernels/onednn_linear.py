@@ -31,7 +31,8 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
+
+from qkv._private import torch as private_torch
 
 from qkv.kernels.machine import compute_dtype, cpu_features
 
@@ -132,7 +133,7 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 def _op():  # type: ignore[no-untyped-def]
     """PyTorch's oneDNN linear op; AttributeError or RuntimeError where this build has none."""
-    return torch.ops.mkldnn._linear_pointwise
+    return private_torch.onednn_linear_pointwise()
 
 
 def run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -161,10 +162,7 @@ def hooked(module: nn.Module) -> bool:
     """Whether a hook of the module, or a global module hook, would see a call of it (the
     checks nn.Module.__call__ makes before it skips them): then code that would run the
     module's computation without calling it must call it."""
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    shared = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
-              _module._global_backward_hooks, _module._global_backward_pre_hooks)  # fmt: skip
-    return any(own) or any(shared)
+    return private_torch.hooks_would_run(module)
 
 
 def _static_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:

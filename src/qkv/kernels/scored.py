@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.bias import Bias
 from qkv.kernels import block_calls as calls
 from qkv.kernels.block_plan import BlockPlan, Call
@@ -190,7 +191,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
     already, and no row merges: then in q's dtype (`block_calls.run_calls`)."""
     H = q.shape[1]
     acc = accumulation_dtype(q.dtype)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash = private_torch.cpu_flash_attention
 
     def compute(call: Call) -> calls.CallResult:
         if not run.flash:
@@ -272,7 +273,7 @@ def _backward(
     d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
     own = not run.flash or bias_needs_grad or grad_lse is not None
     delta = (grad_out.to(acc) * out).sum(dim=-1) if own else None  # (N, H, L), from the unrounded output
-    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    flash_backward = private_torch.cpu_flash_attention_backward
     for call in run.plan.calls:
         if own:
             assert delta is not None

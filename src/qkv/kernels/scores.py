@@ -1,6 +1,6 @@
 """Score terms beyond q.k: softcap, additive bias and score_mod, applied in one order everywhere.
 
-Per (b, h, i, j), after the scaled dot product s = scale * q_i . k_j (DESIGN.md):
+Per (b, h, i, j), after the scaled dot product s = scale * q_i . k_j (docs/design.md):
 
     s = softcap * tanh(s / softcap)          when a softcap is set (Gemma 2)
     s = s + bias[b, h, i, j]                 a `qkv.bias` object
@@ -105,7 +105,7 @@ class ScoreTerms:
         *,
         inplace: bool = False,
     ) -> torch.Tensor:
-        """The terms applied to scaled scores s, in DESIGN.md's order; the result has s's shape.
+        """The terms applied to scaled scores s, in docs/design.md's order; the result has s's shape.
 
         ``inplace``: s is a temporary without autograd history and may be overwritten (the
         engine's forward tiles: fewer passes over the scores)."""

