@@ -79,3 +79,9 @@ def test_modes_and_hooks_are_seen() -> None:
     finally:
         handle.remove()
     assert not private_torch.hooks_would_run(layer)
+
+
+@pytest.mark.parametrize("feature", sorted(private_torch.CPU_FEATURE_QUERIES))
+def test_cpu_feature_queries_exist(feature: str) -> None:
+    query = getattr(torch.cpu, private_torch.CPU_FEATURE_QUERIES[feature])
+    assert private_torch.cpu_supports(feature) == bool(query())

@@ -10,6 +10,8 @@
   tensor whose data pointer is not its values (vmap, grad, functionalization);
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
+- ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
+  itself detected (`qkv.kernels.machine`'s tier); a release without one claims less;
 - ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
   ``torch.nn.modules.module``): whether ``module(x)`` would run a hook.
 
@@ -25,9 +27,11 @@ from torch.nn.modules import module as _module
 
 __all__ = [
     "CHECKED_WITH",
+    "CPU_FEATURE_QUERIES",
     "PRIVATE_OPS",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
+    "cpu_supports",
     "has_cpu_flash_attention",
     "hooks_would_run",
     "is_wrapped_tensor",
@@ -46,6 +50,22 @@ PRIVATE_OPS = (
     ("mkldnn", "_linear_pointwise", "default"),
     ("aten", "_softmax_backward_data", "default"),
 )
+
+# The CPU feature a query answers, and the torch.cpu function that answers it.
+CPU_FEATURE_QUERIES = {
+    "avx2": "_is_avx2_supported",
+    "avx512": "_is_avx512_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "amx_tile": "_is_amx_tile_supported",
+    "amx_fp16": "_is_amx_fp16_supported",
+}
+
+
+def cpu_supports(feature: str) -> bool:
+    """Whether PyTorch detected ``feature`` (a key of `CPU_FEATURE_QUERIES`) on this CPU; False
+    where this torch has no such query."""
+    query = getattr(torch.cpu, CPU_FEATURE_QUERIES[feature], None)
+    return bool(query()) if callable(query) else False
 
 
 def has_cpu_flash_attention() -> bool:

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from qkv._private.torch import cpu_supports
+
 __all__ = [
     "KEEP_VARIABLE",
     "TIERS",
@@ -93,22 +95,15 @@ class CpuFeatures:
         return f"{self.tier} (forced by {TIER_VARIABLE}={self.forced}; the machine is {self.detected})"
 
 
-def _query(name: str) -> bool:
-    """One of torch.cpu's feature queries, False where this PyTorch lacks it (they are private:
-    checked against torch 2.15; a release without one simply claims less)."""
-    probe = getattr(torch.cpu, name, None)
-    return bool(probe()) if callable(probe) else False
-
-
 def _machine() -> tuple[str, str, bool, bool, bool]:
     """(tier, capability, avx512_bf16, amx, amx_fp16) of the machine itself (`_features` keeps
     what follows from it)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    amx = _query("_is_amx_tile_supported")
-    avx512 = _query("_is_avx512_supported") or capability in ("AVX512", "AMX")
-    avx2 = avx512 or _query("_is_avx2_supported") or capability == "AVX2"
+    amx = cpu_supports("amx_tile")
+    avx512 = cpu_supports("avx512") or capability in ("AVX512", "AMX")
+    avx2 = avx512 or cpu_supports("avx2") or capability == "AVX2"
     tier = "amx" if amx and avx512 else "avx512" if avx512 else "avx2" if avx2 else "default"
-    return tier, capability, _query("_is_avx512_bf16_supported"), amx, _query("_is_amx_fp16_supported")
+    return tier, capability, cpu_supports("avx512_bf16"), amx, cpu_supports("amx_fp16")
 
 
 # the features per QKV_CPU_TIER value, probed once each: a plain dict, which torch.compile traces

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv._private import torch as private_torch
-
 from qkv.kernels.machine import compute_dtype, cpu_features
 
 __all__ = ["ENABLED", "hooked", "linear", "linear_gelu", "run", "run_gelu", "unavailable_reason"]
