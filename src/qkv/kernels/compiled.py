@@ -15,7 +15,7 @@ loading (`build`'s ``check``).
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import hashlib
 import logging
 import os
@@ -25,7 +25,7 @@ import sysconfig
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -112,7 +112,7 @@ def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool =
         return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
     if needs_onednn and not torch.backends.mkldnn.enabled:
         return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
-    return _toolchain_reason(os.environ.get("CXX", "c++"), os.environ.get("PATH", ""))
+    return _toolchain_reason(os.environ.get("CXX", "c++"), _build_path())
 
 
 def built_once(cache: dict[str, ModuleType | str], make: Callable[[], ModuleType | str]) -> ModuleType | str:
@@ -137,15 +137,34 @@ def first_use_note(cache: dict[str, ModuleType | str]) -> str:
     return "" if isinstance(cache.get("module"), ModuleType) else ", built on first use (about a minute, once)"
 
 
-@functools.cache
+def _build_path() -> str:
+    """PATH for a build: the caller's, with the folder of the ``ninja`` package's binary (a
+    dependency of qkv) appended, so that a venv used without activating it still builds."""
+    search_path = os.environ.get("PATH", "")
+    try:
+        import ninja  # the PyPI package that ships the binary
+    except ImportError:
+        return search_path
+    folder = str(getattr(ninja, "BIN_DIR", ""))
+    return search_path if not folder or folder in search_path.split(os.pathsep) else search_path + os.pathsep + folder
+
+
+# (compiler, PATH) -> why the build tools are missing, or None: two PATH scans, once per key
+# (static_reason runs on every bf16 call of the engine); a dict, which torch.compile traces
+_TOOLCHAIN: dict[tuple[str, str], str | None] = {}
+
+
 def _toolchain_reason(compiler: str, search_path: str) -> str | None:
-    """Why the build tools are missing, or None: two PATH scans, done once per compiler and PATH
-    (this runs on every bf16 call of the engine)."""
-    if shutil.which(compiler, path=search_path) is None:
-        return "no C++ compiler was found (c++ or $CXX)"
-    if shutil.which("ninja", path=search_path) is None:
-        return "ninja is not installed (torch.utils.cpp_extension builds with it)"
-    return None
+    """Why the build tools are missing, or None."""
+    key = (compiler, search_path)
+    if key not in _TOOLCHAIN:
+        if shutil.which(compiler, path=search_path) is None:
+            _TOOLCHAIN[key] = "no C++ compiler was found (c++ or $CXX)"
+        elif shutil.which("ninja", path=search_path) is None:
+            _TOOLCHAIN[key] = "ninja is not installed (torch.utils.cpp_extension builds with it)"
+        else:
+            _TOOLCHAIN[key] = None
+    return _TOOLCHAIN[key]
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,20 @@ def is_built(stem: str, source: Path, cflags: list[str] | None = None) -> bool:
     return any(folder.glob(f"{folder.name}*.so"))
 
 
+@contextlib.contextmanager
+def _path(search_path: str) -> Iterator[None]:
+    """PATH set to ``search_path`` for a build (torch runs ``ninja`` from PATH), then restored."""
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = search_path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def _cpp_extension() -> ModuleType:
     """torch.utils.cpp_extension, imported without its CUDA notice (it logs a warning at import
     when no CUDA runtime is found, which means nothing for qkv's CPU builds)."""
@@ -237,7 +270,7 @@ def _load(stem: str, source: Path, description: str, cflags: list[str], duration
         if compiles:
             print(f"qkv: compiling the {description} once ({duration}) into {folder}", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _path(_build_path()):
             warnings.simplefilter("ignore")
             module = cpp_extension.load(
                 name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder),
