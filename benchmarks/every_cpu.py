@@ -11,8 +11,8 @@ Cases (B = 1, H = 8, E = 64), each timed against its peers in one run by `qkv.be
   float32 (goal >= 1.0x).
 
 Every table is printed with the CPU model and the tier qkv uses (`qkv.kernels.machine`), and
-each dtype's GFLOP/s is given as a fraction of that dtype's matmul rate measured in the same
-run. ``--tier avx2`` makes qkv behave as on an AVX2 machine (QKV_CPU_TIER) to measure that
+each dtype's GFLOP/s is given as a fraction of the matmul rate, measured in the same run, of
+the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed). ``--tier avx2`` makes qkv behave as on an AVX2 machine (QKV_CPU_TIER) to measure that
 tier on a higher machine.
 
     uv run python benchmarks/every_cpu.py [--quick] [--tier avx2] [--threads 2] [--reps 3]
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, random_qkv
-from qkv.kernels.machine import TIER_VARIABLE, machine_line
+from qkv.kernels.machine import TIER_VARIABLE, compute_dtype, machine_line
 
 B, H, E = 1, 8, 64
 DTYPES = (torch.float32, torch.bfloat16)
@@ -97,7 +97,11 @@ def bf16_attention(n_dense: int, n_window: int, reps: int, rates: dict[torch.dty
             seconds = times[_name(dtype)]
             gflops = flops / seconds / 1e9
             ratio = f"{times['float32'] / times['bfloat16']:.2f}x" if dtype == torch.bfloat16 else ""
-            print(f"{label:<28}{_name(dtype):<10}{seconds * 1e3:>9.1f}{gflops:>9.1f}{gflops / rates[dtype]:>8.1%}{ratio:>15}")
+            rate = rates[compute_dtype(dtype, torch.device("cpu"))]  # of the dtype the products run in
+            print(f"{label:<28}{_name(dtype):<10}{seconds * 1e3:>9.1f}{gflops:>9.1f}{gflops / rate:>8.1%}{ratio:>15}")
+    if compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16:
+        print(f"(bf16 products are emulated here, so qkv computes bf16 in float32: its 'of mm' is of the float32 rate; "
+              f"the bf16 matmul rate is {rates[torch.bfloat16]:.1f} GFLOP/s)")
     print(f"(load {_load()} after)")
 
 
