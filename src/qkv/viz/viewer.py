@@ -210,11 +210,15 @@ def _projections(inspection: Inspection) -> dict[str, Any] | None:
     import torch
 
     p = inspection.projections
-    if p is None or p.allowed is not None:  # a masked model's panel would need its mask too
+    if p is None or p.unsupported is not None:  # the steps would not give the model's weights
         return None
     layers, H, T, E = p.q.shape
     if layers * H * T * (2 * E + 1) * 4 > PROJECTION_BUDGET:
         return None
+    allowed = None  # (layers, T, T) as bytes 0 / 1: which keys each query of a layer may see
+    if p.allowed is not None:
+        rows = torch.stack([p.allowed_rows(layer) for layer in range(layers)])  # (layers, T, T)
+        allowed = _pack(rows.to(torch.uint8).contiguous().numpy().tobytes())
     repeat = H // int(p.k.shape[1])
     keys = p.k.repeat_interleave(repeat, dim=1)  # (layers, H, T, E): query head h reads key head h // repeat
     values = p.v.repeat_interleave(repeat, dim=1)  # (layers, H, T, Ev)
@@ -225,6 +229,7 @@ def _projections(inspection: Inspection) -> dict[str, Any] | None:
         "q": as_bytes(p.q),
         "k": as_bytes(keys),
         "vnorm": as_bytes(torch.linalg.vector_norm(values.double(), dim=-1)),
+        "allowed": allowed,
     }
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from qkv.inspect import Inspection
+from qkv.inspect import Inspection, Projections
+from qkv.integrations.transformers._attention import HeadInputs, capturing
 from qkv.models import TextTooLongError
 from qkv.models.encoder import check_text
 from qkv.models.weights import read_header
@@ -64,7 +65,7 @@ def inspect(
     if limit is not None and ids.shape[1] > limit:
         raise TextTooLongError(count=1, index=0, tokens=int(ids.shape[1]), limit=int(limit))
     device = next(model.parameters()).device
-    with torch.no_grad():
+    with torch.no_grad(), capturing() as kept:
         output = model(
             input_ids=ids.to(device), attention_mask=encoding["attention_mask"].to(device),
             output_attentions=True, output_hidden_states=True,
@@ -75,7 +76,9 @@ def inspect(
             f"{type(model).__name__} returned no attention maps or hidden states; inspect takes models "
             "whose forward returns both (encoders, decoders; not encoder-decoder models)"
         )
+    layers, T = len(attentions), int(ids.shape[1])
     return Inspection(
+        projections=_projections(kept, layers, T),
         text=text,
         tokens=tokenizer.convert_ids_to_tokens(ids[0].tolist()),
         offsets=[(int(a), int(b)) for a, b in encoding["offset_mapping"][0].tolist()],
@@ -83,6 +86,25 @@ def inspect(
         attentions=torch.stack([a[0] for a in attentions]).float().cpu(),  # (layers, H, T, T)
         hidden_states=torch.stack([h[0] for h in hidden]).float().cpu(),  # (layers + 1, T, D)
         model_name=name or str(getattr(model.config, "name_or_path", "") or type(model).__name__),
+    )
+
+
+def _projections(kept: list[HeadInputs], layers: int, T: int) -> Projections | None:
+    """The per-head q, k, v of every layer, from the calls that ran on qkv (`capturing`);
+    None unless there is one self-attention call of T queries and keys per layer (a model on
+    another attn_implementation leaves none)."""
+    own = [call for call in kept if call.q.shape[1] == call.k.shape[1] == T]
+    if len(own) != layers or len({call.scale for call in own}) != 1:
+        return None
+    stack = lambda xs: torch.stack(xs)  # noqa: E731  (layers, heads, T, width)
+    allowed = None
+    if any(call.allowed is not None for call in own):
+        every = torch.ones(T, T, dtype=torch.bool)
+        allowed = stack([every if call.allowed is None else call.allowed for call in own])  # (layers, T, T)
+    terms = sorted({f"{term} (layer {i})" for i, call in enumerate(own) for term in call.terms})
+    return Projections(
+        q=stack([c.q for c in own]), k=stack([c.k for c in own]), v=stack([c.v for c in own]), scale=own[0].scale,
+        allowed=allowed, unsupported="; ".join(terms) if terms else None,
     )
 
 

@@ -79,6 +79,8 @@
         if (this.topValues.length !== NL * NH * T * k) throw new Error(`expected ${NL * NH * T * k} top weights, got ${this.topValues.length}`);
       }
       this.rollout = d.rollout === null ? null : await inflate(d.rollout);
+      // (layers, T, T) 0 / 1: which keys each query may see (a decoder's triangle, a window)
+      this.allowed = d.projections && d.projections.allowed ? await inflate(d.projections.allowed) : null;
     }
 
     labels() { return state.words ? this.data.words : this.data.tokens; }
@@ -155,21 +157,23 @@
       const { q, k, vnorm } = this.projections, T = this.T, E = p.E;
       const qBase = ((layer * NH + head) * T + query) * E, kBase = (layer * NH + head) * T * E;
       const scores = new Float64Array(T), scaled = new Float64Array(T), exps = new Float64Array(T);
+      const rowBase = (layer * T + query) * T;
+      const visible = (j) => this.allowed === null || this.allowed[rowBase + j] === 1;
       let top = -Infinity;
       for (let j = 0; j < T; j++) {
         let dot = 0;
         for (let e = 0; e < E; e++) dot += q[qBase + e] * k[kBase + j * E + e];
         scores[j] = dot;
         scaled[j] = dot * p.scale;
-        top = Math.max(top, scaled[j]);
+        if (visible(j)) top = Math.max(top, scaled[j]);
       }
       const shift = top > LARGEST_EXPONENT ? top : 0;
       let total = 0;
-      for (let j = 0; j < T; j++) { exps[j] = Math.exp(scaled[j] - shift); total += exps[j]; }
+      for (let j = 0; j < T; j++) { exps[j] = visible(j) ? Math.exp(scaled[j] - shift) : 0; total += exps[j]; }
       const weights = exps.map((x) => x / total);
       const contributions = weights.map((w, j) => w * vnorm[(layer * NH + head) * T + j]);
       const contributionSum = contributions.reduce((a, b) => a + b, 0);
-      return { scores, scaled, exps, total, shift, weights, contributions, contributionSum, E, scale: p.scale };
+      return { scores, scaled, exps, total, shift, weights, contributions, contributionSum, E, scale: p.scale, visible };
     }
   }
 
@@ -360,7 +364,9 @@
       `${which}layer ${state.layer} head ${state.head}: query ${query} “${tokens[query]}” → key ${key} “${tokens[key]}”`,
       `1. score  q·k = ${fmt(s.scores[j])}`,
       `2. scaled ${scaleText}: ${fmt(s.scaled[j])}`,
-      `3. exp(${fmt(s.scaled[j])}${shift}) = ${fmt(s.exps[j])}   row total Σ exp = ${fmt(s.total)}`,
+      s.visible(j)
+        ? `3. exp(${fmt(s.scaled[j])}${shift}) = ${fmt(s.exps[j])}   row total Σ exp = ${fmt(s.total)}`
+        : `3. the model's mask hides this key from this query: exp = 0   row total Σ exp = ${fmt(s.total)}`,
       `   softmax share = ${fmt(s.exps[j])} / ${fmt(s.total)} = ${fmt(s.weights[j])}`,
       `4. the value's contribution weight × v: length ${fmt(s.contributions[j])} (${(100 * s.contributions[j] / s.contributionSum).toFixed(1)}% of the row's contributions)`,
     ];
