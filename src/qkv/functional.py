@@ -18,16 +18,19 @@ runs it (`qkv._execute`) or describes it (`qkv._explain`); none of them decides 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from qkv._execute import pack, run, run_weights
 from qkv._explain import Explanation, explanation
+from qkv._log import note_once
 from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import autocast_dtype, check_indices, describe_problem
 from qkv.bias import Bias
 from qkv.dispatch import Backend, choose_path, weights_plan
+from qkv.kernels.machine import LOW_PRECISION_FLAGS, emulation_note
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
 
@@ -115,6 +118,9 @@ def attention(
             )
     problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
+    if q.dtype in LOW_PRECISION_FLAGS:
+        dtype, device = q.dtype, q.device
+        note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
     if not problem.nonfinite:
         out, weights, lse = run(problem, plan)
         return pack(problem, out, weights, lse, return_weights, return_lse)

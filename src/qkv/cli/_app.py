@@ -10,12 +10,16 @@ message is ever hard-wrapped at the terminal's width (a path in it stays copy-pa
   printed plain, click's way, instead of typer's rich panels that wrap at the terminal width;
 - an argument that is not valid UTF-8 (``qkv inspect $'caf\\xe9'``): exit 2 before parsing;
 - output that cannot be written (``qkv examples > /dev/full``, a disk filling up): exit 1.
+
+The library's notes (the ``qkv`` logger: a kernel compiled on first use, a fallback, a dtype
+this CPU emulates; each once per process) are printed on stderr as ``qkv: ...`` lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -94,6 +98,27 @@ def _silence_stdout() -> None:
         return
 
 
+class _StderrNotes(logging.Handler):
+    """The ``qkv`` logger's notes as one unwrapped line each on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            err_console.print(Text(f"qkv: {record.getMessage()}"), highlight=False, soft_wrap=True)
+        except Exception:  # logging's rule: a handler that fails reports it and goes on
+            self.handleError(record)
+
+
+_NOTES = _StderrNotes(logging.INFO)
+
+
+def _show_library_notes() -> None:
+    """Print the library's notes from here on (once per process, however often main runs)."""
+    library = logging.getLogger("qkv")
+    if _NOTES not in library.handlers:
+        library.addHandler(_NOTES)
+    library.setLevel(logging.INFO)
+
+
 class QkvGroup(TyperGroup):
     """The `qkv` command group, with the error rules of the module docstring."""
 
@@ -108,6 +133,7 @@ class QkvGroup(TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         args = sys.argv[1:] if args is None else list(args)
+        _show_library_notes()
         try:
             bad = undecodable_argument(args)
             if bad is not None:

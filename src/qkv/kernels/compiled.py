@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 import warnings
@@ -30,6 +29,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from qkv._log import note_once
 from qkv.kernels.machine import cpu_flags
 
 __all__ = ["CFLAGS", "HEAD_MULTIPLE", "REQUIRED_FLAGS", "build", "built_once", "onednn_packing_reason", "padded_heads", "static_reason"]
@@ -145,7 +145,8 @@ def build(
     """Compile (or load the cached build of) ``source`` as the module ``qkv_<stem>_<hash>`` and
     run ``check`` on it: the module, or why there is none (the build's first error line, or
     what ``check`` returned). ``description`` names the kernel, and ``duration`` says how long
-    its build takes, in the one line printed on stderr when it compiles."""
+    its build takes, in the note logged when it compiles (`qkv._log.note_once`: the ``qkv``
+    logger, once per build; a build or check that fails is noted once too)."""
     with _BUILD_LOCK:
         logger = logging.getLogger("torch.utils.cpp_extension")
         level = logger.level
@@ -155,11 +156,14 @@ def build(
         finally:
             logger.setLevel(level)  # the caller's logging as it was
         if isinstance(module, str):
+            note_once(f"fallback {stem}", f"the {description} is not used, qkv runs its portable path: {module}")
             return module
         try:
             error = check(module)
         except Exception as failure:  # a check that raises is a reason to fall back too
             error = f"its check at load raised {type(failure).__name__}: {str(failure).strip()[:200]}"
+        if error is not None:
+            note_once(f"fallback {stem}", f"the {description} is not used, qkv runs its portable path: {error}")
         return module if error is None else error
 
 
@@ -178,7 +182,7 @@ def _load(stem: str, source: Path, description: str, cflags: list[str], duration
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
         if not any(folder.glob(f"{name}*.so")):
-            print(f"qkv: compiling the {description} once ({duration}) into {folder}", file=sys.stderr, flush=True)
+            note_once(f"build {name}", f"compiling the {description} once ({duration}) into {folder}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
