@@ -22,3 +22,15 @@ def test_readme_python_block_runs(index: int) -> None:
     # each block states what it shows with an assert, so running it checks the claim
     assert "assert " in BLOCKS[index], f"README block {index} checks nothing"
     exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": f"readme_{index}"})
+
+
+def test_every_command_is_in_the_readme() -> None:
+    """`qkv heads` was missing from the command list; each command shows how it is run."""
+    import typer
+
+    from qkv.cli import app
+
+    text = README.read_text(encoding="utf-8")
+    names = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert "heads" in names and "inspect" in names
+    assert [name for name in names if f"uv run qkv {name}" not in text] == []
