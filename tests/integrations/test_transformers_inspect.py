@@ -284,3 +284,9 @@ def test_every_occurrence_of_a_word_with_a_byte_level_bpe_tokenizer() -> None:
     assert [text[inspection.offsets[g[0]][0] : inspection.offsets[g[-1]][1]].strip() for g in found] == ["it"] * 3
     assert found[1] == [second] and inspection.occurrences(" it") == found
     assert inspection.find("is small") == [second + 1, second + 2]
+
+
+def test_embed_on_a_transformers_directory_is_refused_in_one_line(decoder_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["embed", "the cat", "--model", str(decoder_dir)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "sentence embeddings come from BERT-family encoders only" in result.output

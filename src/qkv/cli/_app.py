@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.text import Text
 from typer._click import exceptions as click_errors  # typer vendors click (typer >= 0.29)
 from typer.core import TyperGroup
@@ -40,10 +40,13 @@ __all__ = [
     "console",
     "err_console",
     "fail",
+    "print_whole",
     "say",
     "undecodable_argument",
 ]
 
+# Wider than any table: the width a table is measured in to find the width it needs.
+_UNBOUNDED_WIDTH = 100_000
 USAGE_ERROR = 2
 OUTPUT_ERROR = 1  # the work was fine, its output could not be written
 
@@ -198,6 +201,19 @@ def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
     _print_error(message)
     raise typer.Exit(code)
+
+
+def print_whole(renderable: RenderableType, out: Console | None = None) -> None:
+    """Print a table (or any renderable) on stdout without cutting a cell: written to a file
+    or a pipe, where no terminal width applies, it gets all the width it needs (rich would
+    fit it to 80 columns, cutting numbers to "42939…"); on a terminal, the terminal's width."""
+    out = console if out is None else out
+    needed = out.measure(renderable, options=out.options.update_width(_UNBOUNDED_WIDTH)).maximum  # not clamped
+    if out.is_terminal or needed <= out.width:
+        out.print(renderable)
+        return
+    wide = Console(file=out.file, width=needed, color_system=None, force_terminal=False)
+    wide.print(renderable)
 
 
 def say(message: str) -> None:
