@@ -290,3 +290,22 @@ def test_embed_on_a_transformers_directory_is_refused_in_one_line(decoder_dir: P
     result = CliRunner().invoke(app, ["embed", "the cat", "--model", str(decoder_dir)])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "sentence embeddings come from BERT-family encoders only" in result.output
+
+
+def test_the_viewer_of_a_decoder_carries_its_projections_and_mask(decoder_dir: Path) -> None:
+    """The steps panel of `qkv inspect --model DIR --html`: q, k and each layer's causal mask
+    are in the file; a soft-capped model's are left out (its steps would not be its weights)."""
+    import base64
+    import zlib
+
+    from qkv.viz.viewer import payload
+
+    inspection = load_model(decoder_dir).inspect(TEXT)
+    shown = payload(inspection)["projections"]
+    assert shown is not None and shown["E"] == 8
+    T = len(inspection.tokens)
+    allowed = np.frombuffer(zlib.decompress(base64.b64decode(shown["allowed"])), dtype=np.uint8).reshape(2, T, T)
+    assert (allowed == np.tril(np.ones((T, T), dtype=np.uint8))[None]).all()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(decoder_dir)
+    capped = inspect(tiny.build(tiny.gemma2(softcap=1.0), tiny.NAME, transformers.AutoModel), tokenizer, TEXT)
+    assert payload(capped)["projections"] is None

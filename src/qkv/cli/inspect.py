@@ -116,7 +116,12 @@ def inspect_command(
     ] = False,
     dtype: DtypeOption = "float32",
     html: Annotated[
-        Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write the standalone attention viewer (one HTML file) here. It opens at --layer/--head; "
+            "what is not given is the head whose rows (--token's, else every word's) look hardest at another word.",
+        ),
     ] = None,
     compare: Annotated[
         str | None,
@@ -173,7 +178,7 @@ def inspect_command(
                 fail(str(error))
         if html is not None or png is not None:
             moved(stages - 1, "writing the files")
-        written = _write_artifacts(inspection, html, png, layer, head, compare=other)
+        written = _write_artifacts(inspection, html, png, layer, head, compare=other, query=query)
 
     if as_json:
         report: dict[str, Any] = {
@@ -232,15 +237,16 @@ def _write_artifacts(
     head: int | None,
     *,
     compare: Inspection | None = None,
+    query: list[int] | None = None,
 ) -> list[Path]:
-    """The viewer (opened at --layer/--head, comparing with --compare) and the heatmap that
-    --html and --png ask for."""
+    """The viewer (opened at --layer/--head, or by `qkv.viz.viewer.opening_head` for the
+    --token's tokens; comparing with --compare) and the heatmap that --html and --png ask for."""
     written = []
     if html is not None:
         from qkv.viz import html as write_html
 
-        start = {"layer": layer or 0, "head": head or 0}
-        written.append(write_html(inspection, html, compare=compare, **start))
+        # opened at --layer / --head; what is not given, at the head that looks hardest from --token
+        written.append(write_html(inspection, html, compare=compare, layer=layer, head=head, query=query))
     if png is not None:
         from qkv.viz import save_heatmap
 
