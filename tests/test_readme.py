@@ -33,3 +33,15 @@ def test_readme_images_are_absolute_links_to_files_in_docs() -> None:
     for url in images:
         assert url.startswith(raw), url
         assert (README.parent / url.removeprefix(raw)).is_file(), url
+
+
+def test_every_command_is_in_the_readme() -> None:
+    """`qkv heads` was missing from the command list; each command shows how it is run."""
+    import typer
+
+    from qkv.cli import app
+
+    text = README.read_text(encoding="utf-8")
+    names = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert "heads" in names and "inspect" in names
+    assert [name for name in names if f"uv run qkv {name}" not in text] == []

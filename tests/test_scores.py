@@ -326,3 +326,40 @@ def test_a_long_awkward_problem_on_the_engine_matches_the_reference() -> None:
     np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
     for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv), (slopes.grad, d_slopes)):
         np.testing.assert_allclose(got.numpy(), want, atol=1e-8)
+
+
+@pytest.mark.parametrize("cap", [np.float32(2.0), np.float64(2.0), torch.tensor(2.0), torch.tensor([2.0]), 2])
+def test_softcap_takes_a_number_in_every_form_scale_takes(cap: object) -> None:
+    """softcap * tanh(s / softcap), checked against the formula in float64 by hand."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    scores = 2.0 * torch.tanh((q @ k.transpose(-1, -2) / 2.0) / 2.0)  # scale 1/sqrt(4), cap 2
+    expected = torch.softmax(scores, dim=-1) @ v
+    torch.testing.assert_close(qkv.attention(q, k, v, softcap=cap), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cap", [torch.tensor(2.0, requires_grad=True), torch.tensor([2.0, 3.0]), np.bool_(True), 0.0, -1.0])
+def test_softcap_still_refuses_what_is_no_positive_number(cap: object) -> None:
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        qkv.attention(q, q, q, softcap=cap)
+
+
+def _raises(score, b, h, q_idx, kv_idx):
+    raise KeyError("my own mistake")
+
+
+@pytest.mark.parametrize(
+    ("score_mod", "error", "message"),
+    [
+        (_raises, KeyError, "my own mistake"),
+        (lambda score, b, h, q_idx, kv_idx: 1.0, TypeError, "must return a float tensor, got float"),
+        (lambda score, b, h, q_idx, kv_idx: (q_idx > kv_idx), TypeError, "must return a float tensor, got torch.bool"),
+    ],
+)
+def test_a_broken_score_mod_on_flex_fails_with_its_own_error(score_mod, error: type, message: str) -> None:
+    """Inside torch.compile the same mistakes come out as torch._dynamo's "Unsupported"."""
+    q = torch.randn(1, 2, 16, 16)
+    for backend in ("flex", "math"):
+        with pytest.raises(error, match=message):
+            qkv.attention(q, q, q, M.causal(), score_mod=score_mod, backend=backend)

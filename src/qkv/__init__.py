@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from qkv import _log  # the qkv logger and its NullHandler, before any module logs
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it

@@ -16,6 +16,7 @@ from qkv.kernels.blocks import block_attention, block_lse, block_weights
 from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.kernels.flex import flex_attention_layout
 from qkv.kernels.scored import scored_block_attention
+from qkv.kernels.scores import ScoreTerms
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
@@ -103,6 +104,19 @@ def _structured(problem: AttentionProblem) -> Mask | None:
     return None if mask is None else mask.to(problem.q.device)
 
 
+def _try_score_terms_eagerly(terms: ScoreTerms, q: torch.Tensor) -> None:
+    """Call the score terms once, outside torch.compile, on one pair as FlexAttention passes it
+    (0-d tensors: the score, then b, h, q_idx, kv_idx as int32). A score_mod that raises, or
+    returns no float tensor, fails here with its own exception or qkv's TypeError; inside the
+    compiled FlexAttention the same mistake surfaces as torch._dynamo's "Unsupported"."""
+    if terms.score_mod is None:
+        return
+    index = torch.zeros((), dtype=torch.int32, device=q.device)
+    score = torch.zeros((), dtype=accumulation_dtype(q.dtype), device=q.device)
+    with torch.no_grad():
+        terms.apply(score, index, index, index, index)
+
+
 def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
     plan = complete(problem, plan)  # a deferred plan's tiles are found now
@@ -116,6 +130,7 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
             out, lse = block_attention(q, k, v, mask, plan.tiles, scale)
     else:
         assert plan.layout is not None
+        _try_score_terms_eagerly(terms, q)
         out, lse = flex_attention_layout(q, k, v, mask, plan.layout, scale, need_lse=plan.lse == "kernel", terms=terms)
     weights = None
     if plan.weights == "dense":

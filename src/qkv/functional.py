@@ -18,17 +18,19 @@ runs it (`qkv._execute`) or describes it (`qkv._explain`); none of them decides 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from qkv._execute import pack, run, run_weights
 from qkv._explain import Explanation, explanation
+from qkv._log import note_once
 from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import autocast_dtype, check_indices, describe_problem
 from qkv.bias import Bias
 from qkv.dispatch import Backend, choose_path, weights_plan
-from qkv.kernels.machine import compute_dtype
+from qkv.kernels.machine import compute_dtype, emulation_note
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
 
@@ -117,6 +119,8 @@ def attention(
     wide = _widened_dtype(q, k, v)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
+        dtype, device = q.dtype, q.device
+        note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
         result = attention(
             q.to(wide), k.to(wide), v.to(wide), mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
             dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
@@ -126,6 +130,10 @@ def attention(
         return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
     problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
     plan = choose_path(problem, backend, return_weights, return_lse)
+    if q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
+        # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
+        dtype, device = q.dtype, q.device
+        note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
     if not problem.nonfinite:
         out, weights, lse = run(problem, plan)
         return pack(problem, out, weights, lse, return_weights, return_lse)

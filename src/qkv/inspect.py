@@ -85,9 +85,17 @@ class Inspection:
         """The text of each word group, read from the character offsets."""
         out = []
         for group in self.groups:
-            start, end = self.offsets[group[0]][0], self.offsets[group[-1]][1]
+            start, end = self._span(group)
             out.append(self.text[start:end] if end > start else self.tokens[group[0]])
         return out
+
+    def _span(self, group: list[int]) -> tuple[int, int]:
+        """The characters of a word group, without the whitespace that byte-level BPE
+        tokenizers (GPT-2, Llama 3, Qwen) count into a word's first token (" it")."""
+        start, end = self.offsets[group[0]][0], self.offsets[group[-1]][1]
+        while start < end and self.text[start].isspace():
+            start += 1
+        return start, end
 
     def word_attentions(self) -> torch.Tensor:
         """Attention between words (layers, heads, W, W): a word as a key receives the sum of
@@ -119,7 +127,8 @@ class Inspection:
         if self.projections is None:
             raise ValueError(
                 "this Inspection holds no per-head projections (q, k, v), so its steps cannot be "
-                f"shown; the model that made it ({self.model_name or 'unnamed'}) did not provide them"
+                f"shown; the model that made it ({self.model_name or 'unnamed'}) did not provide them "
+                "(qkv's encoders do, and transformers models that run on attn_implementation='qkv')"
             )
         return steps(self.projections, self.attentions, layer, head, query)
 
@@ -149,14 +158,14 @@ class Inspection:
             raise ValueError(f"word must be a non-empty str, got {word!r}")
         target = word.strip().lower()
         real_groups = [g for g in self.groups if self.word_ids[g[0]] is not None]
-        word_ends = {self.offsets[g[-1]][1] for g in real_groups}
-        real = [i for g in real_groups for i in g]
+        spans = [self._span(g) for g in real_groups]
+        word_ends = {end for _, end in spans}
         matches: list[list[int]] = []
-        for group in real_groups:
-            start = self.offsets[group[0]][0]
+        for start, _ in spans:
             end = start + len(target)
             if self.text[start:end].lower() == target and end in word_ends:
-                matches.append([j for j in real if start <= self.offsets[j][0] and self.offsets[j][1] <= end])
+                # every token of the words from this one up to the match's end
+                matches.append([j for (s, e), g in zip(spans, real_groups, strict=True) if start <= s and e <= end for j in g])
         return matches
 
     def find(self, word: str, occurrence: int = 0) -> list[int]:
@@ -169,7 +178,7 @@ class Inspection:
         matches = self.occurrences(word)
         if not matches:
             real_groups = [g for g in self.groups if self.word_ids[g[0]] is not None]
-            words = [self.text[self.offsets[g[0]][0] : self.offsets[g[-1]][1]] for g in real_groups]
+            words = [self.text[slice(*self._span(g))] for g in real_groups]
             raise ValueError(f"{word!r} is not a word of the text; its words are {words}")
         if not 0 <= occurrence < len(matches):
             raise ValueError(

@@ -45,7 +45,10 @@ class Projections:
     - v: (layers, G, T, Ev) values.
     - scale: the factor on q.k before softmax (1 / sqrt(E) for BERT).
     - allowed: None when every query sees every key, else (T, T) bool, True = may attend
-      (a causal model's triangle).
+      (a causal model's triangle), or (layers, T, T) when layers differ (Gemma 2's sliding
+      and full layers).
+    - unsupported: None, or why the four steps cannot reproduce this model's weights (a term
+      of its scores that they do not hold, such as Gemma 2's soft-capping); `steps` raises it.
     """
 
     q: torch.Tensor
@@ -53,6 +56,7 @@ class Projections:
     v: torch.Tensor
     scale: float
     allowed: torch.Tensor | None = None
+    unsupported: str | None = None
 
     def __post_init__(self) -> None:
         q, k, v = self.q, self.k, self.v
@@ -67,8 +71,13 @@ class Projections:
             )
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale) or self.scale <= 0:
             raise ValueError(f"projections scale must be a positive finite number, got {self.scale!r}")
-        if self.allowed is not None and (self.allowed.dtype != torch.bool or tuple(self.allowed.shape) != (T, T)):
-            raise ValueError(f"projections allowed must be a bool tensor ({T}, {T}) or None, got {self.allowed!r}")
+        if self.allowed is not None and (
+            self.allowed.dtype != torch.bool or tuple(self.allowed.shape) not in ((T, T), (layers, T, T))
+        ):
+            raise ValueError(
+                f"projections allowed must be a bool tensor ({T}, {T}) or ({layers}, {T}, {T}) or None, "
+                f"got {self.allowed!r}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -77,6 +86,12 @@ class Projections:
     @property
     def num_heads(self) -> int:
         return int(self.q.shape[1])
+
+    def allowed_rows(self, layer: int) -> torch.Tensor | None:
+        """(T, T) bool of ``layer``: True where a query may see a key; None = every key."""
+        if self.allowed is None or self.allowed.ndim == 2:
+            return self.allowed
+        return self.allowed[layer]
 
     def head(self, layer: int, head: int) -> tuple[Array, Array, Array]:
         """Head ``head`` of ``layer`` in float64: q (T, E), k (T, E), v (T, Ev)."""
@@ -126,8 +141,11 @@ def steps(projections: Projections, attentions: torch.Tensor, layer: int, head: 
     for name, value, count in (("layer", layer, layers), ("head", head, H), ("query", query, T)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
             raise ValueError(f"{name} must be an int in [0, {count}), got {value!r}")
+    if projections.unsupported is not None:
+        raise ValueError(f"the four steps cannot reproduce this model's weights: {projections.unsupported}")
     q, k, v = projections.head(layer, head)  # (T, E), (T, E), (T, Ev)
-    allowed = None if projections.allowed is None else projections.allowed[query].numpy()  # (T,)
+    rows = projections.allowed_rows(layer)  # (T, T) | None
+    allowed = None if rows is None else rows[query].numpy()  # (T,)
     mask = None if allowed is None else allowed[None, :]  # (1, T)
     trace = reference.attention(q[query][None, :], k, v, mask=mask, scale=projections.scale)  # one row (1, ...)
     scaled = trace.scaled[0]  # (T,)

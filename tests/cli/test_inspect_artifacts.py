@@ -65,3 +65,40 @@ def test_written_paths_are_printed_whole_on_a_narrow_terminal(runner: CliRunner,
     result = runner.invoke(app, ["inspect", "a short text", "--html", str(html)])
     assert result.exit_code == 0, result.output
     assert f"wrote {html} (" in result.stdout
+
+
+def _start(page: str) -> dict[str, int]:
+    import re
+
+    block = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', page, re.S)
+    assert block is not None
+    return json.loads(block.group(1))["start"]
+
+
+def test_the_viewer_opens_on_the_head_that_looks_hardest_from_the_token(runner: CliRunner, tmp_path: Path) -> None:
+    """The rule of qkv.viz.viewer.opening_head, recomputed here in plain loops: for the rows of
+    --token's pieces, the largest weight on another word's token, averaged; the best head."""
+    import numpy as np
+
+    from qkv.models import load_encoder
+
+    inspection = load_encoder().inspect(TEXT)
+    rows = inspection.find("it")
+    weights = inspection.attentions.numpy()
+    best, where = -1.0, None
+    for layer in range(inspection.num_layers):
+        for head in range(inspection.num_heads):
+            strongest = [
+                max(weights[layer, head, i, j] for j in range(len(inspection.tokens))
+                    if inspection.word_ids[j] is not None and j != i)
+                for i in rows
+            ]
+            if float(np.mean(strongest)) > best:
+                best, where = float(np.mean(strongest)), {"layer": layer, "head": head}
+    path = tmp_path / "it.html"
+    result = runner.invoke(app, ["inspect", TEXT, "--token", "it", "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    assert _start(path.read_text(encoding="utf-8")) == where
+    assert where != {"layer": 0, "head": 0}  # where the viewer used to open, every line faint
+    chosen = runner.invoke(app, ["inspect", TEXT, "--token", "it", "--html", str(path), "--layer", "0", "--head", "3"])
+    assert chosen.exit_code == 0 and _start(path.read_text(encoding="utf-8")) == {"layer": 0, "head": 3}

@@ -23,3 +23,16 @@ def test_sketch_equals_reference_and_shapes() -> None:
 
 def test_seeded() -> None:
     np.testing.assert_array_equal(multi_head.run().trace.output, multi_head.run().trace.output)
+
+
+def test_heads_are_numbered_from_0_as_everywhere() -> None:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(multi_head.run().render())
+    shown = console.export_text()
+    H = multi_head.HEADS
+    assert all(f"head {h} weights" in shown for h in range(H)) and f"head {H} weights" not in shown
+    assert f"[out_0 ... out_{H - 1}]" in shown and "out_1 ..." not in shown

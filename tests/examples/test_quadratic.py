@@ -55,3 +55,15 @@ def test_sliding_window_path(result: quadratic.Result) -> None:
         assert after.visited / before.visited < 2.5 * after.n / before.n / 2
     assert result.window_max_difference < 1e-5
     assert result.explain_window
+
+
+def test_the_headline_says_what_is_exact_and_what_is_measured(result: quadratic.Result) -> None:
+    """The title promised "four times the time" while the measured column showed x1.2-x3.1: only
+    the score count (and the memory that holds it) is x4 per doubling by construction."""
+    first, last = result.sizes[0], result.sizes[-1]
+    growth = last.scores // first.scores
+    assert growth == (last.n // first.n) ** 2 == 64  # 256 -> 2048, by hand
+    headline = result.headline()
+    assert headline.startswith(f"n x8: scores x{growth} (n^2, exact); measured on the reference: memory x")
+    assert f"(x{growth} only in the limit)" in headline
+    assert quadratic.TITLE.endswith("four times the scores and the memory") and "time grows toward x4" in quadratic.SUMMARY

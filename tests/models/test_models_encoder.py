@@ -309,3 +309,21 @@ def test_token_ids_are_the_reference_tokenizers(encoder: Encoder, st_model) -> N
     assert encoder.tokenizer.lengths(texts[:2]) == [len(ids) for ids in want[:2]]
     with pytest.raises(ValueError, match=r"512 positions"):
         encoder.token_ids(texts)
+
+
+@pytest.mark.parametrize("text", ["caf\udce9", "a\ud800b", "\udcff" + "x" * 60])
+def test_a_lone_surrogate_is_refused_naming_the_text(encoder: Encoder, text: str) -> None:
+    """Python makes lone surrogates from bytes that were not UTF-8; the tokenizer would answer
+    with its own TypeError, naming neither the text nor the cause."""
+    bad = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    with pytest.raises(ValueError, match=rf"lone surrogate \(U\+{ord(text[bad]):04X}\) at character {bad}"):
+        encoder.inspect(text)
+    with pytest.raises(ValueError, match=r"^text 1 .*lone surrogate"):
+        encoder.encode(["fine", text])
+    with pytest.raises(ValueError, match="lone surrogate"):
+        encoder.token_counts([text])
+
+
+def test_token_counts_include_cls_and_sep(encoder: Encoder) -> None:
+    # "the cat sat" is three WordPiece tokens of the uncased vocabulary, plus [CLS] and [SEP]
+    assert encoder.token_counts(["the cat sat", "hello"]) == [5, 3]

@@ -129,3 +129,22 @@ def test_existing_word_aggregation_still_holds() -> None:
     # the viewers' contract: rows of word attention still sum to 1
     words = _inspection().word_attentions()
     torch.testing.assert_close(words.sum(-1), torch.ones(words.shape[:-1]))
+
+
+def test_words_of_a_byte_level_bpe_tokenizer_whose_offsets_hold_the_space() -> None:
+    """GPT-2's tokenizer counts the space before a word into its first token ("Ġit" spans
+    " it"); every occurrence is still found, with or without the space in the query."""
+    text = "it said it is New York it"
+    #          it      Ġsaid     Ġit      Ġis      ĠNew      ĠYork      Ġit
+    offsets = [(0, 2), (2, 7), (7, 10), (10, 13), (13, 17), (17, 22), (22, 25)]
+    tokens = ["it", "Ġsaid", "Ġit", "Ġis", "ĠNew", "ĠYork", "Ġit"]
+    inspection = Inspection(
+        text, tokens, offsets, list(range(7)), torch.full((1, 1, 7, 7), 1 / 7), torch.zeros(2, 7, 1), "bpe"
+    )
+    assert inspection.occurrences("it") == [[0], [2], [6]]
+    assert inspection.occurrences(" it") == [[0], [2], [6]]
+    assert inspection.find("new york") == [4, 5]
+    assert inspection.occurrences("is") == [[3]]  # a whole word
+    assert inspection.words == ["it", "said", "it", "is", "New", "York", "it"]
+    with pytest.raises(ValueError, match=r"its words are \['it', 'said', 'it', 'is', 'New', 'York', 'it'\]"):
+        inspection.find("cat")

@@ -47,11 +47,14 @@ def make_inspection(
 
 
 def make_projected_inspection(
-    words: list[list[str]], *, layers: int = 2, heads: int = 4, kv_heads: int = 2, E: int = 6, seed: int = 0
+    words: list[list[str]], *, layers: int = 2, heads: int = 4, kv_heads: int = 2, E: int = 6, seed: int = 0,
+    decoder: bool = False,
 ) -> Inspection:
     """Like `make_inspection`, but the attention comes from random per-head q, k, v kept as
     `Projections` (grouped-query: head h reads key/value head h // (heads // kv_heads)), so
-    that the steps of every row can be shown."""
+    that the steps of every row can be shown. ``decoder``: layer 0 is causal and the other
+    layers see a window of the query and the 2 tokens before it, as a decoder's layers may
+    differ (Gemma 2)."""
     from qkv.inspect import Projections
 
     base = make_inspection(words, layers=layers, heads=heads, seed=seed)
@@ -62,8 +65,13 @@ def make_projected_inspection(
     v = torch.randn(layers, kv_heads, T, E + 1, generator=generator)
     scale = E**-0.5
     scores = scale * q.double() @ k.double().repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2)  # (layers, H, T, T)
+    allowed = None
+    if decoder:
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        allowed = torch.stack([j <= i, *[(j <= i) & (j >= i - 2)] * (layers - 1)])  # (layers, T, T)
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     attentions = torch.softmax(scores, dim=-1).float()
     return Inspection(
         base.text, base.tokens, base.offsets, base.word_ids, attentions, base.hidden_states,
-        model_name="handmade", projections=Projections(q=q, k=k, v=v, scale=scale),
+        model_name="handmade", projections=Projections(q=q, k=k, v=v, scale=scale, allowed=allowed),
     )

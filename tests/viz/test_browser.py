@@ -24,7 +24,7 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="module")
 def small_file(small: Inspection, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return html(small, tmp_path_factory.mktemp("viewer") / "small.html")
+    return html(small, tmp_path_factory.mktemp("viewer") / "small.html", layer=0, head=0)
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_model_view_thumbnails_draw_every_head_and_open_it(
 
 def test_hostile_tokens_render_as_text(browser: Browser, tmp_path: Path) -> None:
     inspection = make_inspection([[token] for token in HOSTILE_TOKENS], layers=1, heads=2)
-    viewer = open_viewer(browser, html(inspection, tmp_path / "hostile.html"))
+    viewer = open_viewer(browser, html(inspection, tmp_path / "hostile.html", layer=0, head=0))
     try:
         assert viewer.column("query") == inspection.tokens  # the literal strings
         assert viewer.column("key") == inspection.tokens
@@ -150,7 +150,7 @@ def test_long_input_draws_a_capped_overview_and_full_focus(
     browser: Browser, tmp_path: Path
 ) -> None:
     inspection = make_inspection([[f"w{i}"] for i in range(398)], layers=1, heads=2)  # T = 400
-    viewer = open_viewer(browser, html(inspection, tmp_path / "long.html"))
+    viewer = open_viewer(browser, html(inspection, tmp_path / "long.html", layer=0, head=0))
     try:
         assert 0 < int(viewer.page.get_attribute("#all-lines", "data-lines")) <= 1000  # long input: the lower cap
         assert viewer.page.text_content("#overview-note").startswith("Overview: the ")

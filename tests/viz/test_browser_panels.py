@@ -34,7 +34,7 @@ def projected():
 
 @pytest.fixture
 def page(browser: Browser, projected, tmp_path: Path):
-    opened = open_viewer(browser, html(projected, tmp_path / "projected.html"))
+    opened = open_viewer(browser, html(projected, tmp_path / "projected.html", layer=0, head=0))
     yield opened
     opened.page.close()
 
@@ -90,6 +90,25 @@ def test_clicking_a_cell_of_a_small_map_opens_that_head_and_its_steps(page: View
     assert_panel_is_the_steps(page, projected, 1, 2, 6, 4)
 
 
+def test_a_decoders_steps_follow_its_mask_in_every_layer(browser: Browser, tmp_path: Path) -> None:
+    """A decoder's file carries which keys each query sees (causal in layer 0, a window of 3 in
+    layer 1); its steps equal `Inspection.steps`, and a hidden key says so with exp = 0."""
+    decoder = make_projected_inspection(WORDS, decoder=True)
+    viewer = open_viewer(browser, html(decoder, tmp_path / "decoder.html"))
+    try:
+        for layer, query, key in ((0, 6, 2), (1, 6, 5), (1, 6, 2), (0, 3, 8)):
+            viewer.page.select_option("#layer", str(layer))
+            viewer.page.select_option("#head", "1")
+            viewer.page.click(f'#queries .token[data-index="{query}"]')
+            viewer.page.click(f'#keys .token[data-index="{key}"]')
+            assert_panel_is_the_steps(viewer, decoder, layer, 1, query, key)
+            hidden = "the model's mask hides this key from this query: exp = 0" in viewer.page.text_content("#steps")
+            assert hidden == (key > query or (key < query - 2 and layer == 1))
+            viewer.page.click(f'#queries .token[data-index="{query}"]')  # unpin
+    finally:
+        viewer.page.close()
+
+
 def test_steps_panel_refuses_what_has_no_single_head(page: Viewer) -> None:
     page.page.check("#average")
     page.page.click('#queries .token[data-index="3"]')
@@ -128,7 +147,7 @@ def test_rollout_view_draws_the_rollout_through_the_layer(page: Viewer, projecte
 def test_compare_mode_with_hostile_tokens_in_both_texts(browser: Browser, tmp_path: Path) -> None:
     a = make_inspection([["the"], [HOSTILE], ["fit"], *([t] for t in HOSTILE_TOKENS[1:3])], layers=2, heads=2, seed=1)
     b = make_inspection([["the"], ["</script><b>y</b>"], ["fit"], [HOSTILE], ["$x$"]], layers=2, heads=2, seed=2)
-    viewer = open_viewer(browser, html(a, tmp_path / "compare.html", compare=b))
+    viewer = open_viewer(browser, html(a, tmp_path / "compare.html", compare=b, layer=0, head=0))
     try:
         page = viewer.page
         assert viewer.column("query") == a.tokens
@@ -174,7 +193,7 @@ def test_long_inputs_keep_exact_top_k_weights(browser: Browser, tmp_path: Path, 
     inspection = make_projected_inspection([[f"w{i}"] for i in range(58)], layers=1, heads=2, kv_heads=1)  # T = 60
     monkeypatch.setattr(viewer_module, "DENSE_LIMIT", 1000)  # 1 x 2 x 60 x 60 = 7200 weights: too many
     monkeypatch.setattr(viewer_module, "SPARSE_BUDGET", 1 * 2 * 60 * 8 * 5)  # room for k = 5 per row
-    viewer = open_viewer(browser, html(inspection, tmp_path / "sparse.html"))
+    viewer = open_viewer(browser, html(inspection, tmp_path / "sparse.html", layer=0, head=0))
     try:
         note = viewer.page.text_content("#storage-note")
         assert "each query keeps its 5 largest weights, exactly" in note
@@ -208,7 +227,7 @@ def _layout(viewer: Viewer) -> list:
 @pytest.mark.parametrize("long_token", [False, True])
 def test_nothing_moves_under_the_pointer(browser: Browser, tmp_path: Path, long_token: bool) -> None:
     words = [["the"], ["tro", "##phy"], ["x" * 5000 if long_token else "fit"], ["it"]]
-    viewer = open_viewer(browser, html(make_projected_inspection(words), tmp_path / "still.html"))
+    viewer = open_viewer(browser, html(make_projected_inspection(words), tmp_path / "still.html", layer=0, head=0))
     try:
         before = _layout(viewer)
         width = viewer.page.evaluate("document.documentElement.scrollWidth")
@@ -223,3 +242,54 @@ def test_nothing_moves_under_the_pointer(browser: Browser, tmp_path: Path, long_
         assert _layout(viewer) == before
     finally:
         viewer.page.close()
+
+
+def test_the_difference_matrix_has_labelled_axes(browser: Browser, tmp_path: Path) -> None:
+    """Key words along the top, query words down the left, in the matrix's order (the shared
+    words, text A's spelling), hostile ones as plain text."""
+    a = make_inspection([["the"], ["tro", "##phy"], [HOSTILE], ["fit"]], layers=1, heads=2, seed=3)
+    b = make_inspection([["the"], ["tro", "##phy"], ["did"], [HOSTILE], ["fit"]], layers=1, heads=2, seed=4)
+    viewer = open_viewer(browser, html(a, tmp_path / "axes.html", compare=b, layer=0, head=0))
+    try:
+        page = viewer.page
+        shared = [a.words[i] for i, _ in viewer_module.align_words(a.words, b.words)]
+        assert shared == ["[CLS]", "the", "trophy", HOSTILE, "fit", "[SEP]"]
+        for axis in ("#diff-keys", "#diff-queries"):
+            assert page.eval_on_selector_all(f"{axis} span", "ss => ss.map(s => s.textContent)") == shared
+        assert page.text_content("#diff-corner") == "query ↓ key →"
+        box = lambda selector: page.locator(selector).bounding_box()  # noqa: E731
+        matrix, keys, queries = box("#diff-map"), box("#diff-keys"), box("#diff-queries")
+        assert keys["y"] + keys["height"] <= matrix["y"] + 1 and abs(keys["x"] - matrix["x"]) <= 1  # above it
+        assert queries["x"] + queries["width"] <= matrix["x"] + 1 and abs(queries["y"] - matrix["y"]) <= 1  # left
+        # one label per row / column, each over its own cell of the matrix
+        key_boxes = page.eval_on_selector_all("#diff-keys span", "ss => ss.map(s => s.getBoundingClientRect().left)")
+        assert np.all(np.diff(key_boxes) > 0) and key_boxes[-1] < matrix["x"] + matrix["width"]
+        assert page.evaluate("document.querySelectorAll('img, b, main script').length") == 0
+        assert viewer.console == []
+    finally:
+        viewer.page.close()
+
+
+@pytest.mark.parametrize("compare", [False, True])
+def test_a_420_pixel_screen_keeps_every_column_on_screen(browser: Browser, tmp_path: Path, compare: bool) -> None:
+    inspection = make_projected_inspection(WORDS)
+    other = make_projected_inspection(WORDS, seed=5) if compare else None
+    path = html(inspection, tmp_path / "narrow.html", compare=other, layer=0, head=0)
+    page = browser.new_page(viewport={"width": 420, "height": 800})
+    try:
+        page.goto(path.resolve().as_uri())
+        page.wait_for_selector("body[data-ready=true]", timeout=20_000)
+        assert page.evaluate("document.scrollingElement.scrollWidth") <= 420  # no sideways scrolling
+        for keys in ["#keys", *(["#keys-b"] if compare else [])]:
+            column = page.locator(keys).bounding_box()
+            assert column["x"] >= 0 and column["x"] + column["width"] <= 420, (keys, column)
+            queries = page.locator(keys.replace("keys", "queries")).bounding_box()
+            assert queries["x"] >= 0 and queries["x"] + queries["width"] <= column["x"]
+        # and the head view still works there: hovering a query draws its row
+        page.hover('#queries .token[data-index="2"]')
+        drawn = page.eval_on_selector_all("#focus-lines line", "ls => ls.map(l => Number(l.dataset.weight))")
+        np.testing.assert_allclose(drawn, inspection.attentions[0, 0, 2].numpy(), atol=TOLERANCE)
+        ends = page.eval_on_selector_all("#focus-lines line", "ls => ls.map(l => Number(l.getAttribute('x2')))")
+        assert set(ends) == {page.locator("#lines").bounding_box()["width"]}
+    finally:
+        page.close()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from tests.viz._inspections import HOSTILE_TOKENS, make_inspection
 
+from qkv.inspect import Inspection
 from qkv.viz import html, render, render_inline
 from qkv.viz.viewer import QUANT_LEVELS
 
@@ -109,3 +110,42 @@ def test_attentions_must_match_the_tokens(small) -> None:
     object.__setattr__(broken, "attentions", torch.ones(1, 1, 4, 4) / 4)  # 3 tokens, 4 x 4 maps
     with pytest.raises(ValueError, match=r"\(layers, heads, 3, 3\) for 3 tokens"):
         render(broken)
+
+
+def _hand_made_heads() -> Inspection:
+    """[CLS] the cat sat [SEP], 3 layers x 3 heads, every row uniform except:
+    layer 0 head 1 puts 0.9 of every row on [SEP] (a "no-op" head: faint lines everywhere),
+    layer 1 head 0 puts 0.9 of every row on the query itself,
+    layer 2 head 2 sends "sat" (token 3) 0.7 to "cat" (token 2), the others' rows 0.5 to "the".
+    """
+    T = 5
+    attentions = torch.full((3, 3, T, T), 1 / T)  # (layers, heads, T, T)
+    attentions[0, 1] = 0.1 / (T - 1)
+    attentions[0, 1, :, 4] = 0.9
+    attentions[1, 0] = 0.1 / (T - 1)
+    attentions[1, 0, torch.arange(T), torch.arange(T)] = 0.9
+    attentions[2, 2] = 0.5 / (T - 1)
+    attentions[2, 2, :, 1] = 0.5 + 0.5 / (T - 1)
+    attentions[2, 2, 3] = torch.tensor([0.1, 0.1, 0.7, 0.0, 0.1])
+    tokens = ["[CLS]", "the", "cat", "sat", "[SEP]"]
+    offsets = [(0, 0), (0, 3), (4, 7), (8, 11), (0, 0)]
+    return Inspection("the cat sat", tokens, offsets, [None, 0, 1, 2, None], attentions, torch.zeros(4, T, 2))
+
+
+def test_the_viewer_opens_on_the_head_that_looks_hardest_at_another_word() -> None:
+    """By hand: each head's mean, over the query rows, of the largest weight on another word's
+    token. Uniform heads: 0.2. [SEP] head 0 -> 0.1 / 4 = 0.025 ([SEP] does not count), self
+    head: 0.025 (itself does not count). Layer 2 head 2, all word rows: "the" gives 0.625 to
+    nothing else but 0.125 ("cat" or "sat"): (0.125 + 0.625 + 0.7) / 3 = 0.483; the best."""
+    from qkv.viz.viewer import opening_head
+
+    inspection = _hand_made_heads()
+    assert opening_head(inspection) == (2, 2)
+    assert opening_head(inspection, [3]) == (2, 2)  # "sat": 0.7 on "cat"
+    assert opening_head(inspection, [3], layer=0) == (0, 0)  # uniform 0.2 beats [SEP]'s 0.025 and ties head 2
+    assert opening_head(inspection, head=1) == (1, 1)  # layers 1 and 2 tie at 0.2: the first
+    assert opening_head(inspection, layer=1, head=0) == (1, 0)  # both given: kept
+    assert _data(render(inspection))["start"] == {"layer": 2, "head": 2}
+    assert _data(render(inspection, layer=0, head=1))["start"] == {"layer": 0, "head": 1}
+    with pytest.raises(ValueError, match="query must be a non-empty list of token indices in"):
+        render(inspection, query=[5])

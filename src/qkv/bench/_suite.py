@@ -61,6 +61,10 @@ __all__ = [
 PEAK_RSS_GOAL_BYTES = 1.5e9  # the sliding window forward at STANDARD.n_memory stays below this
 
 
+# Wider than any table: the width a table is measured in to find the width it needs.
+_UNBOUNDED_WIDTH = 100_000
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Sizes of one benchmark run (B = 1, one dtype throughout)."""
@@ -147,7 +151,9 @@ class BenchReport:
 
     def print(self, console: Console) -> None:
         """The comparisons as a table, then the machine's matmul rate, the FLOP fraction and the
-        peak memory; sentences are printed unwrapped and without markup."""
+        peak memory; sentences are printed unwrapped and without markup. On a console that is
+        not a terminal the table takes the width it needs: no number is ever cut."""
+        from rich.console import Console
         from rich.table import Table
         from rich.text import Text
 
@@ -168,7 +174,12 @@ class BenchReport:
                 c.name, str(c.n), f"{c.qkv_s * 1e3:.1f}", c.peer, f"{c.peer_s * 1e3:.1f}", f"{c.speedup:.2f}x",
                 *goal, f"{c.qkv_gflops:.1f}", f"{c.qkv_gflops / self.matmul_gflops:.0%}",
             )
-        console.print(table)
+        # measured without the console's width, which would clamp it
+        needed = console.measure(table, options=console.options.update_width(_UNBOUNDED_WIDTH)).maximum
+        if console.is_terminal or needed <= console.width:
+            console.print(table)
+        else:  # a file or a pipe has no width: the whole table, never "42939…" cut to 80 columns
+            Console(file=console.file, width=needed, color_system=None).print(table)
         if not judge:
             say("A smoke run (--quick): every comparison runs, on sizes too small and repeats too few "
                 "to judge speed against the goals; run `qkv bench` without --quick for that.")

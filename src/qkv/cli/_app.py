@@ -10,12 +10,16 @@ message is ever hard-wrapped at the terminal's width (a path in it stays copy-pa
   printed plain, click's way, instead of typer's rich panels that wrap at the terminal width;
 - an argument that is not valid UTF-8 (``qkv inspect $'caf\\xe9'``): exit 2 before parsing;
 - output that cannot be written (``qkv examples > /dev/full``, a disk filling up): exit 1.
+
+The library's notes (the ``qkv`` logger: a kernel compiled on first use, a fallback, a dtype
+this CPU emulates; each once per process) are printed on stderr as ``qkv: ...`` lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.text import Text
 from typer.core import TyperGroup
 
@@ -37,10 +41,13 @@ __all__ = [
     "console",
     "err_console",
     "fail",
+    "print_whole",
     "say",
     "undecodable_argument",
 ]
 
+# Wider than any table: the width a table is measured in to find the width it needs.
+_UNBOUNDED_WIDTH = 100_000
 USAGE_ERROR = 2
 OUTPUT_ERROR = 1  # the work was fine, its output could not be written
 
@@ -95,6 +102,27 @@ def _silence_stdout() -> None:
         return
 
 
+class _StderrNotes(logging.Handler):
+    """The ``qkv`` logger's notes as one unwrapped line each on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            err_console.print(Text(f"qkv: {record.getMessage()}"), highlight=False, soft_wrap=True)
+        except Exception:  # logging's rule: a handler that fails reports it and goes on
+            self.handleError(record)
+
+
+_NOTES = _StderrNotes(logging.INFO)
+
+
+def _show_library_notes() -> None:
+    """Print the library's notes from here on (once per process, however often main runs)."""
+    library = logging.getLogger("qkv")
+    if _NOTES not in library.handlers:
+        library.addHandler(_NOTES)
+    library.setLevel(logging.INFO)
+
+
 class QkvGroup(TyperGroup):
     """The `qkv` command group, with the error rules of the module docstring."""
 
@@ -109,6 +137,7 @@ class QkvGroup(TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         args = sys.argv[1:] if args is None else list(args)
+        _show_library_notes()
         try:
             bad = undecodable_argument(args)
             if bad is not None:
@@ -173,6 +202,19 @@ def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     """Print a clear message to stderr and exit (2 = usage error) instead of a traceback."""
     _print_error(message)
     raise typer.Exit(code)
+
+
+def print_whole(renderable: RenderableType, out: Console | None = None) -> None:
+    """Print a table (or any renderable) on stdout without cutting a cell: written to a file
+    or a pipe, where no terminal width applies, it gets all the width it needs (rich would
+    fit it to 80 columns, cutting numbers to "42939…"); on a terminal, the terminal's width."""
+    out = console if out is None else out
+    needed = out.measure(renderable, options=out.options.update_width(_UNBOUNDED_WIDTH)).maximum  # not clamped
+    if out.is_terminal or needed <= out.width:
+        out.print(renderable)
+        return
+    wide = Console(file=out.file, width=needed, color_system=None, force_terminal=False)
+    wide.print(renderable)
 
 
 def say(message: str) -> None:

@@ -28,6 +28,8 @@ def load_or_fail(model: str, dtype: str = "float32") -> Encoder:
             _encoders[model, dtype] = _load(model, dtype)
         except (OSError, ValueError, TypeError) as error:  # OSError: missing or unreadable files
             fail(f"cannot load model {model!r}: {error}")
+        except Exception as error:  # damaged files fail inside third-party loaders in their own ways
+            fail(f"cannot load model {model!r}: {type(error).__name__}: {error}")
     return _encoders[model, dtype]
 
 

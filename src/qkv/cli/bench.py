@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from qkv.cli._app import app, check_output_file, console, err_console, fail, say
+from qkv.cli._app import app, check_output_file, console, fail, say
 from qkv.cli._options import check_dtype
+from qkv.cli._progress import QuietOption, progress
 
 if TYPE_CHECKING:
     from qkv.bench import BenchReport
@@ -43,6 +43,7 @@ def bench_command(
     dtype: Annotated[
         str, typer.Option("--dtype", help="float32 or bfloat16: the dtype of q, k, v and of the matmul rate compared with.")
     ] = "float32",
+    quiet: QuietOption = False,
 ) -> None:
     """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
     # checked before the run (minutes), not found out when the plot is saved after it
@@ -55,12 +56,10 @@ def bench_command(
     config = dataclasses.replace(QUICK if quick else STANDARD, dtype=dtype)
     report = None
     done = "starting"
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=err_console, transient=True) as progress:
-            task = progress.add_task(done, total=steps(config))
-            for done, partial in run_suite(config):
-                progress.update(task, advance=1, description=done)
+        with progress("benchmark steps", steps(config), shown=not (quiet or as_json)) as moved:
+            for count, (done, partial) in enumerate(run_suite(config), start=1):
+                moved(count, done)
                 report = partial
     except subprocess.CalledProcessError as error:
         # the peak-memory child process failed: its own message is the useful part

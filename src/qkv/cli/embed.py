@@ -1,4 +1,4 @@
-"""`qkv embed`: sentence embeddings from the command line, with a progress bar for long inputs.
+"""`qkv embed`: sentence embeddings from the command line, with a progress bar on a terminal.
 
     qkv embed "I ate an apple." "Apple released a phone."       cosine similarities
     qkv embed --file sentences.txt --json > vectors.json          one text per line
@@ -16,15 +16,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, console, fail, say
+from qkv.cli._app import app, fail, print_whole, say
 from qkv.cli._model import load_or_fail, too_long_message
 from qkv.cli._options import BUILTIN_MODEL, DtypeOption, ModelOption
+from qkv.cli._progress import QuietOption, progress
 from qkv.cli._text import read_text_lines
 
 __all__ = ["embed_command"]
 
-# Above this many texts a progress bar is drawn (on stderr, so --json output stays clean).
-PROGRESS_FROM = 64
 # Up to this many texts the table of pairwise cosine similarities is printed.
 SIMILARITY_TABLE_UP_TO = 8
 
@@ -49,6 +48,7 @@ def embed_command(
     truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than the model's positions.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the embeddings as JSON.")] = False,
     dtype: DtypeOption = "float32",
+    quiet: QuietOption = False,
 ) -> None:
     """Sentence embeddings (mean pooling + L2 normalisation, as sentence-transformers computes them)."""
     if batch_size < 1:
@@ -57,10 +57,14 @@ def embed_command(
     encoder = load_or_fail(model, dtype)
     from qkv.models import TextTooLongError
 
+    if not hasattr(encoder, "encode"):
+        fail(f"--model {model}: sentence embeddings come from BERT-family encoders only (mean pooling of "
+             "their last layer); a transformers model's directory serves qkv inspect and qkv heads")
     try:
-        vectors = encoder.encode(
-            all_texts, batch_size=batch_size, truncate=truncate, progress=len(all_texts) >= PROGRESS_FROM
-        )
+        with progress("texts embedded", len(all_texts), shown=not (quiet or as_json)) as report:
+            vectors = encoder.encode(
+                all_texts, batch_size=batch_size, truncate=truncate, progress=lambda done, total: report(done)
+            )
     except TextTooLongError as error:
         others = f" ({error.count} texts are too long)" if error.count > 1 else ""
         fail(too_long_message(error, f"text {error.index}") + others)
@@ -78,4 +82,4 @@ def embed_command(
             table.add_column(str(i), justify="right")
         for i, text in enumerate(all_texts):
             table.add_row(Text(f"{i}: {text}"), *(f"{float(s):.3f}" for s in similarity[i]))  # Text: no markup from users
-        console.print(table)
+        print_whole(table)

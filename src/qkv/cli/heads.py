@@ -23,9 +23,10 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, check_output_file, console, fail, say
+from qkv.cli._app import app, check_output_file, fail, print_whole, say
 from qkv.cli._model import load_or_fail, too_long_message
 from qkv.cli._options import BUILTIN_MODEL, JsonOption, ModelOption, TruncateOption
+from qkv.cli._progress import QuietOption, progress
 from qkv.cli._text import read_text_lines
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def heads_command(
     png: Annotated[
         Path | None, typer.Option("--png", help="Write the layers x heads grid coloured by dominant role here (.png or .svg).")
     ] = None,
+    quiet: QuietOption = False,
 ) -> None:
     """What each head looks at: previous / next token, itself, [CLS], [SEP], punctuation, the rest."""
     check_output_file(png, "--png", (".png", ".svg"))
@@ -91,7 +93,8 @@ def heads_command(
 
     texts = list(ROLE_SENTENCES) if texts is None else texts
     try:
-        roles = head_roles(encoder, texts, truncate=truncate)
+        with progress("texts run through the model", len(texts), shown=not (quiet or as_json)) as report:
+            roles = head_roles(encoder, texts, truncate=truncate, progress=lambda done, total: report(done))
     except TextTooLongError as error:
         fail(too_long_message(error, f"text {error.index} of --texts"))
     except ValueError as error:
@@ -120,10 +123,10 @@ def heads_command(
         best.add_column(column, justify="left" if column == "role" else "right")
     for row in strongest:
         best.add_row(row["role"], str(row["layer"]), str(row["head"]), f"{100 * row['share']:.1f}%")
-    console.print(best)
+    print_whole(best)
     for row in strongest:
         say(role_sentence(row["role"], row["layer"], row["head"], row["share"]))
     say("dominant role of each head and its % of the head's attention (rows: layers, columns: heads, both from 0)")
-    console.print(_grid_table(roles))
+    print_whole(_grid_table(roles))
     for path in written:
         say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")

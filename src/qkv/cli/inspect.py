@@ -17,9 +17,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from qkv.cli._app import app, check_output_file, console, fail, say
+from qkv.cli._app import app, check_output_file, console, fail, print_whole, say
 from qkv.cli._model import inspect_or_fail, load_or_fail
 from qkv.cli._options import BUILTIN_MODEL, DtypeOption, JsonOption, ModelOption, TruncateOption
+from qkv.cli._progress import QuietOption, progress
 
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
@@ -68,7 +69,7 @@ def _print_tokens(inspection: Inspection) -> None:
         start, end = row["offsets"]
         word = "" if row["word_id"] is None else str(row["word_id"])
         table.add_row(str(row["index"]), Text(row["token"]), word, f"{start}..{end}" if end > start else "")
-    console.print(table)
+    print_whole(table)
 
 
 def _print_heads(
@@ -83,7 +84,7 @@ def _print_heads(
     for row in rows:
         looks = Text(",  ").join(Text.assemble(f"{t['token']} ", (f"{t['weight']:.3f}", "bold")) for t in row["top"])
         table.add_row(str(row["layer"]), str(row["head"]), looks)
-    console.print(table)
+    print_whole(table)
 
 
 @app.command("inspect")
@@ -105,12 +106,22 @@ def inspect_command(
         bool,
         typer.Option(
             "--steps",
-            help="With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for the word's first token.",
+            help=(
+                "With --token: the four steps (q.k, scale, exp, softmax, mix) of --layer/--head (default 0) for "
+                "the word's first token. For the built-in encoder, BERT directories, and transformers models "
+                "(decoders included) whose scores are scale * q.k plus their mask; a model that soft-caps or "
+                "adds a position bias (Gemma 2, T5) is refused with the reason."
+            ),
         ),
     ] = False,
     dtype: DtypeOption = "float32",
     html: Annotated[
-        Path | None, typer.Option("--html", help="Write the standalone attention viewer (one HTML file) here.")
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write the standalone attention viewer (one HTML file) here. It opens at --layer/--head; "
+            "what is not given is the head whose rows (--token's, else every word's) look hardest at another word.",
+        ),
     ] = None,
     compare: Annotated[
         str | None,
@@ -124,6 +135,7 @@ def inspect_command(
         ),
     ] = None,
     truncate: TruncateOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Run TEXT through the model: its tokens, and where every head looks from --token.
 
@@ -141,23 +153,32 @@ def inspect_command(
         fail("--steps needs --token WORD: the word whose query row is traced")
     check_output_file(html, "--html", (".html", ".htm"))
     check_output_file(png, "--png", (".png", ".svg"))
-    encoder = load_or_fail(model, dtype)
-    inspection = inspect_or_fail(encoder, text, truncate=truncate)
-    other = None if compare is None else inspect_or_fail(encoder, compare, truncate=truncate, name="the --compare text")
-    layers = _check_index(layer, inspection.num_layers, "layer")
-    heads = _check_index(head, inspection.num_heads, "head")
-    query: list[int] | None = None
-    if token is not None:
-        query = _find_or_fail(inspection, token, occurrence)
-    rows = head_report(inspection, query, layers, heads, top) if query is not None else None
-    trace = None
-    if steps:
-        assert query is not None
-        try:
-            trace = inspection.steps(layers[0] if layer is not None else 0, heads[0] if head is not None else 0, query[0])
-        except ValueError as error:
-            fail(str(error))
-    written = _write_artifacts(inspection, html, png, layer, head, compare=other)
+    stages = 2 + (compare is not None) + (html is not None or png is not None)
+    with progress("inspect", stages, shown=not (quiet or as_json)) as moved:
+        moved(0, "loading the model")
+        encoder = load_or_fail(model, dtype)
+        moved(1, "running the text")
+        inspection = inspect_or_fail(encoder, text, truncate=truncate)
+        other = None
+        if compare is not None:
+            moved(2, "running the --compare text")
+            other = inspect_or_fail(encoder, compare, truncate=truncate, name="the --compare text")
+        layers = _check_index(layer, inspection.num_layers, "layer")
+        heads = _check_index(head, inspection.num_heads, "head")
+        query: list[int] | None = None
+        if token is not None:
+            query = _find_or_fail(inspection, token, occurrence)
+        rows = head_report(inspection, query, layers, heads, top) if query is not None else None
+        trace = None
+        if steps:
+            assert query is not None
+            try:
+                trace = inspection.steps(layers[0] if layer is not None else 0, heads[0] if head is not None else 0, query[0])
+            except ValueError as error:
+                fail(str(error))
+        if html is not None or png is not None:
+            moved(stages - 1, "writing the files")
+        written = _write_artifacts(inspection, html, png, layer, head, compare=other, query=query)
 
     if as_json:
         report: dict[str, Any] = {
@@ -187,7 +208,7 @@ def inspect_command(
         from qkv.cli.steps import render_steps
 
         assert token is not None
-        console.print(render_steps(inspection, trace, token))
+        print_whole(render_steps(inspection, trace, token))
     for path in written:
         say(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
@@ -216,15 +237,16 @@ def _write_artifacts(
     head: int | None,
     *,
     compare: Inspection | None = None,
+    query: list[int] | None = None,
 ) -> list[Path]:
-    """The viewer (opened at --layer/--head, comparing with --compare) and the heatmap that
-    --html and --png ask for."""
+    """The viewer (opened at --layer/--head, or by `qkv.viz.viewer.opening_head` for the
+    --token's tokens; comparing with --compare) and the heatmap that --html and --png ask for."""
     written = []
     if html is not None:
         from qkv.viz import html as write_html
 
-        start = {"layer": layer or 0, "head": head or 0}
-        written.append(write_html(inspection, html, compare=compare, **start))
+        # opened at --layer / --head; what is not given, at the head that looks hardest from --token
+        written.append(write_html(inspection, html, compare=compare, layer=layer, head=head, query=query))
     if png is not None:
         from qkv.viz import save_heatmap
 
@@ -275,4 +297,4 @@ def context_command(
     table.add_column("")
     for label, cosine in zip(labels, similarity, strict=True):
         table.add_row(label, f"{cosine:.4f}", "█" * max(0, round(20 * cosine)))
-    console.print(table)
+    print_whole(table)

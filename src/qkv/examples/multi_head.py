@@ -7,6 +7,8 @@
     # multi-head: do the above H times in parallel, then
     combined = concat(out_1, ..., out_H) @ W_O
 
+(qkv numbers heads from 0, as everywhere: the article's out_1 ... out_H are heads 0 ... H - 1.)
+
 H = 2 heads, each with its own W_Q, W_K, W_V projecting the D = 8 model width to a smaller
 E = Ev = 4 subspace (D / H, the usual split), then the heads' outputs side by side (L x H*Ev)
 and W_O (H*Ev x D) mixing them back to one vector per token. The embeddings and matrices are
@@ -98,17 +100,17 @@ class Result(ExampleResult):
             ("scores_h", "Q_h K_h^T / sqrt(d_k)", t.heads.scaled[0]),
             ("weights_h", "softmax per row", t.heads.weights[0]),
             ("out_h", "weights_h V_h", t.heads.output[0]),
-            ("concat", f"[out_1 ... out_{H}]", t.concat),
+            ("concat", f"[out_0 ... out_{H - 1}]", t.concat),
             ("W_O", "mixes the heads", self.w_o),
             ("output", "concat W_O", t.output),
         ]
         steps = table(["step", "formula", "shape"], [[s, f, shape(a)] for s, f, a in rows])
         heads = side_by_side(
-            *(matrix_table(f"head {h + 1} weights", t.heads.weights[h], words, words, digits=2) for h in range(H))
+            *(matrix_table(f"head {h} weights", t.heads.weights[h], words, words, digits=2) for h in range(H))
         )
         return Group(
             steps,
-            Text("Each head attends differently (row: query, column: key)", style="italic"),
+            Text(f"Each head attends differently (heads 0 to {H - 1}; row: query, column: key)", style="italic"),
             heads,
             matrix_table("output = concat W_O", t.output, words, [str(d) for d in range(t.output.shape[-1])], digits=2),
             Text(

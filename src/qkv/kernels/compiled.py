@@ -33,6 +33,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from qkv._log import note_once
 from qkv.kernels.machine import cpu_features
 
 __all__ = [
@@ -189,8 +190,9 @@ class NativeKernel:
 def build(kernel: NativeKernel, check: Callable[[ModuleType], str | None]) -> ModuleType | str:
     """Compile (or load the cached build of) ``kernel`` as the module ``qkv_<stem>_<hash>`` and
     run ``check`` on it: the module, or why there is none (the build's first error line, or
-    what ``check`` returned). Its name and build duration are said on stderr when it compiles,
-    and how long it took when done."""
+    what ``check`` returned). Its name and build duration are noted when it compiles, and how
+    long it took when done (`qkv._log.note_once`: the ``qkv`` logger, once per build; a build
+    or check that fails is noted once too)."""
     with _BUILD_LOCK:
         logger = logging.getLogger("torch.utils.cpp_extension")
         level = logger.level
@@ -200,11 +202,14 @@ def build(kernel: NativeKernel, check: Callable[[ModuleType], str | None]) -> Mo
         finally:
             logger.setLevel(level)  # the caller's logging as it was
         if isinstance(module, str):
+            note_once(f"fallback {kernel.stem}", f"the {kernel.name} is not used, qkv runs its portable path: {module}")
             return module
         try:
             error = check(module)
         except Exception as failure:  # a check that raises is a reason to fall back too
             error = f"its check at load raised {type(failure).__name__}: {str(failure).strip()[:200]}"
+        if error is not None:
+            note_once(f"fallback {kernel.stem}", f"the {kernel.name} is not used, qkv runs its portable path: {error}")
         return module if error is None else error
 
 
@@ -268,7 +273,7 @@ def _load(stem: str, source: Path, description: str, cflags: list[str], duration
             lock.unlink(missing_ok=True)
         compiles = not any(folder.glob(f"{name}*.so"))
         if compiles:
-            print(f"qkv: compiling the {description} once ({duration}) into {folder}", file=sys.stderr, flush=True)
+            note_once(f"build {name}", f"compiling the {description} once ({duration}) into {folder}")
         started = time.perf_counter()
         with warnings.catch_warnings(), _path(_build_path()):
             warnings.simplefilter("ignore")
@@ -277,7 +282,7 @@ def _load(stem: str, source: Path, description: str, cflags: list[str], duration
                 with_cuda=False, verbose=False,
             )  # fmt: skip
         if compiles:
-            print(f"qkv: built the {description} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            note_once(f"built {name}", f"built the {description} in {time.perf_counter() - started:.0f} s")
         return module
     except Exception as error:  # a failed build is a reason to fall back, never a traceback
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

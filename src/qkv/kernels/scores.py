@@ -14,6 +14,7 @@ autograd: q, k, the bias tensors and whatever score_mod closes over receive grad
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,10 +38,13 @@ _SCORE_MOD_FLOPS = 1
 
 
 def check_softcap(softcap: object) -> float | None:
-    """None, or a positive finite float (ValueError otherwise)."""
+    """None, or a positive finite float (ValueError otherwise); like ``scale``, a NumPy scalar
+    or a one-element tensor without gradient counts as its number."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0.0 < float(softcap) < float("inf")):
+    if isinstance(softcap, torch.Tensor) and softcap.numel() == 1 and not softcap.requires_grad:
+        softcap = softcap.item()  # a complex or bool tensor becomes a complex or bool: refused below
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (0.0 < float(softcap) < float("inf")):
         raise ValueError(f"softcap must be a positive finite number, got {softcap!r}")
     return float(softcap)
 

@@ -40,8 +40,10 @@ __all__ = [
     "Encoder",
     "TextTooLongError",
     "builtin_model_dir",
+    "check_text",
     "load_encoder",
     "mean_pool",
+    "refuse_surrogates",
     "resolve_model_dir",
 ]
 
@@ -72,9 +74,36 @@ class TextTooLongError(ValueError):
         )
 
 
+def refuse_surrogates(text: str, name: str = "text") -> None:
+    """ValueError when ``text`` holds a lone surrogate (U+D800-U+DFFF), which is no character:
+    Python makes them from bytes that were not UTF-8 (``errors="surrogateescape"``, file names,
+    command lines), and a tokenizer cannot encode them. The message shows where it is."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ValueError(
+            f"{name} {shown!r} holds a lone surrogate (U+{ord(text[error.start]):04X}) at character "
+            f"{error.start}, which is not a Unicode character: the text was decoded from bytes that "
+            "were not UTF-8; decode them with their real encoding first"
+        ) from None
+
+
+def check_text(text: object, name: str = "text") -> None:
+    """One text to inspect: a str (TypeError), not blank, no lone surrogate (ValueError)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"{name} is empty; give at least one word to inspect")
+    refuse_surrogates(text, name)
+
+
 def _texts_or_raise(texts: object) -> list[str]:
     """``texts`` as a list of str: one str, or a sequence of them; TypeError naming what it got."""
     if isinstance(texts, str):
+        refuse_surrogates(texts)
         return [texts]
     if isinstance(texts, (bytes, bytearray, memoryview)):
         raise TypeError(
@@ -87,6 +116,7 @@ def _texts_or_raise(texts: object) -> list[str]:
     for index, text in enumerate(listed):
         if not isinstance(text, str):
             raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+        refuse_surrogates(text, f"text {index}")
     return listed
 
 
@@ -252,6 +282,10 @@ class Encoder:
             rows[i] = rows[i][:keep] + rows[i][-1:]
         return rows
 
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """How many tokens each text has, [CLS] and [SEP] included, before any cut."""
+        return self.tokenizer.lengths(_texts_or_raise(texts))
+
     def _too_long(self, lengths: list[int], truncate: bool) -> list[int]:
         """Indices of the texts past `max_tokens`; TextTooLongError unless ``truncate``."""
         limit = self.max_tokens
@@ -350,10 +384,7 @@ class Encoder:
     def inspect(self, text: str, *, truncate: bool = False) -> Inspection:
         """Run one text and keep everything: tokens, offsets, word ids, the exact attention
         probabilities (layers, H, T, T) and the hidden states (layers + 1, T, D)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise ValueError("text is empty; give at least one word to inspect")
+        check_text(text)
         (tokenized,) = self.tokenize([text], truncate=truncate)
         ids = torch.tensor([tokenized.ids], dtype=torch.int64, device=self.device)  # (1, T)
         with torch.no_grad():

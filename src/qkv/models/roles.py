@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from qkv.inspect import HeadRoles
+from qkv.models.encoder import TextTooLongError
 
 if TYPE_CHECKING:
     from qkv.models.encoder import Encoder
@@ -80,7 +81,8 @@ def head_roles(
     truncate: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> HeadRoles:
-    """The roles of every head of ``encoder``, averaged over ``texts`` (each text once).
+    """The roles of every head of ``encoder`` (qkv's `Encoder`, or a transformers model from
+    `qkv.integrations.transformers.load_model`), averaged over ``texts`` (each text once).
 
     Raises ValueError naming the first empty text (or, unless ``truncate``, too long text)
     before any text is run. ``progress`` is called with (texts done, texts in all).
@@ -91,7 +93,13 @@ def head_roles(
     for index, text in enumerate(texts):
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"text {index} is empty or not a str: {text!r}")
-    encoder.tokenize(texts, truncate=truncate)  # raises on a too-long text before any work
+    # a too-long text is refused before any work; a model without a position limit has none
+    limit = encoder.max_tokens
+    counts = encoder.token_counts(texts)
+    too_long = [i for i, n in enumerate(counts) if limit is not None and n > limit]
+    if too_long and not truncate and limit is not None:
+        first = too_long[0]
+        raise TextTooLongError(count=len(too_long), index=first, tokens=counts[first], limit=limit)
     parts = []
     for done, text in enumerate(texts, start=1):
         parts.append(encoder.inspect(text, truncate=truncate).head_roles())

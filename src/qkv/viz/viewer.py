@@ -7,6 +7,12 @@
   to open it in the head view;
 - layer and head selectors, an "average over heads" switch and a token / word switch.
 
+It opens on the head that `opening_head` picks (the one whose rows look hardest at another
+word; a given ``layer`` / ``head`` is kept), not on layer 0 head 0, where BERT's heads park
+their attention on [CLS] and [SEP] and every line is faint. The compare page's difference
+matrix has its key words along the top and its query words down the left. Below 700 px the
+token columns narrow and the lines between them fit the window (a 420 px phone included).
+
 What goes into the file, and why it is safe and small:
 - The page's CSS and JS (``assets/``) are inlined; a Content-Security-Policy allows only those
   two blocks (by hash) and forbids every request, so nothing can load from another origin and
@@ -53,7 +59,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from qkv.inspect import Inspection
 
-__all__ = ["DENSE_LIMIT", "QUANT_LEVELS", "SPARSE_BUDGET", "align_words", "html", "payload", "render", "render_inline"]
+__all__ = [
+    "DENSE_LIMIT",
+    "QUANT_LEVELS",
+    "SPARSE_BUDGET",
+    "align_words",
+    "html",
+    "opening_head",
+    "payload",
+    "render",
+    "render_inline",
+]
 
 QUANT_LEVELS = 255  # a weight w is stored as round(w * 255) in one byte
 ZLIB_LEVEL = 6  # level 9 is ~10x slower on 512 tokens for ~10 % less
@@ -69,26 +85,77 @@ _SLOT = re.compile(r"\{\{(csp|css|js|data)\}\}")
 
 
 def html(
-    inspection: Inspection, path: str | Path, *, compare: Inspection | None = None, layer: int = 0, head: int = 0
+    inspection: Inspection,
+    path: str | Path,
+    *,
+    compare: Inspection | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+    query: list[int] | None = None,
 ) -> Path:
     """Write the viewer for ``inspection`` to ``path`` (one self-contained .html file); return it.
 
     ``compare``: a second Inspection from the same model (same layers and heads), shown next
     to the first with a difference view over the words they share. ``layer`` and ``head``:
-    the selection the page opens with.
+    the selection the page opens with; what is left None is chosen by `opening_head` (for the
+    tokens ``query``, e.g. a word's pieces, or for every word's token without one).
     """
-    page = render(inspection, compare=compare, layer=layer, head=head)  # every check before the file is touched
+    page = render(inspection, compare=compare, layer=layer, head=head, query=query)  # every check before the file is touched
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def render(inspection: Inspection, *, compare: Inspection | None = None, layer: int = 0, head: int = 0) -> str:
+def opening_head(
+    inspection: Inspection, query: list[int] | None = None, *, layer: int | None = None, head: int | None = None
+) -> tuple[int, int]:
+    """The (layer, head) a viewer opens on: the one whose query rows look hardest at one other word.
+
+    Rule: for each head, every query row (the tokens ``query``; without it, every token that
+    belongs to a word) gives its largest weight to a key that is a word's token other than the
+    query itself; the head with the highest mean of those weights wins, the first in (layer,
+    head) order on a tie. Weight on [CLS] / [SEP] (tokens without a word id) and on the token
+    itself does not count: heads that park their attention there (most of layer 0 of BERT,
+    "no-op" heads in Clark et al. 2019) draw faint lines everywhere and show nothing. A
+    ``layer`` or ``head`` that is given is kept; the rule picks the rest.
+    """
+    import torch
+
+    T = len(inspection.tokens)
+    words = torch.tensor([w is not None for w in inspection.word_ids])  # (T,) key is a word's token
+    rows = [i for i in range(T) if inspection.word_ids[i] is not None] if query is None else list(query)
+    if not rows or int(words.sum()) < 2:  # nothing to look at: the first head
+        return (0 if layer is None else layer), (0 if head is None else head)
+    weights = inspection.attentions[:, :, rows].clone()  # (layers, H, R, T)
+    weights[..., ~words] = 0.0
+    weights[:, :, torch.arange(len(rows)), torch.tensor(rows)] = 0.0  # a query's weight on itself
+    strength = weights.amax(dim=-1).mean(dim=-1)  # (layers, H)
+    if layer is not None:
+        strength = strength[layer : layer + 1]
+    if head is not None:
+        strength = strength[:, head : head + 1]
+    best = int(torch.argmax(strength.flatten()))  # the first maximum, in (layer, head) order
+    found_layer, found_head = divmod(best, strength.shape[1])
+    return (found_layer if layer is None else layer), (found_head if head is None else head)
+
+
+def render(
+    inspection: Inspection,
+    *,
+    compare: Inspection | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+    query: list[int] | None = None,
+) -> str:
     """The viewer page as one HTML string (see `html`)."""
     for name, value, count in (("layer", layer, inspection.num_layers), ("head", head, inspection.num_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count):
             raise ValueError(f"{name} must be an int in [0, {count}), got {value!r}")
+    T = len(inspection.tokens)
+    if query is not None and (not query or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < T for i in query)):
+        raise ValueError(f"query must be a non-empty list of token indices in [0, {T}), got {query!r}")
+    layer, head = opening_head(inspection, query, layer=layer, head=head)
     css, js = _asset("viewer.css"), _asset("viewer.js")
     csp = "; ".join(
         [
@@ -210,11 +277,15 @@ def _projections(inspection: Inspection) -> dict[str, Any] | None:
     import torch
 
     p = inspection.projections
-    if p is None or p.allowed is not None:  # a masked model's panel would need its mask too
+    if p is None or p.unsupported is not None:  # the steps would not give the model's weights
         return None
     layers, H, T, E = p.q.shape
     if layers * H * T * (2 * E + 1) * 4 > PROJECTION_BUDGET:
         return None
+    allowed = None  # (layers, T, T) as bytes 0 / 1: which keys each query of a layer may see
+    if p.allowed is not None:
+        rows = torch.stack([p.allowed_rows(layer) for layer in range(layers)])  # (layers, T, T)
+        allowed = _pack(rows.to(torch.uint8).contiguous().numpy().tobytes())
     repeat = H // int(p.k.shape[1])
     keys = p.k.repeat_interleave(repeat, dim=1)  # (layers, H, T, E): query head h reads key head h // repeat
     values = p.v.repeat_interleave(repeat, dim=1)  # (layers, H, T, Ev)
@@ -225,6 +296,7 @@ def _projections(inspection: Inspection) -> dict[str, Any] | None:
         "q": as_bytes(p.q),
         "k": as_bytes(keys),
         "vnorm": as_bytes(torch.linalg.vector_norm(values.double(), dim=-1)),
+        "allowed": allowed,
     }
 
 

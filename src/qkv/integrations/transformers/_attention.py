@@ -18,6 +18,7 @@ masks of a type qkv does not take.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from qkv.functional import Explanation
 
-__all__ = ["AttentionCall", "attention_forward", "recording"]
+__all__ = ["AttentionCall", "HeadInputs", "attention_forward", "capturing", "recording"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,69 @@ def recording() -> Iterator[list[AttentionCall]]:
         yield calls
     finally:
         _recorder.reset(token)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What one attention call worked on, for batch row 0, as `capturing` keeps it: the
+    per-head queries, keys (after any rotary embedding) and values, the scale, which pairs
+    were visible, and the score terms beyond scale * q.k."""
+
+    layer_idx: int | None
+    q: torch.Tensor  # (H, L, E) float32 on the CPU
+    k: torch.Tensor  # (G, S, E)
+    v: torch.Tensor  # (G, S, Ev)
+    scale: float
+    allowed: torch.Tensor | None  # (L, S) bool, True = may attend; None = every pair
+    terms: tuple[str, ...]  # score terms the four steps lack ("soft-capping at 50.0", ...)
+
+
+_captured: ContextVar[list[HeadInputs] | None] = ContextVar("qkv_transformers_captured", default=None)
+
+
+@contextmanager
+def capturing() -> Iterator[list[HeadInputs]]:
+    """Keep every qkv attention call's per-head q, k, v inside the block (`HeadInputs`): what
+    `inspect` stores so that `Inspection.steps` can replay a row. Copies batch row 0 only."""
+    kept: list[HeadInputs] = []
+    token = _captured.set(kept)
+    try:
+        yield kept
+    finally:
+        _captured.reset(token)
+
+
+def _visible_pairs(mask: Mask | torch.Tensor | None, L: int, S: int) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    """Batch row 0 / head 0 of ``mask`` as (L, S) bool, and the terms it adds beyond hiding pairs."""
+    if mask is None:
+        return None, ()
+    if isinstance(mask, Mask):
+        dense = mask.to_dense(L, S)  # (B | 1, H | 1, L, S)
+    elif mask.dtype == torch.bool:
+        dense = mask
+    else:  # a float mask is added to the scores: -inf hides a pair, any other value is a bias
+        finite = mask[torch.isfinite(mask)]
+        terms = ("a float mask that adds values to the scores",) if bool((finite != 0).any()) else ()
+        dense = mask != float("-inf")
+        return torch.broadcast_to(dense, (*dense.shape[:-2], L, S)).reshape(-1, L, S)[0].cpu(), terms
+    return torch.broadcast_to(dense, (*dense.shape[:-2], L, S)).reshape(-1, L, S)[0].cpu(), ()
+
+
+def _capture(
+    kept: list[HeadInputs], module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: Mask | torch.Tensor | None, scaling: float | None, softcap: float | None, position_bias: torch.Tensor | None,
+) -> None:
+    L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
+    allowed, terms = _visible_pairs(mask, L, S)
+    if softcap is not None:
+        terms = (*terms, f"soft-capping of the scores at {float(softcap):g}")
+    if position_bias is not None:
+        terms = (*terms, "a position bias added to the scores")
+    as_kept = lambda x: x.detach()[0].to("cpu", torch.float32).clone()  # noqa: E731  batch row 0
+    kept.append(HeadInputs(
+        getattr(module, "layer_idx", None), as_kept(query), as_kept(key), as_kept(value),
+        1.0 / math.sqrt(E) if scaling is None else float(scaling), allowed, terms,
+    ))
 
 
 def _attentions_requested(kwargs: dict[str, object]) -> bool:
@@ -149,6 +213,9 @@ def attention_forward(
     L, S = query.shape[-2], key.shape[-2]
     mask, source, recognised = _qkv_mask(attention_mask, module, is_causal, L, S)
     want_weights = _attentions_requested(kwargs)
+    kept = _captured.get()
+    if kept is not None:
+        _capture(kept, module, query, key, value, mask, scaling, softcap, position_bias)
     calls = _recorder.get()
     if calls is not None:
         explanation = qkv.explain(

@@ -7,7 +7,9 @@
   const DATA = JSON.parse(document.getElementById("qkv-data").textContent);
   const NL = DATA.layers, NH = DATA.heads;
   const SVG_NS = "http://www.w3.org/2000/svg";
-  const LINE_WIDTH = 280; // px between the two token columns
+  const LINE_WIDTH = 280; // px between the two token columns, where the window has room
+  const MIN_LINE_WIDTH = 60; // ... and at least this on a narrow screen (a phone: 420 px)
+  const PANE_GAP = 32; // #panes' gap in viewer.css
   const THUMB_RES = 128; // thumbnails at most this many pixels a side (max-pooled above that)
   const TOP_K = 5; // how many strongest weights the info line names
   // The overview is rasterized in software at the next paint, at a cost that grows with the
@@ -18,6 +20,7 @@
   const LONG_INPUT = 128;
   const LARGEST_EXPONENT = 700; // as qkv.inspect_steps: shift a row whose exp would overflow
   const DIFF_TOP = 8; // how many of the largest differences the difference view lists
+  const DIFF_LABELS = 40; // up to this many shared words, each gets its label on both axes
   const ROLE_COLOURS = { // qkv.viz.roles.ROLE_COLOURS
     previous: "#1d4ed8", next: "#0891b2", self: "#7c3aed", cls: "#c2410c",
     sep: "#ca8a04", punctuation: "#15803d", rest: "#9ca3af",
@@ -79,6 +82,8 @@
         if (this.topValues.length !== NL * NH * T * k) throw new Error(`expected ${NL * NH * T * k} top weights, got ${this.topValues.length}`);
       }
       this.rollout = d.rollout === null ? null : await inflate(d.rollout);
+      // (layers, T, T) 0 / 1: which keys each query may see (a decoder's triangle, a window)
+      this.allowed = d.projections && d.projections.allowed ? await inflate(d.projections.allowed) : null;
     }
 
     labels() { return state.words ? this.data.words : this.data.tokens; }
@@ -155,21 +160,23 @@
       const { q, k, vnorm } = this.projections, T = this.T, E = p.E;
       const qBase = ((layer * NH + head) * T + query) * E, kBase = (layer * NH + head) * T * E;
       const scores = new Float64Array(T), scaled = new Float64Array(T), exps = new Float64Array(T);
+      const rowBase = (layer * T + query) * T;
+      const visible = (j) => this.allowed === null || this.allowed[rowBase + j] === 1;
       let top = -Infinity;
       for (let j = 0; j < T; j++) {
         let dot = 0;
         for (let e = 0; e < E; e++) dot += q[qBase + e] * k[kBase + j * E + e];
         scores[j] = dot;
         scaled[j] = dot * p.scale;
-        top = Math.max(top, scaled[j]);
+        if (visible(j)) top = Math.max(top, scaled[j]);
       }
       const shift = top > LARGEST_EXPONENT ? top : 0;
       let total = 0;
-      for (let j = 0; j < T; j++) { exps[j] = Math.exp(scaled[j] - shift); total += exps[j]; }
+      for (let j = 0; j < T; j++) { exps[j] = visible(j) ? Math.exp(scaled[j] - shift) : 0; total += exps[j]; }
       const weights = exps.map((x) => x / total);
       const contributions = weights.map((w, j) => w * vnorm[(layer * NH + head) * T + j]);
       const contributionSum = contributions.reduce((a, b) => a + b, 0);
-      return { scores, scaled, exps, total, shift, weights, contributions, contributionSum, E, scale: p.scale };
+      return { scores, scaled, exps, total, shift, weights, contributions, contributionSum, E, scale: p.scale, visible };
     }
   }
 
@@ -179,6 +186,17 @@
 
   // ---- head view, one pane per text ---------------------------------------------------------
   let rowHeight = 22;
+  let lineWidth = LINE_WIDTH;
+
+  // The room between the token columns: LINE_WIDTH, less where the window is too narrow for
+  // both columns (two panes share a wide window; on a narrow one they stack, see viewer.css).
+  function fitLineWidth(text) {
+    const room = $("panes").clientWidth;
+    const stacked = getComputedStyle($("panes")).flexWrap === "wrap";
+    const perPane = texts.length > 1 && !stacked ? (room - PANE_GAP) / 2 : room;
+    const columns = id(text, "queries").offsetWidth + id(text, "keys").offsetWidth;
+    return Math.floor(Math.max(MIN_LINE_WIDTH, Math.min(LINE_WIDTH, perPane - columns)));
+  }
 
   function buildPanes() {
     if (texts.length > 1) {
@@ -210,17 +228,18 @@
           column.append(token);
         });
       }
+      lineWidth = fitLineWidth(text);
       const height = n * rowHeight, ratio = window.devicePixelRatio || 1;
       const canvas = id(text, "all-lines"), svg = id(text, "focus-lines");
-      id(text, "lines").style.width = `${LINE_WIDTH}px`;
+      id(text, "lines").style.width = `${lineWidth}px`;
       id(text, "lines").style.height = `${height}px`;
-      canvas.width = Math.round(LINE_WIDTH * ratio);
+      canvas.width = Math.round(lineWidth * ratio);
       canvas.height = Math.round(height * ratio);
-      canvas.style.width = `${LINE_WIDTH}px`;
+      canvas.style.width = `${lineWidth}px`;
       canvas.style.height = `${height}px`;
-      svg.setAttribute("width", String(LINE_WIDTH));
+      svg.setAttribute("width", String(lineWidth));
       svg.setAttribute("height", String(height));
-      svg.setAttribute("viewBox", `0 0 ${LINE_WIDTH} ${height}`);
+      svg.setAttribute("viewBox", `0 0 ${lineWidth} ${height}`);
     }
   }
 
@@ -232,9 +251,9 @@
   function drawAllLines(text, M, n) {
     const canvas = id(text, "all-lines"), ctx = canvas.getContext("2d");
     const scale = text.data.scale;
-    const ratio = canvas.width / LINE_WIDTH;
+    const ratio = canvas.width / lineWidth;
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    ctx.clearRect(0, 0, LINE_WIDTH, n * rowHeight);
+    ctx.clearRect(0, 0, lineWidth, n * rowHeight);
     const levels = Array.from({ length: scale + 1 }, () => []);
     for (let q = 0; q < n; q++) {
       for (let k = 0; k < n; k++) {
@@ -257,7 +276,7 @@
       for (let p = 0; p < pairs.length; p += 2) {
         ctx.beginPath();
         ctx.moveTo(0, rowY(pairs[p]));
-        ctx.lineTo(LINE_WIDTH, rowY(pairs[p + 1]));
+        ctx.lineTo(lineWidth, rowY(pairs[p + 1]));
         ctx.stroke();
       }
     }
@@ -300,7 +319,7 @@
       const line = document.createElementNS(SVG_NS, "line");
       line.setAttribute("x1", "0");
       line.setAttribute("y1", String(rowY(q)));
-      line.setAttribute("x2", String(LINE_WIDTH));
+      line.setAttribute("x2", String(lineWidth));
       line.setAttribute("y2", String(rowY(k)));
       line.setAttribute("opacity", shown);
       line.dataset.query = String(q);
@@ -360,7 +379,9 @@
       `${which}layer ${state.layer} head ${state.head}: query ${query} “${tokens[query]}” → key ${key} “${tokens[key]}”`,
       `1. score  q·k = ${fmt(s.scores[j])}`,
       `2. scaled ${scaleText}: ${fmt(s.scaled[j])}`,
-      `3. exp(${fmt(s.scaled[j])}${shift}) = ${fmt(s.exps[j])}   row total Σ exp = ${fmt(s.total)}`,
+      s.visible(j)
+        ? `3. exp(${fmt(s.scaled[j])}${shift}) = ${fmt(s.exps[j])}   row total Σ exp = ${fmt(s.total)}`
+        : `3. the model's mask hides this key from this query: exp = 0   row total Σ exp = ${fmt(s.total)}`,
       `   softmax share = ${fmt(s.exps[j])} / ${fmt(s.total)} = ${fmt(s.weights[j])}`,
       `4. the value's contribution weight × v: length ${fmt(s.contributions[j])} (${(100 * s.contributions[j] / s.contributionSum).toFixed(1)}% of the row's contributions)`,
     ];
@@ -414,6 +435,24 @@
     }
     ctx.putImageData(image, 0, 0);
     canvas.dataset.largest = largest.toFixed(4);
+    // the axes: one label per shared word, text A's spelling, in the matrix's order; past
+    // DIFF_LABELS words the labels would be too small to read and only the axis title stays
+    for (const [axis, name] of [["diff-keys", "key"], ["diff-queries", "query"]]) {
+      const box = $(axis);
+      box.replaceChildren();
+      const labelled = P <= DIFF_LABELS, cells = `repeat(${Math.max(P, 1)}, minmax(0, 1fr))`;
+      box.style.gridTemplateColumns = labelled && axis === "diff-keys" ? cells : "";
+      box.style.gridTemplateRows = labelled && axis === "diff-queries" ? cells : "";
+      if (!labelled) {
+        box.append(el("span", "title", `${name} words ${axis === "diff-keys" ? "→" : "↓"} (${P}, text order)`));
+        continue;
+      }
+      for (const [wordA] of pairs) {
+        const label = el("span", "", a.data.words[wordA]);
+        label.title = a.data.words[wordA];
+        box.append(label);
+      }
+    }
     $("diff-scale").textContent = `Rows: query words, columns: key words, both in text order (${P} shared words). Full colour = a difference of ${largest.toFixed(3)}, the largest here.`;
     found.sort((x, y) => y[0] - x[0]);
     const list = $("diff-top");
