@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._bounds import KVBounds, largest_magnitude
 from qkv.bias import Bias, as_bias
 from qkv.kernels import magnitude_bf16
 from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
@@ -107,9 +108,13 @@ def describe_problem(
     bias: Bias | torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: ScoreMod | None = None,
+    kv_bounds: KVBounds | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
-    mask is checked against the sizes too)."""
+    mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
+    describes exactly k and v, replaces the scan of k and v by the data checks."""
+    if kv_bounds is not None and not isinstance(kv_bounds, KVBounds):
+        raise TypeError(f"kv_bounds must be None or a KVBounds (KVCache.bounds), got {type(kv_bounds).__name__}")
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -149,7 +154,8 @@ def describe_problem(
     if isinstance(normalized, Mask):  # a size error before the data checks (which may build the scan)
         normalized.validate(N, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
-    nonfinite = _check_magnitudes(q, k, v, normalized, scale)
+    known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale, known)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -180,13 +186,7 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN). One reduction over x
     in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
     as much as the attention itself for bf16 inputs of the block engine)."""
-    if x.numel() == 0:
-        return 0.0
-    with torch.no_grad():
-        low, high = (float(t) for t in torch.aminmax(compact(x)))
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return math.inf
-    return max(-low, high)
+    return largest_magnitude(compact(x))
 
 
 def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
@@ -204,7 +204,12 @@ def _largest_row_norm(x: torch.Tensor) -> float:
 
 
 def _check_magnitudes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Mask | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None,
+    scale: float,
+    known: KVBounds | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
@@ -214,12 +219,18 @@ def _check_magnitudes(
     must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
+    ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
+    are the same (the tight bound, when needed, still reads k).
+
     Under torch.compile these data-dependent checks are skipped (they would break the graph):
     compiled code gets neither the refusal nor the NaN rule.
     """
     if torch.compiler.is_compiling():
         return False
-    magnitudes = _largest_magnitudes((q, k, v))
+    if known is None:
+        magnitudes = _largest_magnitudes((q, k, v))
+    else:
+        magnitudes = [*_largest_magnitudes((q,)), known.k_max, known.v_max]
     finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qkv._bounds import KVBounds
 from qkv._execute import pack, run, run_weights
 from qkv._explain import Explanation, explanation
 from qkv._nan_rule import affected_rows, finite_problem, poison
@@ -49,6 +50,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
+    kv_bounds: KVBounds | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``, with score terms.
 
@@ -79,6 +81,8 @@ def attention(
         backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
             (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
             objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
+        kv_bounds: what a KV cache knows of k and v (`qkv.KVCache.bounds`): the input checks
+            then read q only, not the cache. Used only if it describes exactly these k and v.
 
     Returns:
         output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
@@ -112,19 +116,23 @@ def attention(
         with torch.autocast(q.device.type, enabled=False):
             return attention(
                 q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
-                return_weights=return_weights, return_lse=return_lse, backend=backend,
+                return_weights=return_weights, return_lse=return_lse, backend=backend, kv_bounds=kv_bounds,
             )
     wide = _widened_dtype(q, k, v)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
+        k_wide, v_wide = k.to(wide), v.to(wide)  # exact copies: the bounds carry over
         result = attention(
-            q.to(wide), k.to(wide), v.to(wide), mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+            q.to(wide), k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
             dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
+            kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide),
         )  # fmt: skip
         if isinstance(result, torch.Tensor):
             return result.to(q.dtype)
         return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
-    problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
+    problem = describe_problem(
+        q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds
+    )
     plan = choose_path(problem, backend, return_weights, return_lse)
     if not problem.nonfinite:
         out, weights, lse = run(problem, plan)

@@ -443,7 +443,9 @@ class MultiHeadAttention(nn.Module):
             length = cache.length
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
-                result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
+                result = attention(
+                    q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights, kv_bounds=cache.bounds
+                )  # the checks read the new rows only, not the cache
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
                 raise
