@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "qkv.functional",
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
+    "PagedKVCache": "qkv.paged_cache",
     "attention_varlen": "qkv.varlen",
 }
 _SUBMODULES = ("bias", "compat", "masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from qkv.cache import KVCache
     from qkv.functional import Explanation, attention, attention_weights, explain
     from qkv.modules import MultiHeadAttention
+    from qkv.paged_cache import PagedKVCache
     from qkv.varlen import attention_varlen
 
 
