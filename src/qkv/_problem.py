@@ -50,6 +50,7 @@ class AttentionProblem:
     dropout: float
     terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
     nonfinite: bool = False  # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule)
+    sinks: torch.Tensor | None = None  # (N | 1, H) attention-sink logits, float32 or wider
 
     @property
     def N(self) -> int:
@@ -109,6 +110,7 @@ def describe_problem(
     softcap: float | None = None,
     score_mod: ScoreMod | None = None,
     kv_bounds: KVBounds | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
     mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
@@ -154,6 +156,7 @@ def describe_problem(
     if isinstance(normalized, Mask):  # a size error before the data checks (which may build the scan)
         normalized.validate(N, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
+    sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
     known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
     nonfinite = _check_magnitudes(q, k, v, normalized, scale, known)
     if tuple(k.shape[:-3]) != batch_shape:
@@ -170,8 +173,32 @@ def describe_problem(
         dropout=float(dropout),
         terms=terms,
         nonfinite=nonfinite,
+        sinks=sink_logits,
     )
     return problem
+
+
+def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H: int) -> torch.Tensor | None:
+    """Attention-sink logits: a finite float32 / float64 tensor broadcastable to (*batch, H) on
+    q's device, returned as (N | 1, H) (a view where it can be)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a float tensor (H,) = ({H},), got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"sinks must be float32 or float64 (an attention-sink logit per head), got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    target = (*batch_shape, H)
+    if sinks.ndim == 0 or sinks.ndim > len(target) or any(
+        n not in (1, t) for n, t in zip(reversed(sinks.shape), reversed(target), strict=False)
+    ):
+        raise ValueError(f"sinks must have shape (H,) = ({H},) or be broadcastable to (*batch, H) = {target}, got {tuple(sinks.shape)}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
+    if all(n == 1 for n in sinks.shape[:-1]):
+        return sinks.reshape(1, -1).expand(1, H)  # (1, H): the same sinks for every batch row
+    return sinks.expand(*target).reshape(-1, H)  # (*batch, H) -> (N, H)
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:
