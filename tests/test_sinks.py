@@ -75,6 +75,23 @@ def test_math_path_matches_the_reference(case: tuple, per_row: bool) -> None:
     np.testing.assert_allclose(out32.numpy(), trace.output, rtol=1e-4, atol=1e-5)
 
 
+def test_sinks_combine_with_bias_softcap_and_score_mod() -> None:
+    """The sink joins the denominator after every score term: softcap, then bias, then score_mod, then the mask."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    bias = torch.randn(1, 4, 6, 6, generator=gen, dtype=torch.float64)
+
+    def shift(score, b, h, i, j):
+        return score + 0.5 * h  # exact in the float32 that integer index tensors promote to
+
+    out, lse = qkv.attention(q, k, v, CAUSAL, bias=bias, softcap=2.0, score_mod=shift, sinks=sinks, return_lse=True)
+    trace = ref.attention(q.numpy(), k.numpy(), v.numpy(), _dense(CAUSAL, 1, 4, 6, 6), bias=bias.numpy(), softcap=2.0,
+                          score_mod=shift, sinks=sinks.numpy())  # fmt: skip
+    np.testing.assert_allclose(out.numpy(), trace.output, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), trace.lse, rtol=1e-10, atol=1e-12)
+
+
 def test_float32_inputs_with_float64_sinks_and_bfloat16_inputs() -> None:
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 4, 6, 8, generator=gen) for _ in range(3))
@@ -128,6 +145,8 @@ def test_explain_names_the_math_path_and_other_backends_refuse() -> None:
         with pytest.raises(ValueError, match=rf"sinks: backend='{backend}' .* backend='math' or 'auto'"):
             qkv.attention(q, k, v, CAUSAL, sinks=sinks, backend=backend)
     assert qkv.attention(q, k, v, sinks=sinks, backend="math").shape == (1, 2, 4, 8)
+    out, weights = qkv.attention(q, k, v, sinks=sinks, dropout=0.5, return_weights=True)  # dropout too
+    assert out.shape == (1, 2, 4, 8) and bool((weights.sum(-1) < 2).all())
 
 
 @pytest.mark.parametrize(

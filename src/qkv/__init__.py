@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "qkv.functional",
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
+    "KVBounds": "qkv._bounds",
     "PagedKVCache": "qkv.paged_cache",
     "attention_varlen": "qkv.varlen",
 }
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
         reference,
         viz,
     )
+    from qkv._bounds import KVBounds
     from qkv.cache import KVCache
     from qkv.functional import Explanation, attention, attention_weights, explain
     from qkv.modules import MultiHeadAttention
