@@ -145,3 +145,18 @@ def test_kv_bounds_must_be_kv_bounds() -> None:
     with pytest.raises(TypeError, match="kv_bounds"):
         qkv.attention(q, k, v, kv_bounds=(1.0, 1.0))  # type: ignore[arg-type]
     assert KVBounds.of(k, v).describes(k, v)
+
+
+def test_inference_mode_caches_use_their_bounds_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference tensors keep no version counter: the bounds then name the tensors by address,
+    shape and strides, and a decode step still scans only its queries."""
+    m = qkv.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x = torch.randn(1, 9, 16)
+    with torch.inference_mode():
+        cache = m.new_cache(1, max_len=32)
+        m(x[:, :8], mask=CAUSAL, cache=cache)
+        scanned = record_scans(monkeypatch)
+        step = m(x[:, 8:], mask=CAUSAL, cache=cache)
+        full = m(x, mask=CAUSAL)
+    assert scanned[0] == (1, 4, 1, 4) and len(scanned) == 4  # the step: q only; the full call: q, k, v
+    torch.testing.assert_close(step, full[:, 8:], rtol=1e-5, atol=1e-6)
