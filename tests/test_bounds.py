@@ -160,3 +160,16 @@ def test_inference_mode_caches_use_their_bounds_too(monkeypatch: pytest.MonkeyPa
         full = m(x, mask=CAUSAL)
     assert scanned[0] == (1, 4, 1, 4) and len(scanned) == 4  # the step: q only; the full call: q, k, v
     torch.testing.assert_close(step, full[:, 8:], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_attention_refuses_leaves_the_bounds_as_they_were() -> None:
+    """An overflowing step is undone: length, and the running maxima (else every later step would
+    take the tight, cache-reading check)."""
+    m = qkv.MultiHeadAttention(8, 2).eval()
+    cache = m.new_cache(1, max_len=8)
+    with torch.no_grad():
+        m(torch.randn(1, 3, 8), mask=CAUSAL, cache=cache)
+        before = (cache.length, cache.k_max, cache.v_max)
+        with pytest.raises(ValueError, match="overflow"):
+            m(torch.full((1, 1, 8), 1e30), mask=CAUSAL, cache=cache)
+    assert (cache.length, cache.k_max, cache.v_max) == before
