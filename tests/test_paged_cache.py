@@ -111,3 +111,16 @@ def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch) -
     cache.append([a], [torch.randn(1, 100, 4)], [torch.randn(1, 100, 4)])
     cache.attend([a], [torch.randn(2, 1, 4)], CAUSAL)
     assert scanned == [(1, 2, 1, 4)]
+
+
+def test_attend_passes_scale_softcap_and_sinks() -> None:
+    gen = torch.Generator().manual_seed(12)
+    cache = qkv.PagedKVCache(8, 4, G, E, EV, dtype=torch.float64)
+    a = cache.allocate()
+    k, v = torch.randn(G, 10, E, generator=gen, dtype=torch.float64), torch.randn(G, 10, EV, generator=gen, dtype=torch.float64)
+    cache.append([a], [k], [v])
+    q = torch.randn(H, 2, E, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64)
+    (out,) = cache.attend([a], [q], CAUSAL, scale=0.3, softcap=5.0, sinks=sinks)
+    want = qkv.attention(q[None], k[None], v[None], CAUSAL, scale=0.3, softcap=5.0, sinks=sinks)[0]
+    assert torch.equal(out, want)

@@ -205,12 +205,14 @@ class PagedKVCache:
         *,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """queries[i] (H, L_i, E) attend to everything sequence seq_ids[i] holds; one (H, L_i, Ev) each.
 
         ``mask`` is None or a `qkv.masks` object applied to each sequence with its own L_i and
         S_i: ``qkv.masks.causal()`` aligns bottom-right, so new queries (appended first) see the
         whole history and each other up to themselves. H must be a multiple of G (GQA).
+        ``scale``, ``softcap`` and ``sinks`` (H,) are `qkv.attention`'s, the same for every sequence.
         """
         states = self._sequences_of(seq_ids, "attend")
         if len(queries) != len(states):
@@ -238,7 +240,7 @@ class PagedKVCache:
             k, v = self.keys_values(seq_id)  # (G, S, E), (G, S, Ev)
             k, v = k[None], v[None]  # (1, G, S, E), (1, G, S, Ev)
             known = KVBounds.of(k, v, state.k_max, state.v_max)  # fresh copies: the running maxima hold
-            out = attention(q[None], k, v, mask, scale=scale, softcap=softcap, kv_bounds=known)  # (1, H, L, Ev)
+            out = attention(q[None], k, v, mask, scale=scale, softcap=softcap, sinks=sinks, kv_bounds=known)  # (1, H, L, Ev)
             assert isinstance(out, torch.Tensor)
             outputs.append(out[0])  # (H, L, Ev)
         return outputs
