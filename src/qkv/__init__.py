@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "qkv.functional",
     "MultiHeadAttention": "qkv.modules",
     "KVCache": "qkv.cache",
+    "KVBounds": "qkv._bounds",
+    "PagedKVCache": "qkv.paged_cache",
     "attention_varlen": "qkv.varlen",
 }
 _SUBMODULES = ("bias", "compat", "masks", "reference", "functional", "positional", "modules", "interop", "models", "examples", "viz", "distributed")
@@ -47,9 +49,11 @@ if TYPE_CHECKING:
         reference,
         viz,
     )
+    from qkv._bounds import KVBounds
     from qkv.cache import KVCache
     from qkv.functional import Explanation, attention, attention_weights, explain
     from qkv.modules import MultiHeadAttention
+    from qkv.paged_cache import PagedKVCache
     from qkv.varlen import attention_varlen
 
 

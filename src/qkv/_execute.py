@@ -33,7 +33,8 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
     mask = _mask_tensor(problem, plan.mask)
     if plan.path == "math":
         return math_attention(
-            q, k, v, mask, scale, causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms
+            q, k, v, mask, scale, causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms,
+            sinks=problem.sinks,
         )
     if plan.short_kernel:
         out = short_bf16.forward(q, k, v, key_padding(problem), scale)  # (N, H, L, Ev)

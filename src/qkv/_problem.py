@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._bounds import KVBounds, largest_magnitude
 from qkv.bias import Bias, as_bias
 from qkv.kernels import magnitude_bf16
 from qkv.kernels.scores import ScoreMod, ScoreTerms, check_softcap
@@ -49,6 +50,7 @@ class AttentionProblem:
     dropout: float
     terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
     nonfinite: bool = False  # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule)
+    sinks: torch.Tensor | None = None  # (N | 1, H) attention-sink logits, float32 or wider
 
     @property
     def N(self) -> int:
@@ -107,9 +109,14 @@ def describe_problem(
     bias: Bias | torch.Tensor | None = None,
     softcap: float | None = None,
     score_mod: ScoreMod | None = None,
+    kv_bounds: KVBounds | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
-    mask is checked against the sizes too)."""
+    mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
+    describes exactly k and v, replaces the scan of k and v by the data checks."""
+    if kv_bounds is not None and not isinstance(kv_bounds, KVBounds):
+        raise TypeError(f"kv_bounds must be None or a KVBounds (KVCache.bounds), got {type(kv_bounds).__name__}")
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -149,7 +156,9 @@ def describe_problem(
     if isinstance(normalized, Mask):  # a size error before the data checks (which may build the scan)
         normalized.validate(N, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
-    nonfinite = _check_magnitudes(q, k, v, normalized, scale)
+    sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
+    known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale, known)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -164,8 +173,32 @@ def describe_problem(
         dropout=float(dropout),
         terms=terms,
         nonfinite=nonfinite,
+        sinks=sink_logits,
     )
     return problem
+
+
+def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H: int) -> torch.Tensor | None:
+    """Attention-sink logits: a finite float32 / float64 tensor broadcastable to (*batch, H) on
+    q's device, returned as (N | 1, H) (a view where it can be)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a float tensor (H,) = ({H},), got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"sinks must be float32 or float64 (an attention-sink logit per head), got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    target = (*batch_shape, H)
+    if sinks.ndim == 0 or sinks.ndim > len(target) or any(
+        n not in (1, t) for n, t in zip(reversed(sinks.shape), reversed(target), strict=False)
+    ):
+        raise ValueError(f"sinks must have shape (H,) = ({H},) or be broadcastable to (*batch, H) = {target}, got {tuple(sinks.shape)}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
+    if all(n == 1 for n in sinks.shape[:-1]):
+        return sinks.reshape(1, -1).expand(1, H)  # (1, H): the same sinks for every batch row
+    return sinks.expand(*target).reshape(-1, H)  # (*batch, H) -> (N, H)
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:
@@ -180,13 +213,7 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN). One reduction over x
     in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
     as much as the attention itself for bf16 inputs of the block engine)."""
-    if x.numel() == 0:
-        return 0.0
-    with torch.no_grad():
-        low, high = (float(t) for t in torch.aminmax(compact(x)))
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return math.inf
-    return max(-low, high)
+    return largest_magnitude(compact(x))
 
 
 def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
@@ -204,7 +231,12 @@ def _largest_row_norm(x: torch.Tensor) -> float:
 
 
 def _check_magnitudes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Mask | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None,
+    scale: float,
+    known: KVBounds | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
@@ -214,12 +246,18 @@ def _check_magnitudes(
     must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
+    ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
+    are the same (the tight bound, when needed, still reads k).
+
     Under torch.compile these data-dependent checks are skipped (they would break the graph):
     compiled code gets neither the refusal nor the NaN rule.
     """
     if torch.compiler.is_compiling():
         return False
-    magnitudes = _largest_magnitudes((q, k, v))
+    if known is None:
+        magnitudes = _largest_magnitudes((q, k, v))
+    else:
+        magnitudes = [*_largest_magnitudes((q,)), known.k_max, known.v_max]
     finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():

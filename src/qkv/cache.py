@@ -7,7 +7,11 @@ of L new queries against S cached keys lets query i see keys 0 .. S - L + i: a p
 followed by one-token steps gives the outputs of one causal forward over the whole sequence.
 
 Storage is allocated once at full size (no reallocation or concatenation per step); `update`
-writes the new rows in place and returns views of the filled part.
+writes the new rows in place and returns views of the filled part: attention reads those
+rows only, whatever ``max_len``. The cache also keeps a running max |k| and max |v| of what it
+was given (inf once a NaN or infinity is written), at the cost of the new rows; `bounds` hands
+them to `qkv.attention(..., kv_bounds=...)`, whose input checks then skip the cache
+(`qkv._bounds`). `truncate` keeps the maxima (still upper bounds); `reset` clears them.
 
 Batch handling: the cache holds ``batch_size`` sequences that advance together, one shared
 length for all rows. Sequences of different prompt lengths are handled the usual way: pad
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from qkv._bounds import KVBounds, largest_magnitude
 from qkv._checks import positive_int
 
 __all__ = ["KVCache"]
@@ -73,6 +78,8 @@ class KVCache:
         self.k = torch.zeros(B, G, S, E, dtype=dtype, device=device)  # (B, G, max_len, E)
         self.v = torch.zeros(B, G, S, Ev, dtype=dtype, device=device)  # (B, G, max_len, Ev)
         self.length = 0  # positions 0 .. length - 1 hold keys and values
+        self.k_max = 0.0  # >= max |k| over the positions written since reset(); inf: a non-finite k
+        self.v_max = 0.0  # the same for v
 
     @property
     def batch_size(self) -> int:
@@ -129,8 +136,23 @@ class KVCache:
         start, stop = self.length, self.length + L
         self.k[:, :, start:stop] = k
         self.v[:, :, start:stop] = v
+        self.k_max = max(self.k_max, largest_magnitude(k))  # O(new rows)
+        self.v_max = max(self.v_max, largest_magnitude(v))
         self.length = stop
-        return self.k[:, :, :stop], self.v[:, :, :stop]  # (B, G, S, E), (B, G, S, Ev)
+        return self.keys_values()
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the filled part: keys (B, G, length, E) and values (B, G, length, Ev)."""
+        S = self.length
+        return self.k[:, :, :S], self.v[:, :, :S]  # (B, G, S, E), (B, G, S, Ev)
+
+    @property
+    def bounds(self) -> KVBounds:
+        """The running maxima, bound to the views `update` and `keys_values` return (pass them as
+        ``qkv.attention(..., kv_bounds=cache.bounds)``; a write to the storage by other means
+        outside inference mode makes attention scan again)."""
+        k, v = self.keys_values()
+        return KVBounds.of(k, v, self.k_max, self.v_max)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions and forget the rest (e.g. rejected draft tokens)."""
@@ -141,3 +163,4 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position; the storage is kept and overwritten by the next updates."""
         self.length = 0
+        self.k_max = self.v_max = 0.0

@@ -143,6 +143,10 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
     if backend == "math":
         return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
+    if problem.sinks is not None:  # the block engine and decode do not take sinks yet
+        if backend != "auto":
+            raise ValueError(f"sinks: backend={backend!r} does not apply attention sinks; backend='math' or 'auto' does")
+        return _math_plan(problem, "sinks: the math path applies them", return_weights, return_lse)
     if backend in ("blocks", "flex"):
         return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)
     if scored and backend == "fused":

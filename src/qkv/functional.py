@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qkv._bounds import KVBounds
 from qkv._execute import pack, run, run_weights
 from qkv._explain import Explanation, explanation
 from qkv._log import note_once
@@ -51,6 +52,8 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
+    kv_bounds: KVBounds | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``, with score terms.
 
@@ -81,6 +84,14 @@ def attention(
         backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
             (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
             objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
+        kv_bounds: what a KV cache knows of k and v (`qkv.KVCache.bounds`): the input checks
+            then read q only, not the cache. Used only if it describes exactly these k and v.
+        sinks: None, or attention-sink logits (H,) or broadcastable to (..., H), float32 or
+            wider, finite, may require grad (gpt-oss): each row's softmax becomes
+            exp(s_ij - m) / (exp(sink_h - m) + sum_j exp(s_ij - m)), m the row max over the
+            scores and the sink; the sink adds no value, so the weights sum to less than 1,
+            and lse includes it. A row with no visible key still gives zeros (lse = -inf).
+            The math path applies them ('auto' chooses it; 'fused', 'blocks', 'flex' refuse).
 
     Returns:
         output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
@@ -114,21 +125,27 @@ def attention(
         with torch.autocast(q.device.type, enabled=False):
             return attention(
                 q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
-                return_weights=return_weights, return_lse=return_lse, backend=backend,
+                return_weights=return_weights, return_lse=return_lse, backend=backend, kv_bounds=kv_bounds,
+                sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
+        k_wide, v_wide = k.to(wide), v.to(wide)  # exact copies: the bounds carry over
         result = attention(
-            q.to(wide), k.to(wide), v.to(wide), mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+            q.to(wide), k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
             dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
+            kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
         )  # fmt: skip
         if isinstance(result, torch.Tensor):
             return result.to(q.dtype)
         return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
-    problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
+    problem = describe_problem(
+        q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
+        sinks=sinks,
+    )
     plan = choose_path(problem, backend, return_weights, return_lse)
     if q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
@@ -179,6 +196,7 @@ def explain(
     return_lse: bool = False,
     backend: Backend = "auto",
     measure: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> Explanation:
     """Say which path `qkv.attention` would take for these arguments, why, and its cost.
 
@@ -197,7 +215,9 @@ def explain(
     wide = _widened_dtype(q, k, v)
     if wide is not None:
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
-    problem = describe_problem(q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod)
+    problem = describe_problem(
+        q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks
+    )
     return explanation(problem, choose_path(problem, backend, return_weights, return_lse), measure, stored=stored)
 
 

@@ -440,12 +440,15 @@ class MultiHeadAttention(nn.Module):
         dropout = cfg.dropout if self.training else 0.0
         scores = {"bias": self._position_bias(), "softcap": self.softcap}
         if cache is not None:
-            length = cache.length
+            length, maxima = cache.length, (cache.k_max, cache.v_max)
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
-                result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
+                result = attention(
+                    q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights, kv_bounds=cache.bounds
+                )  # the checks read the new rows only, not the cache
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
+                cache.k_max, cache.v_max = maxima  # nor to its bounds
                 raise
         else:
             result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)

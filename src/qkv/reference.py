@@ -12,6 +12,8 @@ Together: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
 
 Score terms beyond the articles, between steps 3 and 4 (docs/design.md's order): a softcap
 c * tanh(x / c), then an additive bias, then any score_mod(x, b, h, i, j), then the mask.
+Attention sinks (gpt-oss) add one logit per head to every softmax denominator, with no value:
+weights_j = exp(x_j) / (exp(sink) + sum_t exp(x_t)).
 
 This module depends on NumPy alone, computes in float64, and is the oracle that every fast
 path in qkv is tested against. It is written to be read, not to be fast: every intermediate
@@ -75,6 +77,7 @@ class Trace:
     logits: Array | None = None
     softcap: float | None = None
     score_mod: bool = False  # a score_mod was applied (its gradient is not known here)
+    sinks: Array | None = None  # (..., 1, 1) the sink logit of each row's denominator, when given
 
 
 @dataclass(frozen=True)
@@ -121,13 +124,17 @@ def scale_scores(raw: ArrayLike, d_k: int, scale: float | None = None) -> Array:
     return np.asarray(raw, dtype=np.float64) * factor
 
 
-def softmax(scaled: ArrayLike, mask: ArrayLike | None = None) -> tuple[Array, Array]:
+def softmax(scaled: ArrayLike, mask: ArrayLike | None = None, sink: ArrayLike | None = None) -> tuple[Array, Array]:
     """Step 4, weights: ``softmax(x)_j = exp(x_j) / sum_t exp(x_t)`` over the last axis.
 
     Numerically stable (the row maximum is subtracted first, which changes nothing since
     softmax(x + c) = softmax(x)). ``mask``: bool (True = may attend) or float (added).
     Returns (weights, lse) with lse = log sum_t exp(x_t); a row with no visible key gets
     zero weights and lse = -inf.
+
+    ``sink`` (broadcastable to (..., 1)): an attention sink, one more term in the denominator,
+    ``exp(x_j) / (exp(sink) + sum_t exp(x_t))``; the maximum then runs over the sink too, and
+    lse = log(exp(sink) + sum_t exp(x_t)). A row with no visible key still gets zeros.
     """
     x = np.array(scaled, dtype=np.float64)
     if mask is not None:
@@ -138,9 +145,14 @@ def softmax(scaled: ArrayLike, mask: ArrayLike | None = None) -> tuple[Array, Ar
             x = x + mask.astype(np.float64)
     row_max = np.max(x, axis=-1, keepdims=True)
     empty = ~np.isfinite(row_max)  # every key masked (row max is -inf)
+    if sink is not None:
+        sink = np.asarray(sink, dtype=np.float64)
+        row_max = np.maximum(row_max, sink)  # the max over the scores and the sink
     shifted = x - np.where(empty, 0.0, row_max)
     exponentials = np.exp(shifted)
     sums = exponentials.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        sums = sums + np.exp(sink - np.where(empty, 0.0, row_max))  # the sink's term, no value
     weights = np.where(empty, 0.0, exponentials / np.where(empty, 1.0, sums))
     with np.errstate(divide="ignore"):
         lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, sums)) + np.where(empty, 0.0, row_max))
@@ -191,6 +203,7 @@ def attention(
     bias: ArrayLike | None = None,
     softcap: float | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
+    sinks: ArrayLike | None = None,
 ) -> Trace:
     """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d_k) + mask) V``, every step kept.
 
@@ -201,6 +214,9 @@ def attention(
     Score terms, in this order after scaling: ``softcap`` (x -> c tanh(x / c)), ``bias``
     (an array broadcastable to (..., L, S), added), ``score_mod`` (x, b, h, i, j) -> x on
     NumPy index arrays (`modify_scores`).
+
+    ``sinks``: attention-sink logits, one per head, broadcastable to q's (..., H): (H,) or
+    (B, H); each row's softmax gets exp(sink_h) in its denominator (`softmax`).
     """
     q = _as_float64(q, "q")
     k = _as_float64(k, "k")
@@ -219,12 +235,14 @@ def attention(
         logits = logits + np.asarray(bias, dtype=np.float64)
     if score_mod is not None:
         logits = modify_scores(logits, score_mod)
-    weights, lse = softmax(logits, mask)  # (..., L, S), (..., L)
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[..., None, None]  # (..., H, 1, 1)
+    weights, lse = softmax(logits, mask, sink)  # (..., L, S), (..., L)
     output = mix(weights, v)  # (..., L, Ev)
     used_scale = 1.0 / np.sqrt(d_k) if scale is None else float(scale)
     return Trace(
         q=q, k=k, v=v, scores=raw, scaled=scaled, weights=weights, output=output, lse=lse,
         scale=used_scale, kv_heads=kv_heads, logits=logits, softcap=softcap, score_mod=score_mod is not None,
+        sinks=sink,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import qkv
 from qkv.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from tests.compat._reference import attend
 
@@ -234,12 +235,90 @@ def test_flash_attn_with_kvcache_without_new_keys_and_with_batch_index() -> None
     torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, P: int, seed: int):
+    """The same cache cut into blocks of P positions at shuffled physical places, plus spare
+    blocks of garbage: (k_paged, v_paged (num_blocks, P, G, E), block_table (B, S_cache / P) int32)."""
+    B, S_cache, G, E = k_cache.shape
+    per_row = S_cache // P
+    gen = torch.Generator().manual_seed(seed)
+    places = torch.randperm(B * per_row + 3, generator=gen)[: B * per_row].reshape(B, per_row)  # (B, blocks)
+    k_paged = torch.full((B * per_row + 3, P, G, E), float("nan"), dtype=k_cache.dtype)
+    v_paged = torch.full((B * per_row + 3, P, G, v_cache.shape[-1]), float("nan"), dtype=v_cache.dtype)
+    k_paged[places] = k_cache.reshape(B, per_row, P, G, E)  # (B, blocks, P, G, E)
+    v_paged[places] = v_cache.reshape(B, per_row, P, G, -1)
+    return k_paged, v_paged, places.to(torch.int32)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[0, 4, 9], [10, 1, 5]])
+def test_flash_attn_with_kvcache_paged_equals_contiguous(lengths, causal, window) -> None:
+    """block_table: k_cache (num_blocks, block_size, G, E), position t of row b at
+    k_cache[block_table[b, t // block_size], t % block_size]; equal to the contiguous cache exactly
+    (and so to the float64 rules), the new keys written in their blocks."""
+    q, k_cache, v_cache, k, v = _cache_case(seed=len(lengths) + lengths[0] + 20)
+    k_paged, v_paged, table = _paged(k_cache, v_cache, P=4, seed=lengths[1])
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kwargs = {"cache_seqlens": seqlens, "causal": causal, "window_size": window, "return_softmax_lse": True}
+    out, lse = flash_attn_with_kvcache(q, k_paged, v_paged, k, v, block_table=table, **kwargs)
+    want, want_lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    t = torch.arange(12)
+    for b in range(3):
+        assert torch.equal(k_paged[table[b].long()[t // 4], t % 4], k_cache[b])  # the new keys in their blocks
+        assert torch.equal(v_paged[table[b].long()[t // 4], t % 4], v_cache[b])
+        n = lengths[b] + 2
+        ref_out, ref_lse, _ = reference(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], causal, window)
+        torch.testing.assert_close(out[b : b + 1], ref_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse[b : b + 1], ref_lse, atol=1e-10, rtol=0)
+
+
+def test_flash_attn_with_kvcache_reads_a_paged_kv_cache() -> None:
+    """qkv.PagedKVCache's storage, block table and lengths go to the drop-in as they are."""
+    gen = torch.Generator().manual_seed(8)
+    cache = qkv.PagedKVCache(16, 4, 2, 8, dtype=torch.float64)
+    ids = [cache.allocate() for _ in range(3)]
+    for n in ([5, 1, 9], [2, 7, 0]):
+        cache.append(ids, [torch.randn(2, m, 8, generator=gen, dtype=torch.float64) for m in n],
+                     [torch.randn(2, m, 8, generator=gen, dtype=torch.float64) for m in n])  # fmt: skip
+    q = torch.randn(3, 1, 4, 8, generator=gen, dtype=torch.float64)  # (B, L, H, E)
+    out = flash_attn_with_kvcache(
+        q, cache.k, cache.v, cache_seqlens=cache.cache_seqlens(ids), block_table=cache.block_table(ids), causal=True
+    )
+    want = cache.attend(ids, list(q.transpose(1, 2)), qkv.masks.causal())  # B x (H, L, Ev)
+    # one padded batch here, one sequence at a time there: equal up to the order of the sums
+    torch.testing.assert_close(out, torch.stack(want).transpose(1, 2), rtol=0, atol=1e-12)
+
+
+def test_flash_attn_with_kvcache_paged_refusals_leave_the_cache_alone() -> None:
+    q, k_cache, v_cache, k, v = _cache_case(seed=9)
+    k_paged, v_paged, table = _paged(k_cache, v_cache, P=4, seed=1)
+    before = (k_paged.clone(), v_paged.clone())
+    seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    far = table.clone()
+    far[1, 1] = 99
+    refusals = [
+        ({"block_table": table.long()}, TypeError, "block_table must be an int32"),
+        ({"block_table": table[:2]}, ValueError, "block_table must have shape"),
+        ({"block_table": far, "cache_seqlens": torch.tensor([1, 3, 3], dtype=torch.int32)}, ValueError, r"block_table\[1, 1\] = 99"),
+        ({"block_table": table, "cache_batch_idx": torch.arange(3, dtype=torch.int32)}, ValueError, "cache_batch_idx"),
+        ({"block_table": table, "cache_seqlens": torch.tensor([1, 11, 3], dtype=torch.int32)}, ValueError, "do not fit"),
+    ]
+    for kwargs, error, message in refusals:
+        kwargs = {"cache_seqlens": seqlens, **kwargs}
+        with pytest.raises(error, match=message):
+            flash_attn_with_kvcache(q, k_paged, v_paged, k, v, **kwargs)
+        torch.testing.assert_close(k_paged, before[0], rtol=0, atol=0, equal_nan=True)  # spare blocks are NaN
+        torch.testing.assert_close(v_paged, before[1], rtol=0, atol=0, equal_nan=True)
+    far[1, 1] = 99  # an entry a row does not read is never checked nor read
+    flash_attn_with_kvcache(q, k_paged, v_paged, k, v, cache_seqlens=seqlens, block_table=far)
+
+
 def test_flash_attn_with_kvcache_refusals_leave_the_cache_alone() -> None:
     q, k_cache, v_cache, k, v = _cache_case(seed=6)
     before = (k_cache.clone(), v_cache.clone())
     seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
     refusals = [
-        ({"block_table": torch.zeros(3, 1, dtype=torch.int32)}, ValueError, "paged KV cache"),
         ({"rotary_cos": torch.ones(4, 4), "rotary_sin": torch.ones(4, 4)}, ValueError, "RotaryEmbedding"),
         ({"cache_leftpad": torch.zeros(3, dtype=torch.int32)}, ValueError, "cache_leftpad"),
         ({"cache_seqlens": torch.tensor([1, 11, 3], dtype=torch.int32)}, ValueError, "do not fit"),

@@ -1,5 +1,5 @@
 """`flash_attn_with_kvcache`: FlashAttention 2's ``flash_attn_with_kvcache`` on qkv's dispatcher,
-for contiguous caches.
+for contiguous and paged caches.
 
 q (B, L, H, E) attends to row b of the cache, k_cache / v_cache (B_cache, S_cache, G, E):
 its first cache_seqlens[b] keys, plus the L_new keys of ``k`` / ``v`` when given, which are
@@ -8,8 +8,13 @@ FlashAttention does for incremental decoding). Row b thus has n_b keys, and ``ca
 ``window_size`` and ``alibi_slopes`` align bottom-right to n_b (query i sits at i + n_b - L):
 `qkv.masks.padded` with per-row key lengths. ``cache_batch_idx`` picks the cache rows.
 
-Refused with a clear error: ``block_table`` (a paged cache; qkv has none yet),
-``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.positional.RotaryEmbedding`)
+Paged cache (``block_table`` (B, max_blocks) int32): k_cache / v_cache are (num_blocks,
+block_size, G, E) and position t of row b lives at ``k_cache[block_table[b, t // block_size],
+t % block_size]`` (FlashAttention's and vLLM's layout; `qkv.PagedKVCache` keeps one). Any
+block_size works here (FlashAttention's CUDA kernel wants a multiple of 256). Entries of a row
+past its ceil(n_b / block_size) blocks are never read.
+
+Refused with a clear error: ``cache_batch_idx`` together with ``block_table``, ``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.positional.RotaryEmbedding`)
 and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes nothing here.
 """
 
@@ -19,13 +24,12 @@ import torch
 
 from qkv.compat._alibi import alibi_from_slopes
 from qkv.compat._args import check_flag, flash_mask_options, flash_softcap, tensor_of_rank
-from qkv.compat._flash_varlen import refuse_block_table
 from qkv.functional import attention
 from qkv.masks import padded
 
 __all__ = ["flash_attn_with_kvcache"]
 
-_LAYOUT_CACHE = "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+_LAYOUT_CACHE = "(batch_size_cache, seqlen_cache, nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with block_table"
 _LAYOUT_NEW = "(batch_size, seqlen_new, nheads_k, headdim)"
 
 
@@ -37,6 +41,28 @@ def _index_tensor(value: object, name: str, size: int, device: torch.device) -> 
     if tuple(value.shape) != (size,):
         raise ValueError(f"{name} must have shape (batch_size,) = ({size},), got {tuple(value.shape)}")
     return value.to(device=device, dtype=torch.long)
+
+
+def _block_table(value: object, B: int, device: torch.device) -> torch.Tensor:
+    """block_table (B, max_blocks) int32 as int64 on ``device`` (its entries are checked once the
+    lengths say which of them are read)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int32:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"block_table must be an int32 tensor (batch_size, max_num_blocks_per_seq), got {got}")
+    if value.ndim != 2 or value.shape[0] != B or value.shape[1] == 0:
+        raise ValueError(f"block_table must have shape (batch_size={B}, max_num_blocks_per_seq >= 1), got {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.long)
+
+
+def _blocks_read(table: torch.Tensor, n: torch.Tensor, num_blocks: int, P: int) -> torch.Tensor:
+    """The table with the entries row b reads (its first ceil(n_b / P)) checked against the pool,
+    and every other entry 0: (B, max_blocks)."""
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < ((n + P - 1) // P)[:, None]  # (B, max_blocks)
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is read but the cache has blocks 0 .. {num_blocks - 1}")
+    return torch.where(used, table, torch.zeros((), dtype=table.dtype, device=table.device))
 
 
 def _cache_lengths(cache_seqlens: object, B: int, S_cache: int, device: torch.device) -> torch.Tensor:
@@ -82,10 +108,12 @@ def flash_attn_with_kvcache(
             at cache_seqlens[b] (cache_seqlens is then required, as in FlashAttention).
         cache_seqlens: None (every row holds S_cache keys), an int, or (B,) int32 / int64.
         cache_batch_idx: None (rows 0..B-1, B_cache = B), or (B,) cache row of each query row.
+        block_table: None (a contiguous cache), or (B, max_blocks) int32: the paged cache's
+            blocks of each row, k_cache / v_cache then (num_blocks, block_size, G, E | Ev).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as `flash_attn_func`,
             with S = n_b, the keys of row b.
         return_softmax_lse: also return softmax_lse (B, H, L).
-        rotary_cos, rotary_sin, cache_leftpad, block_table: must be None (ValueError).
+        rotary_cos, rotary_sin, cache_leftpad: must be None (ValueError).
         rotary_interleaved, num_splits: accepted (a bool, an int >= 0); they change nothing here.
 
     Returns:
@@ -103,7 +131,6 @@ def flash_attn_with_kvcache(
         >>> out.shape, torch.equal(k_cache[1, 5], k[1, 0])
         (torch.Size([2, 1, 2, 4]), True)
     """
-    refuse_block_table(block_table)
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError(
             "rotary_cos / rotary_sin are not supported: rotate q and the new k before the call "
@@ -123,7 +150,14 @@ def flash_attn_with_kvcache(
     B, L, H, _ = q.shape
     B_cache, S_cache = k_cache.shape[:2]
     device = q.device
-    if cache_batch_idx is None:
+    table = None if block_table is None else _block_table(block_table, B, device)  # (B, max_blocks)
+    if table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table: the table already names each row's blocks")
+        P = k_cache.shape[1]  # positions per block
+        S_cache = table.shape[1] * P  # what a row's table can address
+        rows = None
+    elif cache_batch_idx is None:
         if B_cache != B:
             raise ValueError(f"k_cache has {B_cache} rows and q {B}; pass cache_batch_idx to pick cache rows")
         rows = None
@@ -155,13 +189,24 @@ def flash_attn_with_kvcache(
     n = lengths + new  # (B,) keys each query row sees
     S = max(1, int(n.max()))
     cache_rows = torch.arange(B, device=device) if rows is None else rows
+    if table is not None:
+        table = _blocks_read(table, n, k_cache.shape[0], P)  # (B, max_blocks)
     slots = None
     if k is not None and v is not None and new > 0:
-        slots = (cache_rows[:, None], lengths[:, None] + torch.arange(new, device=device))  # (B, 1), (B, L_new)
+        positions = lengths[:, None] + torch.arange(new, device=device)  # (B, L_new)
+        if table is None:
+            slots = (cache_rows[:, None], positions)  # (B, 1), (B, L_new)
+        else:
+            slots = (table.gather(1, positions // P), positions % P)  # (B, L_new) block, (B, L_new) offset
         saved = k_cache[slots].clone(), v_cache[slots].clone()  # (B, L_new, G, E | Ev): restored on error
         k_cache[slots], v_cache[slots] = k, v
-    keys = k_cache[:, :S] if rows is None else k_cache[rows, :S]  # (B, S, G, E)
-    values = v_cache[:, :S] if rows is None else v_cache[rows, :S]  # (B, S, G, Ev)
+    if table is not None:
+        read = table[:, : (S + P - 1) // P]  # (B, nb): the blocks that hold positions 0 .. S - 1
+        keys = k_cache[read].flatten(1, 2)[:, :S]  # (B, nb, P, G, E) -> (B, nb * P, G, E) -> (B, S, G, E)
+        values = v_cache[read].flatten(1, 2)[:, :S]  # (B, S, G, Ev)
+    else:
+        keys = k_cache[:, :S] if rows is None else k_cache[rows, :S]  # (B, S, G, E)
+        values = v_cache[:, :S] if rows is None else v_cache[rows, :S]  # (B, S, G, Ev)
     is_causal, window = flash_mask_options(causal, window_size, max(L, S))
     try:
         result = attention(

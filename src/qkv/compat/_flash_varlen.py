@@ -5,7 +5,7 @@ holding rows cu_seqlens[d] .. cu_seqlens[d + 1] - 1. Each sequence sees only its
 and ``causal``, ``window_size`` and ``alibi_slopes`` apply at its own positions, aligned
 bottom-right to its own lengths (FlashAttention's docstring): this is `qkv.masks.varlen` on
 one packed batch row, as `qkv.attention_varlen` runs it. ``block_table`` (a paged KV cache)
-is refused until qkv has a paged cache.
+is refused here: `flash_attn_with_kvcache` reads one, and `qkv.PagedKVCache` keeps one.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ __all__ = ["flash_attn_varlen_func", "refuse_block_table"]
 
 
 def refuse_block_table(block_table: object) -> None:
-    """A paged KV cache has no qkv counterpart yet: say so instead of reading pages wrongly."""
+    """A paged KV cache is read by flash_attn_with_kvcache, not here: say so instead of reading pages wrongly."""
     if block_table is not None:
         raise ValueError(
-            "block_table (a paged KV cache) is not supported: qkv has no paged cache yet; pass contiguous "
-            "key/value tensors (and for flash_attn_with_kvcache a contiguous (batch_size_cache, seqlen_cache, "
-            "nheads_k, headdim) cache)"
+            "block_table (a paged KV cache) is not supported by flash_attn_varlen_func here: use flash_attn_with_kvcache "
+            "(which reads a paged cache, e.g. qkv.PagedKVCache's) or pass contiguous key/value tensors"
         )
 
 
@@ -76,7 +75,7 @@ def flash_attn_varlen_func(
             `flash_attn_func`, per sequence (i, j, L, S its own positions and lengths).
         alibi_slopes: None, (H,) or (docs, H) float.
         return_attn_probs: also return softmax_lse and the probabilities.
-        block_table: must be None (no paged cache in qkv yet; ValueError otherwise).
+        block_table: must be None (ValueError otherwise; `flash_attn_with_kvcache` reads paged caches).
 
     Returns:
         out (total_q, H, Ev); with ``return_attn_probs`` (out, softmax_lse (H, total_q),

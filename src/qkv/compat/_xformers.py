@@ -162,7 +162,7 @@ def from_xformers(attn_bias: object) -> XformersBias:
     if name in _BLOCK_DIAGONAL:
         return {"mask": _block_diagonal(attn_bias, name), "bias": None}
     if "Paged" in name:
-        raise TypeError(f"xformers' {name} reads a paged KV cache, which qkv does not have yet")
+        raise TypeError(f"xformers' {name} reads a paged KV cache, which this drop-in does not read; use qkv.PagedKVCache.attend or qkv.compat.flash_attn_with_kvcache")
     raise TypeError(
         f"from_xformers does not know the attn_bias type {name}; it takes None, a float tensor, "
         "LowerTriangularMask, LowerTriangularMaskWithTensorBias, LowerTriangularFromBottomRightMask, "

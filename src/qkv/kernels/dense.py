@@ -122,16 +122,22 @@ def math_attention(
     dropout: float = 0.0,
     generator: torch.Generator | None = None,
     terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask) v, every intermediate materialized.
 
-    ``causal_offset``: query i may see key j only when j <= i + offset. Returns (output (N, H, L, Ev) in q's dtype,
-    weights (N, H, L, S) as used for the output, i.e. after dropout, and lse (N, H, L)).
+    ``causal_offset``: query i may see key j only when j <= i + offset. ``sinks`` (N | 1, H):
+    one attention-sink logit per head in every row's denominator (`masked_softmax`). Returns
+    (output (N, H, L, Ev) in q's dtype, weights (N, H, L, S) as used for the output, i.e. after
+    dropout, and lse (N, H, L)).
     """
     N, H, L, _ = q.shape
+    G = k.shape[1]
     S, Ev = v.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
-    weights, lse = masked_softmax(_scores_with_mask(q, k, mask, scale, causal_offset, terms))  # (N, G, r, L, S)
+    sink = None if sinks is None else sinks.to(acc).reshape(sinks.shape[0], G, H // G, 1, 1)  # (N | 1, G, r, 1, 1)
+    scores = _scores_with_mask(q, k, mask, scale, causal_offset, terms)  # (N, G, r, L, S)
+    weights, lse = masked_softmax(scores, sink)  # (N, G, r, L, S), (N, G, r, L)
     if dropout > 0.0:
         keep = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=acc) >= dropout
         weights = weights * keep / (1.0 - dropout)

@@ -19,16 +19,26 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_softmax(scores: torch.Tensor, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last axis of scores (..., S) where masked entries are -inf.
 
     Returns (weights (..., S), lse (...)), lse = log sum_j exp(scores_j), -inf for empty rows.
+
+    ``sink`` (broadcastable to (..., 1)), an attention sink: one more logit in every row's
+    denominator that carries no value, weights_j = exp(s_j - m) / (exp(sink - m) + sum_t
+    exp(s_t - m)) with m the row max over the scores and the sink; the weights then sum to
+    less than 1 and lse includes the sink. A row with no visible key stays empty (zero
+    weights, lse = -inf, no gradient, to the sink neither).
     """
     row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., 1)
     empty = row_max == float("-inf")  # (..., 1)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.detach())  # (..., 1): m over the scores and the sink
     shift = row_max.masked_fill(empty, 0.0)
     exponentials = torch.exp(scores - shift)  # (..., S), exactly 0 where masked
     sums = exponentials.sum(dim=-1, keepdim=True)  # (..., 1)
+    if sink is not None:
+        sums = sums + torch.exp(sink - shift)  # (..., 1)
     safe_sums = sums.masked_fill(empty, 1.0)
     weights = exponentials / safe_sums
     lse = (torch.log(safe_sums) + shift).masked_fill(empty, float("-inf"))

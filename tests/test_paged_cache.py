@@ -1,0 +1,126 @@
+"""PagedKVCache: equal to contiguous caches bit for bit, to the float64 reference, and atomic on errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+import qkv.reference as ref
+
+CAUSAL = qkv.masks.causal()
+G, H, E, EV = 2, 6, 5, 3  # GQA 6/2, E != Ev
+
+
+def test_random_appends_for_five_sequences_equal_contiguous_caches_and_the_reference() -> None:
+    """Five sequences grow by random amounts (0 to 9 positions, some rounds skip a sequence); after
+    each round every sequence's new queries attend, causal bottom-right. The paged cache equals one
+    contiguous KVCache per sequence exactly, and the float64 reference closely."""
+    gen = torch.Generator().manual_seed(11)
+    paged = qkv.PagedKVCache(num_blocks=40, block_size=4, num_kv_heads=G, d_k=E, d_v=EV, dtype=torch.float64)
+    ids = [paged.allocate() for _ in range(5)]
+    contiguous = {i: qkv.KVCache(1, 64, G, E, EV, dtype=torch.float64) for i in ids}
+    for _ in range(6):
+        chosen = [i for i in ids if torch.rand((), generator=gen) < 0.8] or ids[:1]
+        lengths = [int(torch.randint(1 if paged.length(i) == 0 else 0, 10, (), generator=gen)) for i in chosen]
+        keys = [torch.randn(G, n, E, generator=gen, dtype=torch.float64) for n in lengths]
+        values = [torch.randn(G, n, EV, generator=gen, dtype=torch.float64) for n in lengths]
+        paged.append(chosen, keys, values)
+        queries = [torch.randn(H, max(n, 1), E, generator=gen, dtype=torch.float64) for n in lengths]
+        outs = paged.attend(chosen, queries, CAUSAL)
+        for i, k, v, q, out in zip(chosen, keys, values, queries, outs, strict=True):
+            kc, vc = contiguous[i].update(k[None], v[None])  # (1, G, S, E), (1, G, S, Ev)
+            expected = qkv.attention(q[None], kc, vc, CAUSAL, kv_bounds=contiguous[i].bounds)[0]  # (H, L, Ev)
+            assert torch.equal(out, expected)
+            S = kc.shape[2]
+            visible = np.tril(np.ones((q.shape[1], S), dtype=bool), k=S - q.shape[1])  # bottom-right causal
+            trace = ref.attention(q.numpy(), kc[0].numpy(), vc[0].numpy(), visible)
+            np.testing.assert_allclose(out.numpy(), trace.output, rtol=1e-10, atol=1e-10)
+    assert [paged.length(i) for i in ids] == [contiguous[i].length for i in ids]
+    table, seqlens = paged.block_table(ids), paged.cache_seqlens(ids)
+    assert table.dtype == seqlens.dtype == torch.int32 and table.shape[0] == 5
+    for row, i in enumerate(ids):  # position t lives at k[table[b, t // block_size], t % block_size]
+        k_gathered, _ = paged.keys_values(i)
+        t = torch.arange(int(seqlens[row]))
+        stored = paged.k[table[row].long()[t // 4], t % 4]  # (S, G, E)
+        assert torch.equal(stored.transpose(0, 1), k_gathered)
+        assert torch.equal(k_gathered, contiguous[i].keys_values()[0][0])
+
+
+def test_freed_blocks_are_reused_and_sequences_interleave() -> None:
+    cache = qkv.PagedKVCache(4, 2, 1, 2)
+    a, b = cache.allocate(), cache.allocate()
+    one = [torch.ones(1, 1, 2)]
+    for _ in range(3):  # a and b take blocks in turn: a gets 0 and 2, b gets 1 and 3
+        cache.append([a, b], one * 2, one * 2)
+    assert cache.block_table([a, b]).tolist() == [[0, 2], [1, 3]] and cache.free_blocks == 0
+    cache.free(a)
+    assert cache.free_blocks == 2
+    c = cache.allocate()
+    cache.append([c], [torch.full((1, 3, 2), 2.0)], [torch.zeros(1, 3, 2)])
+    assert cache.block_table([c]).tolist() == [[0, 2]] and cache.length(c) == 3
+    assert torch.equal(cache.keys_values(c)[0], torch.full((1, 3, 2), 2.0))
+    with pytest.raises(ValueError, match="unknown sequence id 0"):
+        cache.length(a)
+
+
+def snapshot(cache: qkv.PagedKVCache, ids: list[int]) -> tuple[object, ...]:
+    return (cache.k.clone(), cache.v.clone(), cache.free_blocks, [cache.length(i) for i in ids], cache.block_table(ids))
+
+
+def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda c, a, b: c.append([a, b], [torch.ones(2, 7, 5)] * 2, [torch.ones(2, 7, 3)] * 2), ValueError, "out of blocks"),
+        (lambda c, a, b: c.append([a, 99], [torch.ones(2, 1, 5)] * 2, [torch.ones(2, 1, 3)] * 2), ValueError, "unknown sequence id 99"),
+        (lambda c, a, b: c.append([a, a], [torch.ones(2, 1, 5)] * 2, [torch.ones(2, 1, 3)] * 2), ValueError, "repeats"),
+        (lambda c, a, b: c.append([a, b], [torch.ones(2, 1, 5), torch.ones(2, 1, 4)], [torch.ones(2, 1, 3)] * 2), ValueError, r"keys\[1\] must have shape \(2, L, 5\)"),
+        (lambda c, a, b: c.append([a, b], [torch.ones(2, 1, 5)] * 2, [torch.ones(2, 1, 3), torch.ones(2, 1, 3).double()]), TypeError, r"values\[1\] is torch.float64"),
+        (lambda c, a, b: c.append([a, b], [torch.ones(2, 1, 5)] * 2, [torch.ones(2, 2, 3)] * 2), ValueError, "lengths 1 and 2"),
+        (lambda c, a, b: c.append([a, b], [torch.ones(2, 1, 5)], [torch.ones(2, 1, 3)] * 2), ValueError, "as many keys"),
+        (lambda c, a, b: c.append(a, [torch.ones(2, 1, 5)], [torch.ones(2, 1, 3)]), TypeError, "seq_ids"),
+        (lambda c, a, b: c.free(7), ValueError, "unknown sequence id 7"),
+        (lambda c, a, b: c.attend([a], [torch.ones(3, 1, 5)]), ValueError, r"queries\[0\] must have shape \(H, L, 5\)"),
+        (lambda c, a, b: c.attend([a], [torch.ones(2, 1, 5).double()]), TypeError, "float64"),
+        (lambda c, a, b: c.attend([a], [torch.ones(2, 1, 5)], mask=torch.ones(1, 1, dtype=torch.bool)), TypeError, "mask"),
+    ],
+)
+def test_errors_change_nothing(call, error, match) -> None:
+    cache = qkv.PagedKVCache(5, 4, 2, 5, 3)
+    a, b = cache.allocate(), cache.allocate()
+    cache.append([a, b], [torch.randn(2, 5, 5), torch.randn(2, 2, 5)], [torch.randn(2, 5, 3), torch.randn(2, 2, 3)])
+    before = snapshot(cache, [a, b])
+    with pytest.raises(error, match=match):
+        call(cache, a, b)
+    assert same(snapshot(cache, [a, b]), before)
+
+
+def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import qkv._problem
+
+    scanned: list[tuple[int, ...]] = []
+    original = qkv._problem._largest_magnitudes
+    monkeypatch.setattr(qkv._problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
+    cache = qkv.PagedKVCache(8, 16, 1, 4)
+    a = cache.allocate()
+    cache.append([a], [torch.randn(1, 100, 4)], [torch.randn(1, 100, 4)])
+    cache.attend([a], [torch.randn(2, 1, 4)], CAUSAL)
+    assert scanned == [(1, 2, 1, 4)]
+
+
+def test_attend_passes_scale_softcap_and_sinks() -> None:
+    gen = torch.Generator().manual_seed(12)
+    cache = qkv.PagedKVCache(8, 4, G, E, EV, dtype=torch.float64)
+    a = cache.allocate()
+    k, v = torch.randn(G, 10, E, generator=gen, dtype=torch.float64), torch.randn(G, 10, EV, generator=gen, dtype=torch.float64)
+    cache.append([a], [k], [v])
+    q = torch.randn(H, 2, E, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64)
+    (out,) = cache.attend([a], [q], CAUSAL, scale=0.3, softcap=5.0, sinks=sinks)
+    want = qkv.attention(q[None], k[None], v[None], CAUSAL, scale=0.3, softcap=5.0, sinks=sinks)[0]
+    assert torch.equal(out, want)
