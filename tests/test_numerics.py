@@ -180,3 +180,42 @@ def test_scores_that_would_overflow_are_refused_and_float64_holds_them() -> None
     # the same scores fit float64: equal rows, so the output is the mean of the values
     out = qkv.attention(q.double(), q.double(), v.double(), scale=1e-38)
     torch.testing.assert_close(out, v.double().mean(dim=2, keepdim=True).expand(1, 1, 2, 4))
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "math", "blocks"])
+@pytest.mark.parametrize("scale", [-1.0, -1e-30, 0.0, -0.0])
+@pytest.mark.parametrize(
+    "mask", [M.causal(), M.causal(align="top-left"), M.sliding_window(40, 3)], ids=["causal", "top-left", "window"]
+)
+def test_any_finite_scale_with_a_causal_or_window_mask(backend: str, scale: float, mask: M.Mask) -> None:
+    # PyTorch's CPU flash kernel writes the causal -inf before it multiplies by the scale: a
+    # scale <= 0 used to make every row but the last NaN on auto, fused and blocks
+    q, k, v = Case(B=1, H=4, G=2, L=150, S=150, E=16, Ev=8).tensors(torch.float32, seed=5)
+    d_out, d_lse = torch.randn(1, 4, 150, 8, dtype=torch.float64), torch.randn(1, 4, 150, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = qkv.attention(*leaves, mask, scale=scale, backend=backend, return_lse=True)
+    ((out.double() * d_out).sum() + (lse.double() * d_lse).sum()).backward()
+    trace, grads = _reference(q, k, v, mask, d_out, d_lse, scale=scale)
+    np.testing.assert_allclose(out.detach().double().numpy(), trace.output, atol=2e-5)
+    np.testing.assert_allclose(lse.detach().double().numpy(), trace.lse, atol=2e-5)
+    for leaf, want in zip(leaves, grads, strict=True):
+        assert leaf.grad is not None
+        np.testing.assert_allclose(leaf.grad.double().numpy(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+def test_a_ring_block_on_the_diagonal_takes_any_finite_scale(scale: float) -> None:
+    from qkv.distributed import blockwise
+
+    q, k, v = Case(B=1, H=2, G=1, L=70, S=70, E=8, Ev=8).tensors(torch.float32, seed=6)
+    out, lse = blockwise.block_forward(q, k, v, scale, diagonal=True)
+    trace, _ = _reference(q, k, v, M.causal(), scale=scale)
+    np.testing.assert_allclose(out.double().numpy(), trace.output, atol=2e-5)
+    np.testing.assert_allclose(lse.double().numpy(), trace.lse, atol=2e-5)
+    d_out = torch.randn(1, 2, 70, 8)
+    delta = (d_out * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    blockwise.block_backward(q, k, v, out, d_out, lse, delta, scale, True, dq, dk, dv)
+    _, grads = _reference(q, k, v, M.causal(), d_out, scale=scale)
+    for got, want in zip((dq, dk, dv), grads, strict=True):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-4)
