@@ -261,3 +261,25 @@ def test_a_bias_that_hides_rows_and_runs_of_keys_is_exact(
     for leaf, want in zip(leaves, (dq, dk, dv, dx), strict=True):
         assert leaf.grad is not None
         np.testing.assert_allclose(leaf.grad.double().numpy(), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("mask", [M.causal(), M.sliding_window(100)], ids=["causal", "window"])
+@pytest.mark.parametrize("backend", ["auto", "blocks"])
+def test_masked_pairs_are_overwritten_whatever_score_mod_returns_there(value: float, mask: M.Mask, backend: str) -> None:
+    """A score_mod may return anything on pairs the mask removes (NaN + -inf used to be NaN rows)."""
+    L = S = 256
+    q, k, v, d_out = _problem(1, 2, 2, L, S, 8, 8, seed=4)
+
+    def only_where_masked(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return torch.where(j > i, torch.full_like(s, value), s)  # identity on every visible pair
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = qkv.attention(*leaves, mask, score_mod=only_where_masked, backend=backend)
+    out.backward(d_out)
+    # on visible pairs the score_mod is the identity: the reference without it is the answer
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), mask.to_dense(L, S).numpy())
+    np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
+    for leaf, want in zip(leaves, R.attention_grads(trace, d_out.numpy()), strict=True):
+        assert leaf.grad is not None
+        np.testing.assert_allclose(leaf.grad.numpy(), want, atol=1e-9)

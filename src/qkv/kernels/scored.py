@@ -184,7 +184,8 @@ def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, 
     max and the rest (items, H, q_len) each, in acc (`merge.merge_split`)."""
     s = _scores(calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), call, run, run.terms, acc, inplace=True)
     if call.masked or call.causal:  # this kernel has no is_causal: a causal square gets its tile
-        s.add_(calls.mask_tile(run.masks, call, acc)[0])
+        # overwritten, not added to: a score_mod may return NaN or +inf on pairs the mask removes
+        s.masked_fill_(calls.mask_tile(run.masks, call, acc)[0] == _NEG_INF, _NEG_INF)
     # softmax in place over the tile (no autograd here): s becomes exp(s - row max)
     row_max = s.amax(dim=-1, keepdim=True)  # (items, H, q_len, 1)
     empty = row_max == _NEG_INF
@@ -248,8 +249,8 @@ def _own_backward(
     with torch.enable_grad():
         s = _scores(q_t, k_t, call, run, terms, acc)  # (items, H, q_len, width)
     hidden = s.detach()
-    if call.masked or call.causal:
-        hidden = hidden + calls.mask_tile(run.masks, call, acc)[0]
+    if call.masked or call.causal:  # overwritten, as in the forward
+        hidden = hidden.masked_fill(calls.mask_tile(run.masks, call, acc)[0] == _NEG_INF, _NEG_INF)
     row_shift = calls.row_view(shift, call).unsqueeze(-1)  # (items, H, q_len, 1)
     row_rest = calls.row_view(rest, call).unsqueeze(-1)  # (items, H, q_len, 1)
     # the offset first: a padding bias of -1e20 leaves the rest no digits in a single lse
