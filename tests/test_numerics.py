@@ -219,3 +219,65 @@ def test_a_ring_block_on_the_diagonal_takes_any_finite_scale(scale: float) -> No
     _, grads = _reference(q, k, v, M.causal(), d_out, scale=scale)
     for got, want in zip((dq, dk, dv), grads, strict=True):
         np.testing.assert_allclose(got.double().numpy(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "blocks", "fused"])
+def test_finite_score_terms_that_would_overflow_are_refused(backend: str) -> None:
+    # each used to give NaN rows: the cap rounds to inf in float32 (s / inf * inf), a slope of
+    # -1e38 adds +1e38 per step of distance, two biases of 3e38 add to inf
+    q, k, v = Case(B=1, H=2, G=2, L=300, S=300, E=8, Ev=8).tensors(torch.float32, seed=7)
+    if backend != "fused":
+        with pytest.raises(ValueError, match=r"softcap=1e\+39 is beyond the largest float32"):
+            qkv.attention(q, k, v, M.causal(), softcap=1e39, backend=backend)
+    with pytest.raises(ValueError, match=r"scaled scores can reach 3e\+40 .*largest bias value 3e\+40"):
+        qkv.attention(q, k, v, M.causal(), bias=qkv.bias.alibi(torch.tensor([-1e38, 0.5])), backend=backend)
+    both = qkv.bias.dense(torch.full((300, 300), 3e38)) + qkv.bias.relative(torch.full((2, 32), 3e38))
+    with pytest.raises(ValueError, match=r"largest bias value 6e\+38"):
+        qkv.attention(q, k, v, M.causal(), bias=both, backend=backend)
+
+
+def test_a_huge_softcap_and_bias_fit_float64() -> None:
+    q, k, v = Case(B=1, H=2, G=2, L=6, S=6, E=4, Ev=4).tensors(torch.float64, seed=8)
+    bias = torch.full((6, 6), 3e38)
+    out = qkv.attention(q, k, v, softcap=1e39, bias=bias, backend="math")
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), softcap=1e39, bias=bias.double().numpy())
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["dense", "alibi", "relative"])
+def test_biases_holding_nan_or_plus_inf_are_refused(bad: float, kind: str) -> None:
+    q = k = v = torch.randn(1, 2, 3, 4)
+    if kind == "dense":
+        values = torch.zeros(3, 3)
+        values[1, 2] = bad
+        bias: qkv.bias.Bias = qkv.bias.dense(values)
+        match = r"bias tensor holds (NaN|\+inf) \(first at indices \[\[0, 0, 1, 2\]\]\)"
+    elif kind == "alibi":
+        bias = qkv.bias.alibi(torch.tensor([0.5, bad]))
+        match = r"alibi slopes tensor holds (NaN|\+inf) \(first at indices \[\[1\]\]\)"
+    else:
+        table = torch.zeros(2, 32)
+        table[1, 5] = bad
+        bias = qkv.bias.relative(table)
+        match = r"relative bias table holds (NaN|\+inf) \(first at indices \[\[1, 5\]\]\)"
+    for call in (qkv.attention, qkv.explain):
+        with pytest.raises(ValueError, match=match):
+            call(q, k, v, bias=bias)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "fused"])
+def test_minus_inf_in_a_dense_bias_or_table_hides_pairs_as_in_a_float_mask(backend: str) -> None:
+    q, k, v = Case(B=1, H=2, G=2, L=5, S=5, E=4, Ev=4).tensors(torch.float64, seed=9)
+    hide = torch.zeros(5, 5, dtype=torch.float64)
+    hide[:, 3] = float("-inf")
+    hide[4, :] = float("-inf")  # a whole row: zeros, as a float mask gives
+    out = qkv.attention(q, k, v, bias=hide, backend=backend)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), hide.numpy())
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+    assert (out[..., 4, :] == 0).all()
+    table = torch.zeros(2, 8, dtype=torch.float64)
+    table[:, 0] = float("-inf")  # bucket 0: the key at the query's own position
+    out = qkv.attention(q, k, v, bias=qkv.bias.relative(table, num_buckets=8, max_distance=4), backend=backend)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), ~np.eye(5, dtype=bool))
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)

@@ -102,6 +102,13 @@ class Bias(ABC):
         """Floating-point operations per (query, key) pair and head, the final add included."""
         return 1
 
+    def largest(self, L: int, S: int) -> float:
+        """An upper bound (>= 0) of the values the bias adds to a score of an L x S problem:
+        the input checks add it to the scores' bound against overflow to +inf. ValueError when
+        a tensor holds NaN or +inf (-inf hides a pair, as in a float mask)."""
+        del L, S
+        return 0.0
+
     def to_dense(self, L: int, S: int, *, H: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The bias as a tensor (B | 1, H | 1, L, S) with bottom-right positions p_i = i + S - L.
 
@@ -134,6 +141,26 @@ class Bias(ABC):
 
 def _parts(bias: Bias) -> tuple[Bias, ...]:
     return bias.parts if isinstance(bias, Sum) else (bias,)
+
+
+def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float:
+    """max(0, largest finite value of t); ValueError naming ``what`` when t holds NaN or +inf
+    (or -inf, unless ``hide``: there -inf hides a pair, as in a float mask)."""
+    if torch.compiler.is_compiling():
+        return 0.0  # a data-dependent check; compiled code skips it as it skips the mask's
+    with torch.no_grad():
+        values = t.detach()
+        bad = torch.isnan(values) | torch.isposinf(values)
+        if not hide:
+            bad |= torch.isneginf(values)
+        if bool(bad.any()):
+            first = torch.nonzero(bad)[:3].tolist()
+            got = "NaN" if bool(torch.isnan(values).any()) else "+inf" if bool(torch.isposinf(values).any()) else "-inf"
+            allowed = "finite values, or -inf to hide a pair" if hide else "finite values"
+            raise ValueError(f"{what} holds {got} (first at indices {first}); it must hold {allowed}")
+        if values.numel() == 0:
+            return 0.0
+        return max(0.0, float(values.max()))
 
 
 def as_bias(value: object) -> Bias | None:
@@ -210,6 +237,15 @@ class ALiBi(Bias):
 
     def flops_per_pair(self) -> int:
         return 4  # subtract, absolute value, multiply, add
+
+    def largest(self, L: int, S: int) -> float:
+        if self.slopes is None or torch.compiler.is_compiling():
+            return 0.0  # the paper's slopes are positive: the bias is <= 0
+        # -slope * distance: a negative slope adds up to |slope| * the longest distance
+        _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
+        with torch.no_grad():
+            steepest = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
+        return steepest * max(L, S)
 
     def describe(self) -> str:
         return "alibi()" if self.slopes is None else f"alibi({self.slopes.shape[0]} heads)"
@@ -299,6 +335,9 @@ class Relative(Bias):
         )
         h, bucket = torch.broadcast_tensors(h, bucket)
         return self.table.to(q_pos.device)[h, bucket]
+
+    def largest(self, L: int, S: int) -> float:
+        return _largest_value(self.table, "the relative bias table")
 
     def flops_per_pair(self) -> int:
         return 8  # the bucket (difference, comparisons, a log) and the add; the lookup is a gather
@@ -400,6 +439,9 @@ class Dense(Bias):
         index = [i if size > 1 else torch.zeros_like(i) for i, size in zip((b, h, q_idx, kv_idx), t.shape, strict=True)]
         return t[index[0], index[1], index[2], index[3]]
 
+    def largest(self, L: int, S: int) -> float:
+        return _largest_value(self.tensor, "the bias tensor")
+
     def describe(self) -> str:
         return f"dense bias {tuple(self.tensor.shape)}"
 
@@ -469,6 +511,9 @@ class Sum(Bias):
 
     def flops_per_pair(self) -> int:
         return sum(p.flops_per_pair() for p in self.parts)
+
+    def largest(self, L: int, S: int) -> float:
+        return sum(p.largest(L, S) for p in self.parts)
 
     def describe(self) -> str:
         return " + ".join(p.describe() for p in self.parts)
