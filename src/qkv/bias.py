@@ -172,9 +172,25 @@ def as_bias(value: object) -> Bias | None:
     return None
 
 
+def _take(values: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """values[i0, i1, ...] for index tensors that broadcast together, one per axis of values.
+
+    Advanced indexing would do, but its gradient adds repeated indices with
+    index_put_(accumulate=True), whose CPU kernel adds them in an order that depends on the
+    threads' timing (a T5 table's gradient took 6 different values in 8 identical calls at 2
+    threads); index_select's gradient is index_add_, which adds them in index order: two runs
+    give the same bits.
+    """
+    index = torch.broadcast_tensors(*index)
+    flat = index[0]
+    for i, size in zip(index[1:], values.shape[1:], strict=True):
+        flat = flat * size + i
+    return values.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+
+
 def _head_values(values: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """values[h] for a per-head tensor (H, ...) and an index tensor h (any shape)."""
-    return values[h]
+    """values[h] for a per-head tensor (H,) and an index tensor h (any shape)."""
+    return _take(values, h)
 
 
 # ALiBi ------------------------------------------------------------------------------------------
@@ -333,8 +349,7 @@ class Relative(Bias):
         bucket = relative_bucket(
             kv_idx - q_pos, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
         )
-        h, bucket = torch.broadcast_tensors(h, bucket)
-        return self.table.to(q_pos.device)[h, bucket]
+        return _take(self.table.to(q_pos.device), h, bucket)
 
     def largest(self, L: int, S: int) -> float:
         return _largest_value(self.table, "the relative bias table")
@@ -428,7 +443,8 @@ class Dense(Bias):
         lead = full.shape[: len(batch_shape)]
         tail = full.shape[len(batch_shape) :]
         if all(n == 1 for n in lead):
-            return Dense(full.reshape(1, *tail))  # (1, H | 1, L | 1, S | 1)
+            # contiguous: the kernels read it flat (`_take`), and tile by tile
+            return Dense(full.reshape(1, *tail).contiguous())  # (1, H | 1, L | 1, S | 1)
         expanded = full.expand(*batch_shape, *tail)
         return Dense(expanded.reshape(-1, *tail))  # (N, H | 1, L | 1, S | 1)
 
@@ -437,7 +453,7 @@ class Dense(Bias):
     ) -> torch.Tensor:
         t = self._4d().to(q_idx.device)
         index = [i if size > 1 else torch.zeros_like(i) for i, size in zip((b, h, q_idx, kv_idx), t.shape, strict=True)]
-        return t[index[0], index[1], index[2], index[3]]
+        return _take(t, *index)
 
     def largest(self, L: int, S: int) -> float:
         return _largest_value(self.tensor, "the bias tensor")
