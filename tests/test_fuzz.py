@@ -12,6 +12,11 @@ Tolerance (docs/design.md): the error of the path against float64 is at most 2x 
 size of the values. The naive implementation adds the mask in float32 or wider, as docs/design.md
 requires of every path; when it overflows itself, the math path's error is the yardstick.
 
+A second property draws score terms (learnable ALiBi slopes, a relative table, a dense bias
+hiding rows and runs of keys, a softcap) with scales of any sign and size, grouped heads,
+windows and odd head dims, the block engine on tiles small enough to merge pieces of each row;
+its oracle is the same kind of float64 formula, tied to `qkv.reference` once.
+
 Profiles: HYPOTHESIS_PROFILE=ci (default, 200 examples) or thorough (3000 examples).
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import torch
@@ -26,8 +32,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkv
+from qkv import dispatch
 from qkv import masks as M
 from qkv import reference as R
+from qkv.kernels.block_plan import BlockConfig
 
 settings.register_profile(
     "ci", max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -154,7 +162,7 @@ def examples(draw: st.DrawFn) -> Example:
     grad = (draw(st.booleans()), draw(st.booleans()), draw(st.booleans()))
     backends = ["auto", "fused", "math"] + (["blocks"] if mask is None or isinstance(mask, M.Mask) else [])
     backend = draw(st.sampled_from(backends))
-    scale = draw(st.sampled_from([None, None, 0.5, -1.3, 2.0]))
+    scale = draw(st.sampled_from([None, None, 0.5, -1.3, 2.0, -1e-30, 0.0]))
     return Example(dtype, q, k, v, mask, visible, additive, scale, grad, backend, draw(st.booleans()), draw(st.booleans()))
 
 
@@ -292,3 +300,189 @@ def test_the_oracle_is_the_reference() -> None:
     np.testing.assert_allclose(weights.numpy(), trace.weights, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(trace.lse))
     np.testing.assert_allclose(lse.numpy()[np.isfinite(trace.lse)], trace.lse[np.isfinite(trace.lse)], atol=1e-12)
+
+
+# Score terms -------------------------------------------------------------------------------------
+# Scales of any sign and size, grouped heads, windows, odd head dims and learnable bias tensors
+# (ALiBi slopes, a T5-style table, a dense bias that hides rows and runs of keys with -inf,
+# finfo.min or -1e20), with and without a softcap. The block engine runs on tiles small enough
+# that these short rows are cut into several pieces, so its merge is exercised.
+
+TERM_SCALES = [None, -1.3, -1e-30, 1e-30, 0.0, 0.5]
+TERM_MASKS = ["none", "causal", "causal-top-left", "window", "key-padding"]
+HIDE = [float("-inf"), torch.finfo(torch.float32).min, -1e20]
+# the relative table's buckets by hand: num_buckets=256, max_distance=512 (bidirectional) puts
+# distances below 64 in buckets of their own, (j > p) * 128 + |j - p|; rows here are shorter
+REL_BUCKETS, REL_MAX_DISTANCE = 256, 512
+TINY_BLOCKS = BlockConfig(block_q=8, block_k=4, masked_span=8, min_rows=2, call_bytes=2**12)
+
+
+@dataclass
+class TermsExample:
+    dtype: torch.dtype
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: M.Mask | None
+    scale: float | None
+    softcap: float | None
+    kind: str  # "none", "alibi", "relative", "dense"
+    param: torch.Tensor | None  # the bias tensor (float64 values), learnable
+    backend: str
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # type: ignore[no-untyped-def]
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        mask = "None" if self.mask is None else self.mask.describe()
+        return (
+            f"TermsExample({str(self.dtype).removeprefix('torch.')}, q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, "
+            f"v {tuple(self.v.shape)}, mask {mask}, scale {self.scale}, softcap {self.softcap}, bias {self.kind}, "
+            f"backend {self.backend!r})"
+        )
+
+
+@st.composite
+def terms_examples(draw: st.DrawFn) -> TermsExample:
+    dtype = draw(st.sampled_from([torch.float64, torch.float32]))
+    B, G = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H = G * draw(st.integers(1, 3))
+    L, S = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    E, Ev = draw(st.sampled_from([1, 3, 5, 7, 8, 13])), draw(st.sampled_from([1, 4, 7, 9]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    q = torch.randn(B, H, L, E, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, G, S, E, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, G, S, Ev, generator=gen, dtype=torch.float64).to(dtype)
+    kind = draw(st.sampled_from(TERM_MASKS))
+    mask: M.Mask | None = None
+    if kind == "causal":
+        mask = M.causal()
+    elif kind == "causal-top-left":
+        mask = M.causal(align="top-left")
+    elif kind == "window":
+        mask = M.sliding_window(draw(st.integers(0, 12)), draw(st.integers(0, 4)))
+    elif kind == "key-padding":
+        mask = M.key_padding(torch.randint(0, S + 1, (B,), generator=gen))
+    bias_kind = draw(st.sampled_from(["none", "alibi", "relative", "dense"]))
+    param = None
+    if bias_kind == "alibi":
+        param = torch.randn(H, generator=gen, dtype=torch.float64) * 0.5  # negative slopes too
+    elif bias_kind == "relative":
+        param = torch.randn(H, REL_BUCKETS, generator=gen, dtype=torch.float64)
+    elif bias_kind == "dense":
+        param = torch.randn(B, 1, L, S, generator=gen, dtype=torch.float64)
+        hide = draw(st.sampled_from(HIDE))
+        if draw(st.booleans()):
+            param[0, :, :, S // 3 :] = hide  # padding keys of batch row 0
+        if draw(st.booleans()):
+            param[-1, :, draw(st.integers(0, L - 1)), :] = hide  # a whole row
+        param = param.float().double()  # exactly float32 values
+    softcap = draw(st.sampled_from([None, None, 5.0]))
+    backends = ["auto", "math", "blocks"] + (["fused"] if softcap is None else [])
+    return TermsExample(dtype, q, k, v, mask, draw(st.sampled_from(TERM_SCALES)), softcap, bias_kind, param,
+                        draw(st.sampled_from(backends)))
+
+
+def _terms_bias(ex: TermsExample, param: torch.Tensor | None) -> object:
+    """The bias as qkv takes it."""
+    if ex.kind == "alibi":
+        return qkv.bias.alibi(param)
+    if ex.kind == "relative":
+        return qkv.bias.relative(param, num_buckets=REL_BUCKETS, max_distance=REL_MAX_DISTANCE)
+    return param
+
+
+def _terms_formula(ex: TermsExample, q, k, v, param, acc: torch.dtype):  # type: ignore[no-untyped-def]
+    """DESIGN.md's score order in plain torch ops, every step in ``acc`` (float32 or wider)."""
+    H, L, E = q.shape[1:]
+    G, S = k.shape[1], k.shape[2]
+    wide = torch.promote_types(acc, torch.float32)
+    k_, v_ = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # (B, H, S, *)
+    scale = E**-0.5 if ex.scale is None else ex.scale
+    s = (q.to(wide) @ k_.to(wide).transpose(-1, -2)) * scale  # (B, H, L, S)
+    if ex.softcap is not None:
+        s = torch.tanh(s / ex.softcap) * ex.softcap
+    p = torch.arange(L).view(L, 1) + (S - L)  # (L, 1): query positions, bottom-right
+    j = torch.arange(S).view(1, S)  # (1, S)
+    if ex.kind == "alibi":
+        s = s - param.to(wide).view(1, H, 1, 1) * (p - j).abs().to(wide)
+    elif ex.kind == "relative":
+        bucket = (j > p).long() * (REL_BUCKETS // 2) + (j - p).abs()  # (L, S)
+        s = s + param.to(wide)[:, bucket].unsqueeze(0)  # (1, H, L, S)
+    elif ex.kind == "dense":
+        s = s + param.to(wide)
+    visible = torch.ones(1, 1, L, S, dtype=torch.bool) if ex.mask is None else ex.mask.to_dense(L, S)
+    s = s.masked_fill(~visible, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True).detach()
+    empty = row_max == float("-inf")
+    e = torch.exp(s - row_max.masked_fill(empty, 0.0))
+    total = e.sum(dim=-1, keepdim=True)
+    weights = e / total.masked_fill(empty, 1.0)
+    lse = (total.masked_fill(empty, 1.0).log() + row_max.masked_fill(empty, 0.0)).masked_fill(empty, float("-inf"))
+    return (weights.to(acc) @ v_.to(acc)).to(wide), lse.squeeze(-1)
+
+
+@PROFILE
+@given(ex=terms_examples())
+def test_score_terms_on_every_path_agree_with_float64(ex: TermsExample) -> None:
+    B, H, L = ex.q.shape[:3]
+    Ev = ex.v.shape[3]
+    gen = torch.Generator().manual_seed(2)
+    d_out = torch.randn(B, H, L, Ev, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(B, H, L, generator=gen, dtype=torch.float64)
+    global _SCORE_BOUND
+    q64, k64 = ex.q.double(), ex.k.double()
+    factor = abs(ex.q.shape[-1] ** -0.5 if ex.scale is None else ex.scale)
+    _SCORE_BOUND = factor * float(q64.norm(dim=-1).max()) * float(k64.norm(dim=-1).max())
+
+    def run(fn, dtype):  # type: ignore[no-untyped-def]
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (ex.q, ex.k, ex.v)]
+        param = None
+        if ex.param is not None:
+            param = ex.param.to(torch.float64 if dtype == torch.float64 else torch.float32).detach().requires_grad_(True)
+        out, lse = fn(*leaves, param)
+        finite = torch.isfinite(lse)
+        loss = (out.double() * d_out).sum() + (lse.double().masked_fill(~finite, 0.0) * d_lse).sum()
+        loss.backward()
+        grads = [t.grad.double() for t in leaves] + ([param.grad.double()] if param is not None else [])
+        return out.detach().double(), lse.detach().double(), grads
+
+    def path(q, k, v, param, backend=ex.backend):  # type: ignore[no-untyped-def]
+        with mock.patch.object(dispatch, "BLOCKS", TINY_BLOCKS):
+            return qkv.attention(q, k, v, ex.mask, scale=ex.scale, bias=_terms_bias(ex, param), softcap=ex.softcap,
+                                 backend=backend, return_lse=True)
+
+    got = run(path, ex.dtype)
+    want = run(lambda q, k, v, p: _terms_formula(ex, q, k, v, p, torch.float64), torch.float64)
+    naive = run(lambda q, k, v, p: _terms_formula(ex, q, k, v, p, ex.dtype), ex.dtype)
+    math = run(lambda q, k, v, p: path(q, k, v, p, "math"), ex.dtype)
+    assert not torch.isnan(got[0]).any(), "finite inputs gave NaN"
+    floor = FLOOR[ex.dtype]
+    _check("output", got[0], want[0], naive[0], math[0], 2, floor)
+    _check("lse", got[1], want[1], naive[1], math[1], 2, floor)
+    for name, g, w, n, m in zip(("dq", "dk", "dv", "dbias"), got[2], want[2], naive[2], math[2], strict=False):
+        assert torch.isfinite(g).all(), f"{name} is not finite"
+        _check(name, g, w, n, m, 3, floor)
+
+
+def test_the_score_terms_oracle_is_the_reference() -> None:
+    """`_terms_formula` in float64 equals `qkv.reference` given the bias by hand (ALiBi, the
+    table's buckets, a dense bias hiding a key) and a softcap."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 3, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
+    p, j = np.arange(5)[:, None] + 2, np.arange(7)[None, :]
+    slopes, table = torch.tensor([0.3, -0.2], dtype=torch.float64), torch.randn(2, REL_BUCKETS, generator=gen, dtype=torch.float64)
+    dense = torch.randn(1, 1, 5, 7, generator=gen, dtype=torch.float64)
+    dense[..., 2] = float("-inf")
+    by_hand = {
+        "alibi": -slopes.numpy()[:, None, None] * np.abs(p - j),
+        "relative": table.numpy()[:, (j > p) * (REL_BUCKETS // 2) + np.abs(j - p)],
+        "dense": dense.numpy(),
+    }
+    for kind, param in (("alibi", slopes), ("relative", table), ("dense", dense)):
+        ex = TermsExample(torch.float64, q, k, v, M.causal(), -0.6, 2.5, kind, param, "math")
+        out, lse = _terms_formula(ex, q, k, v, param, torch.float64)
+        trace = R.attention(q.numpy(), k.numpy(), v.numpy(), M.causal().to_dense(5, 7).numpy(), -0.6,
+                            bias=by_hand[kind], softcap=2.5)
+        np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+        np.testing.assert_allclose(lse.numpy(), trace.lse, atol=1e-12)

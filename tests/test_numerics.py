@@ -180,3 +180,104 @@ def test_scores_that_would_overflow_are_refused_and_float64_holds_them() -> None
     # the same scores fit float64: equal rows, so the output is the mean of the values
     out = qkv.attention(q.double(), q.double(), v.double(), scale=1e-38)
     torch.testing.assert_close(out, v.double().mean(dim=2, keepdim=True).expand(1, 1, 2, 4))
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "math", "blocks"])
+@pytest.mark.parametrize("scale", [-1.0, -1e-30, 0.0, -0.0])
+@pytest.mark.parametrize(
+    "mask", [M.causal(), M.causal(align="top-left"), M.sliding_window(40, 3)], ids=["causal", "top-left", "window"]
+)
+def test_any_finite_scale_with_a_causal_or_window_mask(backend: str, scale: float, mask: M.Mask) -> None:
+    # PyTorch's CPU flash kernel writes the causal -inf before it multiplies by the scale: a
+    # scale <= 0 used to make every row but the last NaN on auto, fused and blocks
+    q, k, v = Case(B=1, H=4, G=2, L=150, S=150, E=16, Ev=8).tensors(torch.float32, seed=5)
+    d_out, d_lse = torch.randn(1, 4, 150, 8, dtype=torch.float64), torch.randn(1, 4, 150, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = qkv.attention(*leaves, mask, scale=scale, backend=backend, return_lse=True)
+    ((out.double() * d_out).sum() + (lse.double() * d_lse).sum()).backward()
+    trace, grads = _reference(q, k, v, mask, d_out, d_lse, scale=scale)
+    np.testing.assert_allclose(out.detach().double().numpy(), trace.output, atol=2e-5)
+    np.testing.assert_allclose(lse.detach().double().numpy(), trace.lse, atol=2e-5)
+    for leaf, want in zip(leaves, grads, strict=True):
+        assert leaf.grad is not None
+        np.testing.assert_allclose(leaf.grad.double().numpy(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+def test_a_ring_block_on_the_diagonal_takes_any_finite_scale(scale: float) -> None:
+    from qkv.distributed import blockwise
+
+    q, k, v = Case(B=1, H=2, G=1, L=70, S=70, E=8, Ev=8).tensors(torch.float32, seed=6)
+    out, lse = blockwise.block_forward(q, k, v, scale, diagonal=True)
+    trace, _ = _reference(q, k, v, M.causal(), scale=scale)
+    np.testing.assert_allclose(out.double().numpy(), trace.output, atol=2e-5)
+    np.testing.assert_allclose(lse.double().numpy(), trace.lse, atol=2e-5)
+    d_out = torch.randn(1, 2, 70, 8)
+    delta = (d_out * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    blockwise.block_backward(q, k, v, out, d_out, lse, delta, scale, True, dq, dk, dv)
+    _, grads = _reference(q, k, v, M.causal(), d_out, scale=scale)
+    for got, want in zip((dq, dk, dv), grads, strict=True):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "blocks", "fused"])
+def test_finite_score_terms_that_would_overflow_are_refused(backend: str) -> None:
+    # each used to give NaN rows: the cap rounds to inf in float32 (s / inf * inf), a slope of
+    # -1e38 adds +1e38 per step of distance, two biases of 3e38 add to inf
+    q, k, v = Case(B=1, H=2, G=2, L=300, S=300, E=8, Ev=8).tensors(torch.float32, seed=7)
+    if backend != "fused":
+        with pytest.raises(ValueError, match=r"softcap=1e\+39 is beyond the largest float32"):
+            qkv.attention(q, k, v, M.causal(), softcap=1e39, backend=backend)
+    with pytest.raises(ValueError, match=r"scaled scores can reach 3e\+40 .*largest bias value 3e\+40"):
+        qkv.attention(q, k, v, M.causal(), bias=qkv.bias.alibi(torch.tensor([-1e38, 0.5])), backend=backend)
+    both = qkv.bias.dense(torch.full((300, 300), 3e38)) + qkv.bias.relative(torch.full((2, 32), 3e38))
+    with pytest.raises(ValueError, match=r"largest bias value 6e\+38"):
+        qkv.attention(q, k, v, M.causal(), bias=both, backend=backend)
+
+
+def test_a_huge_softcap_and_bias_fit_float64() -> None:
+    q, k, v = Case(B=1, H=2, G=2, L=6, S=6, E=4, Ev=4).tensors(torch.float64, seed=8)
+    bias = torch.full((6, 6), 3e38)
+    out = qkv.attention(q, k, v, softcap=1e39, bias=bias, backend="math")
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), softcap=1e39, bias=bias.double().numpy())
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["dense", "alibi", "relative"])
+def test_biases_holding_nan_or_plus_inf_are_refused(bad: float, kind: str) -> None:
+    q = k = v = torch.randn(1, 2, 3, 4)
+    if kind == "dense":
+        values = torch.zeros(3, 3)
+        values[1, 2] = bad
+        bias: qkv.bias.Bias = qkv.bias.dense(values)
+        match = r"bias tensor holds (NaN|\+inf) \(first at indices \[\[0, 0, 1, 2\]\]\)"
+    elif kind == "alibi":
+        bias = qkv.bias.alibi(torch.tensor([0.5, bad]))
+        match = r"alibi slopes tensor holds (NaN|\+inf) \(first at indices \[\[1\]\]\)"
+    else:
+        table = torch.zeros(2, 32)
+        table[1, 5] = bad
+        bias = qkv.bias.relative(table)
+        match = r"relative bias table holds (NaN|\+inf) \(first at indices \[\[1, 5\]\]\)"
+    for call in (qkv.attention, qkv.explain):
+        with pytest.raises(ValueError, match=match):
+            call(q, k, v, bias=bias)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "fused"])
+def test_minus_inf_in_a_dense_bias_or_table_hides_pairs_as_in_a_float_mask(backend: str) -> None:
+    q, k, v = Case(B=1, H=2, G=2, L=5, S=5, E=4, Ev=4).tensors(torch.float64, seed=9)
+    hide = torch.zeros(5, 5, dtype=torch.float64)
+    hide[:, 3] = float("-inf")
+    hide[4, :] = float("-inf")  # a whole row: zeros, as a float mask gives
+    out = qkv.attention(q, k, v, bias=hide, backend=backend)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), hide.numpy())
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+    assert (out[..., 4, :] == 0).all()
+    table = torch.zeros(2, 8, dtype=torch.float64)
+    table[:, 0] = float("-inf")  # bucket 0: the key at the query's own position
+    out = qkv.attention(q, k, v, bias=qkv.bias.relative(table, num_buckets=8, max_distance=4), backend=backend)
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), ~np.eye(5, dtype=bool))
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)

@@ -172,3 +172,40 @@ def test_layouts_are_sound(mask: M.Mask) -> None:
     keys = torch.arange(S)
     dense = mask.to_dense(L, S)[:, 0]
     assert torch.equal((keys >= lo[..., None]) & (keys <= hi[..., None]), dense)
+
+
+@pytest.mark.parametrize("window", [(0, 2**63 - 1), (2**63 - 1, 0), (10**30, 0), (10**30, 10**30)])
+@pytest.mark.parametrize("kind", ["varlen", "padded"])
+@pytest.mark.parametrize("backend", ["math", "blocks"])
+def test_huge_windows_are_clamped_to_the_same_mask(window: tuple[int, int], kind: str, backend: str) -> None:
+    # window + position used to wrap around int64 (sys.maxsize hid 12 of 20 keys' rows) or not
+    # fit it at all (10**30: OverflowError); wider than the documents, it is no window
+    make = M.varlen if kind == "varlen" else M.padded
+    lengths = [8, 12] if kind == "varlen" else [20]
+    mask = make(lengths, window=window)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 20, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = qkv.attention(q, k, v, mask, backend=backend)
+    # each document sees itself; a left size beyond it is no limit on the left, as a right one
+    visible = np.zeros((20, 20), dtype=bool)
+    for start, n in ((0, 8), (8, 12)) if kind == "varlen" else ((0, 20),):
+        i, t = np.arange(n)[:, None], np.arange(n)[None, :]
+        left = t >= i if window[0] == 0 else True
+        right = t <= i if window[1] == 0 else True
+        visible[start : start + n, start : start + n] = left & right
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), visible)
+    np.testing.assert_allclose(out.numpy(), trace.output, atol=1e-12)
+
+
+def test_lengths_beyond_int64_positions_are_refused_and_huge_ones_allocate_nothing() -> None:
+    with pytest.raises(ValueError, match=r"q_lengths add up to 9\.223e\+18 positions, more than 2\*\*62"):
+        M.varlen([2**62, 2**62])
+    with pytest.raises(ValueError, match="k_lengths add up to"):
+        M.padded([1], [2**63 - 1])
+    # 2**41 tokens: the per-query tables would take 48 TiB; they are built only once the
+    # lengths match the inputs, so the mismatch is refused first
+    mask = M.varlen([2**40, 2**40])
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(ValueError, match=r"varlen\(\) packs 2199023255552 queries .* L=4 and S=4"):
+        qkv.attention(q, q, q, mask)
+    assert "_cache" not in mask.__dict__

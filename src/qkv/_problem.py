@@ -158,7 +158,8 @@ def describe_problem(
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
     sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
     known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
-    nonfinite = _check_magnitudes(q, k, v, normalized, scale, known)
+    bias_top = 0.0 if terms.bias is None else terms.bias.largest(L, S)
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -236,14 +237,17 @@ def _check_magnitudes(
     v: torch.Tensor,
     mask: torch.Tensor | Mask | None,
     scale: float,
+    softcap: float | None = None,
+    bias_top: float = 0.0,
     known: KVBounds | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
     |scale * q_i . k_j| <= max(1, |scale|) * E * max|q| * max|k| (one cheap reduction per
     tensor, which also tells whether it is finite); only when that bound is too large is the
-    tight one, max_i ||q_i|| * max_j ||k_j||, computed. Scores, plus the largest value of a float mask,
-    must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
+    tight one, max_i ||q_i|| * max_j ||k_j||, computed. Scores, then (capped by a softcap) plus
+    the largest value a bias adds (``bias_top``, `Bias.largest`) and the largest value of a float
+    mask, must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
     ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
@@ -267,17 +271,24 @@ def _check_magnitudes(
         return True  # the NaN rule applies; rows that read a non-finite entry become NaN
     acc = accumulation_dtype(q.dtype)
     limit = torch.finfo(acc).max / 2
+
+    def reach(scores: float) -> float:  # the largest logit, from a bound on the scaled scores
+        capped = scores if softcap is None else min(scores, softcap)
+        return max(scores, capped + bias_top + top)
+
     factor = max(1.0, abs(scale))
     loose = factor * q.shape[-1] * magnitudes[0] * magnitudes[1]
-    if loose + top > limit:
+    if reach(loose) > limit:
         q_norm, k_norm = _largest_row_norm(q), _largest_row_norm(k)
         bound = factor * q_norm * k_norm
-        if bound + top > limit:
+        if reach(bound) > limit:
+            terms = "" if softcap is None else f", softcap {softcap:.3g}"
+            terms += f", largest bias value {bias_top:.3g}" if bias_top else ""
             raise ValueError(
-                f"the scaled scores can reach {bound + top:.3g} (max(1, |scale|) = {factor:.3g}, largest "
-                f"|q_i| = {q_norm:.3g}, largest |k_j| = {k_norm:.3g}, largest mask value {top:.3g}), "
+                f"the scaled scores can reach {reach(bound):.3g} (max(1, |scale|) = {factor:.3g}, largest "
+                f"|q_i| = {q_norm:.3g}, largest |k_j| = {k_norm:.3g}, largest mask value {top:.3g}{terms}), "
                 f"beyond half the largest {str(acc).removeprefix('torch.')} ({limit:.3g}): they would overflow "
-                "to inf and the softmax would return NaN; use float64 inputs or smaller q, k or scale"
+                "to inf and the softmax would return NaN; use float64 inputs or smaller q, k, scale or biases"
             )
     return not finite[2]
 
@@ -329,6 +340,14 @@ def _score_terms(
 ) -> ScoreTerms:
     """Check bias, softcap and score_mod and bind the bias to this problem."""
     cap = check_softcap(softcap)
+    acc = accumulation_dtype(q.dtype)
+    if cap is not None and cap > torch.finfo(acc).max:
+        # the cap would round to inf in the scores' dtype: s / inf * inf is NaN
+        raise ValueError(
+            f"softcap={softcap!r} is beyond the largest {str(acc).removeprefix('torch.')} "
+            f"({torch.finfo(acc).max:.3g}), the dtype the scores are computed in; a cap that large changes "
+            "no score there: pass softcap=None (or float64 inputs)"
+        )
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {type(score_mod).__name__}")
     resolved = as_bias(bias)

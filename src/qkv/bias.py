@@ -102,6 +102,13 @@ class Bias(ABC):
         """Floating-point operations per (query, key) pair and head, the final add included."""
         return 1
 
+    def largest(self, L: int, S: int) -> float:
+        """An upper bound (>= 0) of the values the bias adds to a score of an L x S problem:
+        the input checks add it to the scores' bound against overflow to +inf. ValueError when
+        a tensor holds NaN or +inf (-inf hides a pair, as in a float mask)."""
+        del L, S
+        return 0.0
+
     def to_dense(self, L: int, S: int, *, H: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The bias as a tensor (B | 1, H | 1, L, S) with bottom-right positions p_i = i + S - L.
 
@@ -136,6 +143,26 @@ def _parts(bias: Bias) -> tuple[Bias, ...]:
     return bias.parts if isinstance(bias, Sum) else (bias,)
 
 
+def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float:
+    """max(0, largest finite value of t); ValueError naming ``what`` when t holds NaN or +inf
+    (or -inf, unless ``hide``: there -inf hides a pair, as in a float mask)."""
+    if torch.compiler.is_compiling():
+        return 0.0  # a data-dependent check; compiled code skips it as it skips the mask's
+    with torch.no_grad():
+        values = t.detach()
+        bad = torch.isnan(values) | torch.isposinf(values)
+        if not hide:
+            bad |= torch.isneginf(values)
+        if bool(bad.any()):
+            first = torch.nonzero(bad)[:3].tolist()
+            got = "NaN" if bool(torch.isnan(values).any()) else "+inf" if bool(torch.isposinf(values).any()) else "-inf"
+            allowed = "finite values, or -inf to hide a pair" if hide else "finite values"
+            raise ValueError(f"{what} holds {got} (first at indices {first}); it must hold {allowed}")
+        if values.numel() == 0:
+            return 0.0
+        return max(0.0, float(values.max()))
+
+
 def as_bias(value: object) -> Bias | None:
     """A `Bias`, None, or a float tensor (meaning ``dense(tensor)``) as a Bias (or None)."""
     if value is None or isinstance(value, Bias):
@@ -145,9 +172,25 @@ def as_bias(value: object) -> Bias | None:
     return None
 
 
+def _take(values: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """values[i0, i1, ...] for index tensors that broadcast together, one per axis of values.
+
+    Advanced indexing would do, but its gradient adds repeated indices with
+    index_put_(accumulate=True), whose CPU kernel adds them in an order that depends on the
+    threads' timing (a T5 table's gradient took 6 different values in 8 identical calls at 2
+    threads); index_select's gradient is index_add_, which adds them in index order: two runs
+    give the same bits.
+    """
+    index = torch.broadcast_tensors(*index)
+    flat = index[0]
+    for i, size in zip(index[1:], values.shape[1:], strict=True):
+        flat = flat * size + i
+    return values.reshape(-1).index_select(0, flat.reshape(-1)).reshape(flat.shape)
+
+
 def _head_values(values: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """values[h] for a per-head tensor (H, ...) and an index tensor h (any shape)."""
-    return values[h]
+    """values[h] for a per-head tensor (H,) and an index tensor h (any shape)."""
+    return _take(values, h)
 
 
 # ALiBi ------------------------------------------------------------------------------------------
@@ -210,6 +253,15 @@ class ALiBi(Bias):
 
     def flops_per_pair(self) -> int:
         return 4  # subtract, absolute value, multiply, add
+
+    def largest(self, L: int, S: int) -> float:
+        if self.slopes is None or torch.compiler.is_compiling():
+            return 0.0  # the paper's slopes are positive: the bias is <= 0
+        # -slope * distance: a negative slope adds up to |slope| * the longest distance
+        _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
+        with torch.no_grad():
+            steepest = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
+        return steepest * max(L, S)
 
     def describe(self) -> str:
         return "alibi()" if self.slopes is None else f"alibi({self.slopes.shape[0]} heads)"
@@ -297,8 +349,10 @@ class Relative(Bias):
         bucket = relative_bucket(
             kv_idx - q_pos, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
         )
-        h, bucket = torch.broadcast_tensors(h, bucket)
-        return self.table.to(q_pos.device)[h, bucket]
+        return _take(self.table.to(q_pos.device), h, bucket)
+
+    def largest(self, L: int, S: int) -> float:
+        return _largest_value(self.table, "the relative bias table")
 
     def flops_per_pair(self) -> int:
         return 8  # the bucket (difference, comparisons, a log) and the add; the lookup is a gather
@@ -389,7 +443,8 @@ class Dense(Bias):
         lead = full.shape[: len(batch_shape)]
         tail = full.shape[len(batch_shape) :]
         if all(n == 1 for n in lead):
-            return Dense(full.reshape(1, *tail))  # (1, H | 1, L | 1, S | 1)
+            # contiguous: the kernels read it flat (`_take`), and tile by tile
+            return Dense(full.reshape(1, *tail).contiguous())  # (1, H | 1, L | 1, S | 1)
         expanded = full.expand(*batch_shape, *tail)
         return Dense(expanded.reshape(-1, *tail))  # (N, H | 1, L | 1, S | 1)
 
@@ -398,7 +453,10 @@ class Dense(Bias):
     ) -> torch.Tensor:
         t = self._4d().to(q_idx.device)
         index = [i if size > 1 else torch.zeros_like(i) for i, size in zip((b, h, q_idx, kv_idx), t.shape, strict=True)]
-        return t[index[0], index[1], index[2], index[3]]
+        return _take(t, *index)
+
+    def largest(self, L: int, S: int) -> float:
+        return _largest_value(self.tensor, "the bias tensor")
 
     def describe(self) -> str:
         return f"dense bias {tuple(self.tensor.shape)}"
@@ -469,6 +527,9 @@ class Sum(Bias):
 
     def flops_per_pair(self) -> int:
         return sum(p.flops_per_pair() for p in self.parts)
+
+    def largest(self, L: int, S: int) -> float:
+        return sum(p.largest(L, S) for p in self.parts)
 
     def describe(self) -> str:
         return " + ".join(p.describe() for p in self.parts)

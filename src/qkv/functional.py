@@ -102,16 +102,22 @@ def attention(
     Numerics, the same on every path:
         - A float mask is added in float32 or wider (float64 for float64 inputs), whatever
           the inputs' dtype: it is never rounded to float16 / bfloat16. It holds finite
-          values or -inf (hide); NaN or +inf in it is refused with a ValueError.
+          values or -inf (hide); NaN or +inf in it is refused with a ValueError. So is a
+          dense bias or a relative table (-inf hides there too) and any non-finite ALiBi slope.
         - Non-finite inputs: a NaN or an infinity in q, k or v makes NaN the output, weights
           and lse of exactly the query rows that read it (a row whose query holds one, and
           every row that may see a key whose k or v holds one); every other row is exact,
           and the NaN rows pass no gradient (`qkv._nan_rule`).
         - Overflow: finite inputs whose scaled scores could leave the accumulation dtype
-          (max(1, |scale|) * max_i |q_i| * max_j |k_j| plus the largest mask value above half
-          of float32's largest value 3.4e38, of float64's for float64 inputs) are refused
-          with a ValueError naming the bound; float64 inputs hold scores up to 1e308.
+          (max(1, |scale|) * max_i |q_i| * max_j |k_j|, capped by the softcap, plus the largest
+          value the bias adds and the largest mask value, above half of float32's largest
+          value 3.4e38, of float64's for float64 inputs) are refused with a ValueError naming
+          the bound, as is a softcap beyond the accumulation dtype; float64 inputs hold scores
+          up to 1e308.
         - Under torch.compile the data-dependent checks of these three rules are skipped.
+        - Determinism: two calls with the same inputs and thread count give bitwise equal
+          outputs and gradients (q, k, v and the bias tensors). Across thread counts the
+          results may differ in the last bits (PyTorch's kernels split their sums by thread).
 
     Example:
         >>> import torch, qkv

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from qkv import reference as R
-from qkv.kernels.merge import merge_partial
+from qkv.kernels.merge import merge_partial, merge_split
 
 NEG_INF = float("-inf")
 
@@ -49,3 +51,22 @@ def test_equal_halves_average() -> None:
     out, lse = torch.tensor([[2.0]]), torch.tensor([0.5])
     merge_partial(out, lse, torch.tensor([[4.0]]), torch.tensor([0.5]))
     assert torch.allclose(out, torch.tensor([[3.0]])) and torch.allclose(lse, torch.tensor([0.5 + float(np.log(2.0))]))
+
+
+def test_merge_split_keeps_log_counts_under_offsets_near_the_float32_limit() -> None:
+    # two pieces of a row that a bias of finfo.min hides: 3 and 5 keys of equal score. One
+    # rounded float32 lse per piece is the offset alone, and merge_partial weighs them 1:1;
+    # the split lse keeps log 3 and log 5, so the outputs average 3:5 as the softmax does.
+    big = torch.finfo(torch.float32).min
+    out = torch.tensor([[1.0, 0.0]])
+    shift, rest = torch.tensor([big]), torch.tensor([math.log(3.0)])
+    merge_split(out, shift, rest, torch.tensor([[0.0, 1.0]]), torch.tensor([big]), torch.tensor([math.log(5.0)]))
+    torch.testing.assert_close(out, torch.tensor([[3 / 8, 5 / 8]]))
+    assert float(shift) == big and math.isclose(float(rest), math.log(8.0), rel_tol=1e-6)
+    # a piece that sees nothing (-inf, -inf) leaves the other as it is, and two give zeros
+    out = torch.tensor([[2.0, 4.0], [0.0, 0.0]])
+    shift, rest = torch.tensor([big, float("-inf")]), torch.tensor([0.5, float("-inf")])
+    empty = torch.tensor([float("-inf")] * 2)
+    merge_split(out, shift, rest, torch.tensor([[9.0, 9.0], [9.0, 9.0]]), empty, empty.clone())
+    torch.testing.assert_close(out, torch.tensor([[2.0, 4.0], [0.0, 0.0]]))
+    assert float(shift[0]) == big and float(rest[0]) == 0.5 and math.isinf(float(shift[1] + rest[1]))

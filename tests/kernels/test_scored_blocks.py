@@ -221,3 +221,65 @@ def test_gradient_accumulators_are_rounded_one_at_a_time() -> None:
     for got, acc in zip(out, kept, strict=True):
         assert got.shape == (1, 2, 3, 4)
         torch.testing.assert_close(got, acc[..., :4].to(got.dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hide", [float("-inf"), torch.finfo(torch.float32).min, -1e20])
+@pytest.mark.parametrize("mask", [None, M.causal(), M.sliding_window(150)], ids=["none", "causal", "window"])
+@pytest.mark.parametrize(("softcap", "backend"), [(None, "auto"), (20.0, "blocks")])  # flash and own tile kernels
+def test_a_bias_that_hides_rows_and_runs_of_keys_is_exact(
+    hide: float, mask: M.Mask | None, softcap: float | None, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Additive padding: every piece of a row hidden by the bias used to keep an lse of 0 (-inf)
+    or one rounded to the offset alone (-1e20, finfo.min), so the merge summed the pieces of
+    such a row or shrank its neighbours'; the backward's exp(s - lse) was wrong the same way."""
+    monkeypatch.setattr(dispatch, "BLOCKS", SMALL)  # rows cut into many pieces
+    L = S = 256
+    q, k, v, d_out = _problem(2, 1, 1, L, S, 8, 8, seed=9)
+    q, k, v, d_out = (t.float() for t in (q, k, v, d_out))
+    bias = torch.zeros(2, 1, L, S)
+    bias[0, :, :, 40:] = hide  # padding keys: batch row 0 sees its first 40 keys only
+    bias[1, :, :, 100:180] = hide  # a long run of hidden keys
+    bias[1, :, 200, :] = hide  # a whole row
+    d_lse = torch.randn(2, 1, L)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+    out, lse = qkv.attention(*leaves[:3], mask, bias=leaves[3], softcap=softcap, backend=backend, return_lse=True)
+    assert backend == "blocks" or qkv.explain(q, k, v, mask, bias=bias, softcap=softcap).path == "blocks"
+    ((out * d_out).sum() + (lse.nan_to_num(neginf=0.0) * d_lse).sum()).backward()
+
+    visible = None if mask is None else mask.to_dense(L, S).numpy()
+    trace = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), visible,
+                        bias=bias.double().numpy(), softcap=softcap)
+    np.testing.assert_allclose(out.detach().double().numpy(), trace.output, atol=2e-6)
+    assert torch.equal(torch.isneginf(lse), torch.from_numpy(np.isneginf(trace.lse)))
+    finite = np.isfinite(trace.lse)
+    assert np.isneginf(trace.lse[1, :, 200]).all() == (hide == float("-inf"))
+    np.testing.assert_allclose(lse.detach().double().numpy()[finite], trace.lse[finite], rtol=1e-6, atol=2e-6)
+    d_lse64 = np.where(finite, d_lse.double().numpy(), 0.0)
+    dq, dk, dv = R.attention_grads(trace, d_out.double().numpy(), d_lse64)
+    # the bias is added after the softcap: its gradient is the logits'
+    dx = R.logit_grads(trace, d_out.double().numpy()) + trace.weights * d_lse64[..., None]  # (B, H, L, S)
+    for leaf, want in zip(leaves, (dq, dk, dv, dx), strict=True):
+        assert leaf.grad is not None
+        np.testing.assert_allclose(leaf.grad.double().numpy(), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("mask", [M.causal(), M.sliding_window(100)], ids=["causal", "window"])
+@pytest.mark.parametrize("backend", ["auto", "blocks"])
+def test_masked_pairs_are_overwritten_whatever_score_mod_returns_there(value: float, mask: M.Mask, backend: str) -> None:
+    """A score_mod may return anything on pairs the mask removes (NaN + -inf used to be NaN rows)."""
+    L = S = 256
+    q, k, v, d_out = _problem(1, 2, 2, L, S, 8, 8, seed=4)
+
+    def only_where_masked(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return torch.where(j > i, torch.full_like(s, value), s)  # identity on every visible pair
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = qkv.attention(*leaves, mask, score_mod=only_where_masked, backend=backend)
+    out.backward(d_out)
+    # on visible pairs the score_mod is the identity: the reference without it is the answer
+    trace = R.attention(q.numpy(), k.numpy(), v.numpy(), mask.to_dense(L, S).numpy())
+    np.testing.assert_allclose(out.detach().numpy(), trace.output, atol=1e-10)
+    for leaf, want in zip(leaves, R.attention_grads(trace, d_out.numpy()), strict=True):
+        assert leaf.grad is not None
+        np.testing.assert_allclose(leaf.grad.numpy(), want, atol=1e-9)

@@ -41,6 +41,7 @@ import torch
 from qkv._private import torch as private_torch
 from qkv.dispatch import ring_block_path
 from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
+from qkv.kernels.softmax import causal_kernel_scale
 
 __all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path"]
 
@@ -90,8 +91,10 @@ def block_forward(
     """
     H = q.shape[1]
     if block_path(q, v) == "cpu-flash":
+        # the kernel's causal -inf needs a positive scale (`causal_kernel_scale`)
+        q_, scale_ = causal_kernel_scale(q, scale) if diagonal else (q, scale)
         out, lse = private_torch.cpu_flash_attention(
-            q, expand_kv_heads(k, H), expand_kv_heads(v, H), 0.0, diagonal, scale=scale
+            q_, expand_kv_heads(k, H), expand_kv_heads(v, H), 0.0, diagonal, scale=scale_
         )
         return out, lse.to(q.dtype)  # (N, H, L_blk, Ev), (N, H, L_blk)
     return _tiled_forward(q, k, v, scale, diagonal)
@@ -144,10 +147,12 @@ def block_backward(
     H, G = q.shape[1], k.shape[1]
     if block_path(q, v) == "cpu-flash":
         # the kernel recomputes P from the lse and delta from out: pass the global ones
+        q_, scale_ = causal_kernel_scale(q, scale) if diagonal else (q, scale)
         grad_q, grad_k, grad_v = private_torch.cpu_flash_attention_backward(
-            d_out, q, expand_kv_heads(k, H), expand_kv_heads(v, H), out, lse, 0.0, diagonal, scale=scale
+            d_out, q_, expand_kv_heads(k, H), expand_kv_heads(v, H), out, lse, 0.0, diagonal, scale=scale_
         )
-        dq += grad_q
+        # d(q_)/dq: 1, -1 for a negative scale, 0 for a zero one
+        dq.add_(grad_q, alpha=1.0 if scale_ == scale else -1.0 if scale < 0 else 0.0)
         dk += sum_kv_heads(grad_k, G)
         dv += sum_kv_heads(grad_v, G)
         return

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from qkv.kernels.block_plan import BlockPlan, Call
 from qkv.kernels.heads import expand_kv_heads
-from qkv.kernels.merge import merge_partial
+from qkv.kernels.merge import merge_partial, merge_split
 from qkv.kernels.softmax import accumulation_dtype
 from qkv.masks import Mask
 
@@ -48,8 +48,10 @@ __all__ = [
 
 _NEG_INF = float("-inf")
 
-# What computing one call gives: output (items, H, q_len, Ep) and lse (items, H, q_len).
-CallResult = tuple[torch.Tensor, torch.Tensor]
+# What computing one call gives: output (items, H, q_len, Ep) and lse (items, H, q_len); or,
+# for `run_calls(split=True)`, output, a row offset and the rest of the lse (lse = shift + rest,
+# `merge.merge_split`).
+CallResult = tuple[torch.Tensor, ...]
 
 
 @dataclass(eq=False)
@@ -224,7 +226,7 @@ class _MergedRows:
 
 
 def run_calls(
-    q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False
+    q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False, split: bool = False
 ) -> CallResult:
     """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
@@ -239,6 +241,10 @@ def run_calls(
     one out. The output then stays in q's dtype, and rows that merge are merged in float32
     buffers of their own (`_MergedRows`) and rounded once at the end; only when most rows
     merge is the whole output float32, as without ``rounded``.
+
+    With ``split``, the lse stays in two parts, shift + rest (`merge.merge_split`), and the
+    result is (output, shift (N, H, L), rest (N, H, L)): ``compute`` may return (o, shift_o,
+    rest_o) for a call, and an (o, lse_o) is shift lse_o, rest 0.
     """
     N, H, L, Ep = q.shape
     acc_dtype = accumulation_dtype(q.dtype)
@@ -246,7 +252,8 @@ def run_calls(
     wide_rows = _MergedRows.of(plan, H, Ep, acc_dtype) if rounded and merging else None
     keep_q_dtype = rounded and (not merging or wide_rows is not None)
     out = torch.empty(N, L, H, Ep, dtype=q.dtype if keep_q_dtype else acc_dtype)
-    lse = torch.empty(N, L, H, dtype=acc_dtype)
+    lse = torch.empty(N, L, H, dtype=acc_dtype)  # the shift with ``split``
+    rest = torch.zeros(N, L, H, dtype=acc_dtype) if split else None
     # rows that no piece covers are "nothing seen": output 0, lse -inf (rows with no visible key)
     per_batch = len(plan.uncovered) > 1
     for n in range(N):
@@ -256,8 +263,9 @@ def run_calls(
     # rows of several pieces: the first call to reach a row places its result, later ones merge
     written = torch.zeros(N, L, dtype=torch.bool) if merging else None
     for call in plan.calls:
-        o, lse_o = compute(call)
+        o, lse_o, *rest_o = compute(call)
         lse_slab = _row_slab(lse, call)
+        rest_slab = None if rest is None else _row_slab(rest, call)
         out_slab = wide_rows.slab(call) if wide_rows is not None and call.merge else _row_slab(out, call)
         if call.merge:
             assert written is not None
@@ -265,14 +273,25 @@ def run_calls(
             first = not bool(seen.any())
             if not first and not bool(seen.all()):
                 out_slab[~seen], lse_slab[~seen] = 0.0, _NEG_INF
+                if rest_slab is not None:
+                    rest_slab[~seen] = 0.0
             seen.fill_(True)
             if not first:
-                merge_partial(out_slab, lse_slab, _as_slab(o, call).to(acc_dtype), _as_slab(lse_o, call).to(acc_dtype))
+                o_b, lse_b = _as_slab(o, call).to(acc_dtype), _as_slab(lse_o, call).to(acc_dtype)
+                if rest_slab is None:
+                    merge_partial(out_slab, lse_slab, o_b, lse_b)
+                else:
+                    rest_b = _as_slab(rest_o[0], call).to(acc_dtype) if rest_o else torch.zeros_like(lse_b)
+                    merge_split(out_slab, lse_slab, rest_slab, o_b, lse_b, rest_b)
                 continue
         out_slab.copy_(_as_slab(o, call))
         lse_slab.copy_(_as_slab(lse_o, call))
+        if rest_slab is not None:
+            rest_slab.copy_(_as_slab(rest_o[0], call)) if rest_o else rest_slab.zero_()
     if wide_rows is not None:
         wide_rows.round_into(out)
+    if rest is not None:
+        return out.transpose(1, 2), lse.transpose(1, 2), rest.transpose(1, 2)  # (N, H, L, Ep), (N, H, L) x 2
     return out.transpose(1, 2), lse.transpose(1, 2)  # (N, H, L, Ep), (N, H, L)
 
 

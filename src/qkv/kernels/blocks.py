@@ -59,7 +59,7 @@ from qkv.kernels.block_plan import BlockPlan, Call, Piece
 from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.matmul_backward import call_gradients, suits
 from qkv.kernels.scores import ScoreTerms
-from qkv.kernels.softmax import accumulation_dtype
+from qkv.kernels.softmax import accumulation_dtype, causal_kernel_scale
 from qkv.masks import Mask
 
 __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"]
@@ -202,7 +202,9 @@ def block_attention(
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU. Both results are differentiable
     in q, k, v; lse is float32 (float64 for float64 inputs).
     """
-    inputs, run = kernel_inputs(q, k, v), BlockRun(plan, mask, scale)
+    # causal squares run on the kernel's is_causal, which needs a positive scale
+    kernel_q, kernel_scale = causal_kernel_scale(q, scale)
+    inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         out, lse = _BlockAttention.apply(*inputs, run)
     else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)

@@ -28,7 +28,7 @@ from qkv._private import torch as private_torch
 from qkv.kernels.block_calls import kernel_inputs
 from qkv.kernels.lse_grad import with_lse_gradient
 from qkv.kernels.scores import ScoreTerms
-from qkv.kernels.softmax import accumulation_dtype, masked_softmax
+from qkv.kernels.softmax import accumulation_dtype, causal_kernel_scale, masked_softmax
 
 __all__ = [
     "attention_weights_dense",
@@ -266,6 +266,8 @@ def fused_attention(
     """PyTorch's SDPA. ``is_causal`` is SDPA's (top-left). ``mask`` broadcasts to (N, H, L, S)
     (size 1 on any axis). Returns (output (N, H, L, Ev), lse (N, H, L) or None)."""
     H = q.shape[1]
+    if is_causal:
+        q, scale = causal_kernel_scale(q, scale)  # the kernel's causal -inf needs a positive scale
     empty_rows: torch.Tensor | None = None
     if mask is not None:
         visible = mask if mask.dtype == torch.bool else mask != _NEG_INF  # (N | 1, H | 1, L | 1, S)

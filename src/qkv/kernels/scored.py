@@ -55,6 +55,13 @@ _BIAS_CACHE_BYTES = 64 * 2**20
 # (the default ALiBi slopes are float64: a float64 tile and a conversion per tile otherwise).
 # Larger ones (a dense bias) are read as they are, never copied whole.
 _SMALL_BIAS_ELEMENTS = 2**16
+# A call whose bias tile has a row offset (its largest value) at least this large in magnitude
+# runs on the own tile kernel, which returns the lse in two parts (row max, rest): the flash
+# kernel's one float32 lse rounds to 2**-10 here and has no digits for log(keys) at all from
+# 2**24 on (a padding bias of -1e20 or finfo.min), which the exact merge and the backward's
+# exp(s - lse) need. Below it the rounding is no larger than that of a float32 score of the
+# same size.
+_HUGE_OFFSET = 2.0**14
 
 
 def closes_over_grad(score_mod: ScoreMod) -> bool:
@@ -78,7 +85,7 @@ class _ScoredRun:
     # the bias that the forward's tiles read: ``terms.bias`` with its small tensors detached and
     # in the accumulation dtype (`_tile_bias`)
     tile_bias: Bias | None = None
-    bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=dict)
 
     @property
     def plan(self) -> BlockPlan:
@@ -133,9 +140,10 @@ def _scores(
     return terms.apply(s, b, h, rows, keys, inplace=inplace)
 
 
-def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The flash kernel's float mask of a call: bias (items | 1, H, q_len, width), -inf where
-    hidden, in the accumulation dtype; and the rows with no visible key (or None).
+    hidden, in the accumulation dtype; the rows it hides entirely (items | 1, H, q_len), by the
+    mask or by a bias of -inf; and whether a row's offset reaches _HUGE_OFFSET.
 
     A bias that depends on the diagonal only is the same for every item whose keys move with
     its rows (or that are batch rows of the same rows); with a shift-invariant mask (or none)
@@ -157,36 +165,42 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[t
     bias = run.tile_bias if run.tile_bias is not None else terms.bias
     with torch.no_grad():
         tile = bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
-    empty = None
     if call.masked:
-        mask_bias, empty = calls.mask_tile(run.masks, call, acc)
+        mask_bias, _ = calls.mask_tile(run.masks, call, acc)
         tile = tile.add_(mask_bias) if _owned(tile, bias) and _broadcasts(mask_bias, tile) else tile + mask_bias
     tile = tile.expand(tile.shape[0], H, call.q_len, call.width)
+    # a bias of -inf hides keys as the mask does: rows are empty by either
+    top = tile.amax(dim=-1)  # (items | 1, H, q_len)
+    empty = top == _NEG_INF
+    huge = bool((top.abs() >= _HUGE_OFFSET).logical_and_(~empty).any())
     if reusable:
-        held = sum(t.shape[0] * H * t.shape[2] * t.shape[3] * t.element_size() for t, _ in run.bias_tiles.values())
+        held = sum(t.shape[0] * H * t.shape[2] * t.shape[3] * t.element_size() for t, _, _ in run.bias_tiles.values())
         if held + tile.shape[0] * H * call.q_len * call.width * tile.element_size() <= _BIAS_CACHE_BYTES:
-            run.bias_tiles[key] = (tile, empty)
-    return tile, empty
+            run.bias_tiles[key] = (tile, empty, huge)
+    return tile, empty, huge
 
 
 def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, run: _ScoredRun, acc: torch.dtype) -> calls.CallResult:
-    """One call on qkv's tile kernel: (o (items, H, q_len, Ep), lse (items, H, q_len)) in acc."""
+    """One call on qkv's tile kernel: o (items, H, q_len, Ep) and its lse in two parts, the row
+    max and the rest (items, H, q_len) each, in acc (`merge.merge_split`)."""
     s = _scores(calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), call, run, run.terms, acc, inplace=True)
     if call.masked or call.causal:  # this kernel has no is_causal: a causal square gets its tile
-        s.add_(calls.mask_tile(run.masks, call, acc)[0])
+        # overwritten, not added to: a score_mod may return NaN or +inf on pairs the mask removes
+        s.masked_fill_(calls.mask_tile(run.masks, call, acc)[0] == _NEG_INF, _NEG_INF)
     # softmax in place over the tile (no autograd here): s becomes exp(s - row max)
     row_max = s.amax(dim=-1, keepdim=True)  # (items, H, q_len, 1)
-    row_max.masked_fill_(row_max == _NEG_INF, 0.0)  # rows with no visible key: exp(-inf) = 0
-    s.sub_(row_max).exp_()
+    empty = row_max == _NEG_INF
+    s.sub_(row_max.masked_fill(empty, 0.0)).exp_()  # rows with no visible key: exp(-inf) = 0
     total = s.sum(dim=-1, keepdim=True)  # (items, H, q_len, 1)
     o = torch.matmul(s, calls.item_view(v, call, keys=True).to(acc))  # (items, H, q_len, Ep)
     o.div_(total.clamp(min=torch.finfo(acc).tiny))
-    lse = (total.log() + row_max).squeeze(-1)  # (items, H, q_len): -inf where nothing is visible
-    return o, lse
+    # (items, H, q_len) each, both -inf where nothing is visible: an offset of 0 there would
+    # become the merged offset of a row whose other pieces sit at -1e20
+    return o, row_max.squeeze(-1), total.log_().squeeze(-1)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun) -> calls.CallResult:
-    """Output (N, H, L, Ep) and lse (N, H, L) float32 or wider. The output is in the accumulation
+    """Output (N, H, L, Ep) and lse (N, H, L) in two parts, shift + rest, float32 or wider. The output is in the accumulation
     dtype (not rounded to q's), except where every value comes from the flash kernel, rounded
     already, and no row merges: then in q's dtype (`block_calls.run_calls`)."""
     H = q.shape[1]
@@ -196,17 +210,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun)
     def compute(call: Call) -> calls.CallResult:
         if not run.flash:
             return _own_forward(q, k, v, call, run, acc)
-        tile, empty_rows = _bias_tile(run, call, H, acc)
+        tile, empty_rows, huge = _bias_tile(run, call, H, acc)
+        if huge:
+            return _own_forward(q, k, v, call, run, acc)
         o, lse_o = flash(
             calls.item_view(q, call, keys=False), calls.item_view(k, call, keys=True), calls.item_view(v, call, keys=True),
             0.0, call.causal, attn_mask=tile, scale=run.masks.scale,
         )[:2]  # (items, H, q_len, Ep), (items, H, q_len)
-        if empty_rows is not None:
-            lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
-        return o, lse_o
+        # the kernel gives rows it sees no key of lse 0 (and output 0)
+        return o, lse_o.masked_fill(empty_rows, _NEG_INF)
 
     # the own kernel's output is in the accumulation dtype, unrounded; the flash kernel's is in q's
-    return calls.run_calls(q, run.plan, compute, rounded=run.flash)
+    return calls.run_calls(q, run.plan, compute, rounded=run.flash, split=True)
 
 
 def _own_backward(
@@ -214,15 +229,17 @@ def _own_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
+    rest: torch.Tensor,
     delta: torch.Tensor,
     grad_lse: torch.Tensor | None,
     call: Call,
     run: _ScoredRun,
     bias_tensors: tuple[torch.Tensor, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """One call's gradients: dq (items, H, q_len, Ep), dk, dv (items, H, width, Ep), d bias tensors."""
-    acc = lse.dtype
+    """One call's gradients: dq (items, H, q_len, Ep), dk, dv (items, H, width, Ep), d bias tensors.
+    The final lse comes in two parts, shift + rest (N, H, L) each, finite (0 on empty rows)."""
+    acc = shift.dtype
     q_t = calls.item_view(q, call, keys=False).detach().to(acc).requires_grad_(True)
     k_t = calls.item_view(k, call, keys=True).detach().to(acc).requires_grad_(True)
     leaves = tuple(t.detach().requires_grad_(True) for t in bias_tensors)
@@ -233,10 +250,12 @@ def _own_backward(
     with torch.enable_grad():
         s = _scores(q_t, k_t, call, run, terms, acc)  # (items, H, q_len, width)
     hidden = s.detach()
-    if call.masked or call.causal:
-        hidden = hidden + calls.mask_tile(run.masks, call, acc)[0]
-    row_lse = calls.row_view(lse, call).unsqueeze(-1)  # (items, H, q_len, 1): finite (empty rows set to 0)
-    p = torch.exp(hidden - row_lse)  # (items, H, q_len, width): 0 where masked
+    if call.masked or call.causal:  # overwritten, as in the forward
+        hidden = hidden.masked_fill(calls.mask_tile(run.masks, call, acc)[0] == _NEG_INF, _NEG_INF)
+    row_shift = calls.row_view(shift, call).unsqueeze(-1)  # (items, H, q_len, 1)
+    row_rest = calls.row_view(rest, call).unsqueeze(-1)  # (items, H, q_len, 1)
+    # the offset first: a padding bias of -1e20 leaves the rest no digits in a single lse
+    p = (hidden - row_shift).sub_(row_rest).exp_()  # (items, H, q_len, width): 0 where masked
     d_o = calls.item_view(grad_out, call, keys=False).to(acc)  # (items, H, q_len, Ep)
     dv = torch.matmul(p.transpose(-1, -2), d_o)  # (items, H, width, Ep)
     dp = torch.matmul(d_o, calls.item_view(v, call, keys=True).to(acc).transpose(-1, -2))  # (items, H, q_len, width)
@@ -257,34 +276,40 @@ def _backward(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
+    rest: torch.Tensor,
     run: _ScoredRun,
     bias_tensors: tuple[torch.Tensor, ...],
     bias_needs_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """dq, dk, dv (N, H, *, Ep) and the gradients of the bias tensors."""
+    """dq, dk, dv (N, H, *, Ep) and the gradients of the bias tensors, from the forward's lse in
+    two parts, shift + rest (N, H, L) each."""
     N, H, L, Ep = q.shape
     S = k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    finite_lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # exp(-inf - 0) = 0 on rows with no key
+    lse = shift + rest
+    empty = lse == _NEG_INF
+    # exp(-inf - 0) = 0 on rows with no key
+    finite_lse, shift, rest = (x.masked_fill(empty, 0.0) for x in (lse, shift, rest))
     dq = torch.zeros(N, H, L, Ep, dtype=acc)
     dk = torch.zeros(N, H, S, Ep, dtype=acc)
     dv = torch.zeros(N, H, S, Ep, dtype=acc)
     d_bias = [torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in bias_tensors]
     own = not run.flash or bias_needs_grad or grad_lse is not None
-    delta = (grad_out.to(acc) * out).sum(dim=-1) if own else None  # (N, H, L), from the unrounded output
+    delta = (grad_out.to(acc) * out).sum(dim=-1)  # (N, H, L), from the unrounded output
     flash_backward = private_torch.cpu_flash_attention_backward
     for call in run.plan.calls:
-        if own:
-            assert delta is not None
+        tile, huge = None, False
+        if not own:
+            tile, _, huge = _bias_tile(run, call, H, acc)
+        if own or huge:  # huge offsets: the flash kernel's single lse has lost the rest's digits
             gq, gk, gv, gb = _own_backward(
-                grad_out, q, k, v, finite_lse, delta, grad_lse, call, run, bias_tensors if bias_needs_grad else ()
+                grad_out, q, k, v, shift, rest, delta, grad_lse, call, run, bias_tensors if bias_needs_grad else ()
             )
             for total, g in zip(d_bias, gb, strict=False):
                 if g is not None:
                     total += g
         else:
-            tile, _ = _bias_tile(run, call, H, acc)
             # the kernel in the accumulation dtype on this call's exact copies of low-precision
             # inputs (as the block engine's backward): PyTorch's bf16 flash backward is slower,
             # and its per-call float32 buffers of varying sizes fragment the heap
@@ -310,18 +335,18 @@ class _ScoredBlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, *bias_tensors: torch.Tensor):  # type: ignore[override]
         # the backward's row term rowsum(dO * O) reads the unrounded output (where any is), as the block engine's
-        out_acc, lse = _forward(q, k, v, run)
-        ctx.save_for_backward(q, k, v, out_acc, lse, *bias_tensors)
+        out_acc, shift, rest = _forward(q, k, v, run)
+        ctx.save_for_backward(q, k, v, out_acc, shift, rest, *bias_tensors)
         ctx.run = run
-        return out_acc.to(q.dtype), lse
+        return out_acc.to(q.dtype), shift + rest
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse, *bias_tensors = ctx.saved_tensors
+        q, k, v, out, shift, rest, *bias_tensors = ctx.saved_tensors
         if grad_lse is not None and not bool(grad_lse.any()):
             grad_lse = None
         needs = ctx.needs_input_grad[4:]
-        grads = _backward(grad_out, grad_lse, q, k, v, out, lse, ctx.run, tuple(bias_tensors), any(needs))
+        grads = _backward(grad_out, grad_lse, q, k, v, out, shift, rest, ctx.run, tuple(bias_tensors), any(needs))
         dq, dk, dv, *d_bias = grads
         return (dq, dk, dv, None, *(g if need else None for g, need in zip(d_bias, needs, strict=True)))
 

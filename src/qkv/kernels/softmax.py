@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulation_dtype", "masked_softmax"]
+__all__ = ["accumulation_dtype", "causal_kernel_scale", "masked_softmax"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,3 +43,20 @@ def masked_softmax(scores: torch.Tensor, sink: torch.Tensor | None = None) -> tu
     weights = exponentials / safe_sums
     lse = (torch.log(safe_sums) + shift).masked_fill(empty, float("-inf"))
     return weights, lse.squeeze(-1)
+
+
+def causal_kernel_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """q and scale rewritten for PyTorch's CPU flash kernel with ``is_causal``: the same scores
+    scale * q.k, with a positive scale.
+
+    That kernel writes -inf into q k^T for the hidden pairs *before* it multiplies by the scale,
+    so a negative scale turns them into +inf and a zero scale into NaN (every row but the last
+    becomes NaN). A negative scale is |scale| * (-q).k, exact; a zero scale is 1 * (0 q).k,
+    which keeps 0 * inf = NaN where q is not finite. Differentiable: autograd carries the
+    rewrite back to q.
+    """
+    if scale > 0.0:
+        return q, scale
+    if scale < 0.0:
+        return -q, -scale
+    return q * 0.0, 1.0

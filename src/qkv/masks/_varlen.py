@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from qkv.masks._base import Device, Mask, batch_index, check_count
+from qkv.masks._interval import _FAR
 from qkv.masks._layout import states_from_intervals
 
 
@@ -29,6 +30,13 @@ def _check_lengths(lengths: object, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(lengths.shape)}")
     if bool((lengths < 0).any()):
         raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
+    # in float64: an int64 sum of such lengths could wrap around to a small one
+    total = float(lengths.double().sum())
+    if total > _FAR:
+        raise ValueError(
+            f"{name} add up to {total:.4g} positions, more than 2**62: positions are int64, and no "
+            "sequence is that long"
+        )
     return lengths.long()
 
 
@@ -37,7 +45,9 @@ def _check_window(window: object) -> tuple[int, int] | None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints >= 0, got {window!r}")
-    return check_count(window[0], "window left"), check_count(window[1], "window right")
+    # clamped as `sliding_window` clamps: the same mask, and p +- the size stays inside int64
+    # (sys.maxsize wrapped around and hid keys; 10**30 did not fit int64 at all)
+    return min(check_count(window[0], "window left"), _FAR), min(check_count(window[1], "window right"), _FAR)
 
 
 def _local_interval(
@@ -85,8 +95,13 @@ class Varlen(_Lengths):
 
     constructor: ClassVar[str] = "varlen"
 
-    def __post_init__(self) -> None:
-        # per query: its first and last visible key and its position, in packed coordinates
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per query (1, L) each: its first and last visible key and its position, in packed
+        coordinates. Built on first use, after `check_size` has matched the lengths to the
+        inputs: the lengths alone may describe far more tokens than any input holds."""
+        cached = self.__dict__.get("_cache")
+        if cached is not None:
+            return cached
         q_starts = torch.cumsum(self.q_lengths, 0) - self.q_lengths  # (docs,)
         k_starts = torch.cumsum(self.k_lengths, 0) - self.k_lengths  # (docs,)
         doc = torch.repeat_interleave(torch.arange(self.q_lengths.numel(), device=self.q_lengths.device), self.q_lengths)
@@ -94,9 +109,9 @@ class Varlen(_Lengths):
         k_len, k0 = self.k_lengths[doc], k_starts[doc]
         p = i + k_len - self.q_lengths[doc]
         lo, hi = _local_interval(p, k_len, self.causal, self.window)
-        object.__setattr__(self, "_lo", (lo + k0)[None])  # (1, L)
-        object.__setattr__(self, "_hi", (hi + k0)[None])  # (1, L)
-        object.__setattr__(self, "_pos", (p + k0)[None])  # (1, L)
+        tables = (lo + k0)[None], (hi + k0)[None], (p + k0)[None]  # (1, L) each
+        object.__setattr__(self, "_cache", tables)
+        return tables
 
     @property
     def total_q(self) -> int:
@@ -116,14 +131,16 @@ class Varlen(_Lengths):
     def visible(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, L: int, S: int
     ) -> torch.Tensor:
-        lo, hi = self._lo[0].to(q_idx.device), self._hi[0].to(q_idx.device)  # type: ignore[attr-defined]
+        lo, hi, _ = self._tables()
+        lo, hi = lo[0].to(q_idx.device), hi[0].to(q_idx.device)
         return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
 
     def row_intervals(self, L: int, S: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._lo.to(device), self._hi.to(device)  # type: ignore[attr-defined]
+        lo, hi, _ = self._tables()
+        return lo.to(device), hi.to(device)
 
     def query_positions(self, L: int, S: int, device: Device = None) -> torch.Tensor:
-        return self._pos.to(device)  # type: ignore[attr-defined]
+        return self._tables()[2].to(device)
 
 
 def varlen(
