@@ -83,7 +83,8 @@ def attention(
         return_lse: also return log sum_j exp(score_ij) (..., H, L), float32 or wider.
         backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
             (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
-            objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
+            objects only), "flex" (FlexAttention with qkv's BlockMask) or "decode" (L <= 16
+            queries, keys split across threads: `qkv.kernels.decode`); see `qkv.explain`.
         kv_bounds: what a KV cache knows of k and v (`qkv.KVCache.bounds`): the input checks
             then read q only, not the cache. Used only if it describes exactly these k and v.
         sinks: None, or attention-sink logits (H,) or broadcastable to (..., H), float32 or
