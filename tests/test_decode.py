@@ -130,7 +130,8 @@ def test_auto_routes_decode_steps_only() -> None:
 
 
 def test_default_splits_give_every_thread_work() -> None:
-    assert default_splits(32768, threads=4) == 16
+    assert default_splits(32768, threads=4) == 32
+    assert default_splits(4096, threads=8) == 16
     assert default_splits(100, threads=4) == 1
 
 

@@ -48,6 +48,10 @@ MAX_QUERIES = 16
 MIN_CHUNK = 256
 # Chunks per intra-op thread: several, so that a thread that starts late still finds work.
 CHUNKS_PER_THREAD = 4
+# Chunks hold at most about this many keys: a float32 chunk of E = 128 is then 512 KiB, which
+# stays in a core's cache between the two products (benchmarks/decode.py: 1,024-key chunks
+# read 1.5x faster than 4,096-key ones at S = 32k on 2 AVX2 threads).
+TARGET_CHUNK = 1024
 # Keys widened to the compute dtype at a time when the inputs are in an emulated dtype.
 WIDEN_WAVE = 8192
 
@@ -60,14 +64,15 @@ def supports_mask(mask: object) -> bool:
 
 
 def default_splits(keys: int, threads: int | None = None) -> int:
-    """Chunks for ``keys`` visible keys: `CHUNKS_PER_THREAD` per intra-op thread, each of at
-    least `MIN_CHUNK` keys, at least one.
+    """Chunks for ``keys`` visible keys: `CHUNKS_PER_THREAD` per intra-op thread, more when
+    chunks would exceed `TARGET_CHUNK` keys, each of at least `MIN_CHUNK` keys, at least one.
 
     >>> default_splits(32768, threads=2), default_splits(1025, threads=2), default_splits(17, threads=8)
-    (8, 4, 1)
+    (32, 4, 1)
     """
     threads = torch.get_num_threads() if threads is None else threads
-    return max(1, min(CHUNKS_PER_THREAD * threads, keys // MIN_CHUNK))
+    wanted = max(CHUNKS_PER_THREAD * threads, math.ceil(keys / TARGET_CHUNK))
+    return max(1, min(wanted, keys // MIN_CHUNK))
 
 
 def decode_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int, Ev: int, splits: int) -> int:
@@ -167,30 +172,33 @@ def _chunk_states(
     C = (b - a) // count
     kc = k[:, :, a:b].to(work).reshape(N, G, count, C, E)  # (N, G, c, C, E)
     vc = v[:, :, a:b].to(work).reshape(N, G, count, C, v.shape[3])  # (N, G, c, C, Ev)
-    scores = torch.matmul(qg.unsqueeze(2), kc.transpose(-1, -2)).to(acc)  # (N, G, c, R*L, C)
+    # keys times queries, not queries times keys: a tall (C, E) x (E, R*L) product per chunk, which
+    # BLAS runs near the read rate, where (R*L, E) x (E, C) is a slow matrix-vector shape
+    scores = torch.matmul(kc, qg.unsqueeze(2).transpose(-1, -2)).to(acc)  # (N, G, c, C, R*L)
     positions = torch.arange(a, b, device=qg.device)  # (c*C,)
     if terms is not None and terms.bias is not None:
         scores = scores + _bias_chunks(terms, positions, N, G, R, L, count, C).to(acc)
     hidden = None
     if lo is not None and hi is not None:
-        j = positions.view(1, count, 1, C)  # (1, c, 1, C)
-        lo_rows = lo.repeat(1, R)[:, None, :, None]  # (1, 1, R*L, 1): row r*L + l has query l's bound
-        hi_rows = hi.repeat(1, R)[:, None, :, None]
-        hidden = ((j < lo_rows) | (j > hi_rows)).unsqueeze(1)  # (1, 1, c, R*L, C)
+        j = positions.view(1, count, C, 1)  # (1, c, C, 1)
+        lo_rows = lo.repeat(1, R)[:, None, None, :]  # (1, 1, 1, R*L): row r*L + l has query l's bound
+        hi_rows = hi.repeat(1, R)[:, None, None, :]
+        hidden = ((j < lo_rows) | (j > hi_rows)).unsqueeze(1)  # (1, 1, c, C, R*L)
     if valid is not None:
-        padded = ~valid[:, a:b].reshape(valid.shape[0], 1, count, 1, C)  # (B | 1, 1, c, 1, C)
+        padded = ~valid[:, a:b].reshape(valid.shape[0], 1, count, C, 1)  # (B | 1, 1, c, C, 1)
         hidden = padded if hidden is None else hidden | padded
     if hidden is not None:
         scores = scores.masked_fill(hidden, _NEG_INF)
-    m = scores.amax(dim=-1, keepdim=True)  # (N, G, c, R*L, 1)
-    p = torch.exp(scores - m.masked_fill(m == _NEG_INF, 0.0))  # (N, G, c, R*L, C): zeros in empty chunks
-    total = p.sum(dim=-1, keepdim=True)  # (N, G, c, R*L, 1)
-    partial = torch.matmul(p.to(work), vc).to(acc)  # (N, G, c, R*L, Ev)
+    m = scores.amax(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
+    p = torch.exp(scores - m.masked_fill(m == _NEG_INF, 0.0))  # (N, G, c, C, R*L): zeros in empty chunks
+    total = p.sum(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
+    partial = torch.matmul(p.to(work).transpose(-1, -2), vc).to(acc)  # (N, G, c, R*L, Ev)
+    m, total = m.transpose(-1, -2), total.transpose(-1, -2)  # (N, G, c, R*L, 1) each
     return m, total, partial
 
 
 def _bias_chunks(terms: ScoreTerms, positions: torch.Tensor, N: int, G: int, R: int, L: int, count: int, C: int) -> torch.Tensor:
-    """The bias of keys ``positions`` laid out as the chunk scores: (N | 1, G, c, R*L, C)."""
+    """The bias of keys ``positions`` laid out as the chunk scores: (N | 1, G, c, C, R*L)."""
     bias = terms.bias
     assert bias is not None
     device = positions.device
@@ -201,8 +209,8 @@ def _bias_chunks(terms: ScoreTerms, positions: torch.Tensor, N: int, G: int, R: 
     j = positions.view(1, 1, 1, -1)  # (1, 1, 1, c*C)
     values = bias.terms(b, h, i, j, terms.q_pos(b, i))  # (N | 1, H | 1, L, c*C)
     values = values.expand(n, G * R, L, count * C)  # (N | 1, H, L, c*C)
-    values = values.reshape(n, G, R, L, count, C).permute(0, 1, 4, 2, 3, 5)  # (N | 1, G, c, R, L, C)
-    return values.reshape(n, G, count, R * L, C)  # (N | 1, G, c, R*L, C)
+    values = values.reshape(n, G, R, L, count, C).permute(0, 1, 4, 5, 2, 3)  # (N | 1, G, c, C, R, L)
+    return values.reshape(n, G, count, C, R * L)  # (N | 1, G, c, C, R*L)
 
 
 def _merge(
