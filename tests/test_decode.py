@@ -11,6 +11,7 @@ import torch
 import qkv
 import qkv.reference as ref
 from qkv.kernels.decode import decode_attention, default_splits
+from qkv.kernels.machine import compute_dtype
 
 CAUSAL = qkv.masks.causal()
 
@@ -155,3 +156,26 @@ def test_too_many_queries_are_refused() -> None:
     q, k, v = _inputs(1, 2, 1, 17, 64, 8, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="at most 16 queries, got L=17"):
         qkv.attention(q, k, v, backend="decode")
+
+
+def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine that emulates bf16 products, attention hands the decode kernel the bf16 cache
+    (it widens one wave at a time); the result equals the float32 computation on the rounded inputs."""
+    import qkv.kernels.decode as decode
+
+    seen: list[torch.dtype] = []
+    real = decode.decode_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(k.dtype)
+        return real(q, k, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("qkv._execute.decode_attention", spy)
+    monkeypatch.setattr(decode, "WIDEN_WAVE", 700)  # several waves, a partial last one
+    q, k, v = (t.bfloat16() for t in _inputs(1, 6, 2, 2, 2049, 16, 16, dtype=torch.float32))
+    out = qkv.attention(q, k, v, CAUSAL)
+    expected = qkv.attention(q.float(), k.float(), v.float(), CAUSAL, backend="math")
+    assert len(seen) == 1
+    if compute_dtype(torch.bfloat16, q.device) == torch.float32:
+        assert seen == [torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)

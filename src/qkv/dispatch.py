@@ -42,6 +42,7 @@ __all__ = [
     "choose_path",
     "complete",
     "decode_plan",
+    "decode_widens_itself",
     "key_padding",
     "mask_heads",
     "needs_grad",
@@ -231,6 +232,23 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
     )
     return Plan("decode", reason, mask="chunks" if problem.mask is not None else "none",
                 scores="chunks" if terms.active else "none", lse="kernel")
+
+
+def decode_widens_itself(
+    q: torch.Tensor, k: torch.Tensor, mask: object, backend: str, *, scored: bool, dropout: float, return_weights: bool
+) -> bool:
+    """Whether a call in an emulated low-precision dtype will take the decode path, which widens
+    its keys and values to float32 one wave of chunks at a time: then `qkv.attention` does not
+    copy the whole cache to float32 first. The shape-level conditions of `decode_plan` (``scored``:
+    a softcap or score_mod is given); the checks that need the validated problem stay there."""
+    if backend not in ("auto", "decode") or q.device.type != "cpu" or q.dim() < 2 or k.dim() < 2:
+        return False
+    if backend == "auto" and k.shape[-2] < DECODE_MIN_KEYS:
+        return False
+    return (
+        q.shape[-2] <= decode.MAX_QUERIES and decode.supports_mask(mask) and not scored
+        and dropout == 0.0 and not return_weights
+    )  # fmt: skip
 
 
 def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:

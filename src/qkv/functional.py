@@ -30,7 +30,7 @@ from qkv._log import note_once
 from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import autocast_dtype, check_indices, describe_problem
 from qkv.bias import Bias
-from qkv.dispatch import Backend, choose_path, weights_plan
+from qkv.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
 from qkv.kernels.machine import compute_dtype, emulation_note
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
@@ -136,6 +136,11 @@ def attention(
                 sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
+    scored = softcap is not None or score_mod is not None
+    if wide is not None and isinstance(k, torch.Tensor) and decode_widens_itself(
+        q, k, mask, backend, scored=scored, dropout=dropout, return_weights=return_weights
+    ):
+        wide = None  # a decode step widens its cache chunk by chunk (`qkv.kernels.decode`)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
@@ -154,7 +159,7 @@ def attention(
         sinks=sinks,
     )
     plan = choose_path(problem, backend, return_weights, return_lse)
-    if q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
+    if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)

@@ -52,8 +52,10 @@ CHUNKS_PER_THREAD = 4
 # stays in a core's cache between the two products (benchmarks/decode.py: 1,024-key chunks
 # read 1.5x faster than 4,096-key ones at S = 32k on 2 AVX2 threads).
 TARGET_CHUNK = 1024
-# Keys widened to the compute dtype at a time when the inputs are in an emulated dtype.
-WIDEN_WAVE = 8192
+# Keys widened to the compute dtype at a time when the inputs are in an emulated dtype
+# (benchmarks/decode.py, S = 32k, bf16 on 2 AVX2 threads, loaded: waves of 4k 546 ms, 16k 321 ms,
+# 64k 347 ms, the whole cache copied to float32 first 380 ms).
+WIDEN_WAVE = 16384
 
 _NEG_INF = float("-inf")
 
@@ -115,14 +117,29 @@ def decode_attention(
         n = sinks.shape[0]
         sink_rows = sinks.to(acc).reshape(n, G, R, 1).expand(n, G, R, L).reshape(n, G, R * L, 1)  # (N | 1, G, R*L, 1)
     states = []  # (m, l, acc) per wave of chunks, each (N, G, c, R*L, ...)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     wave = stop - start if work == k.dtype else max(chunk, WIDEN_WAVE // chunk * chunk)
+    # widened waves are copied into one buffer pair: a fresh float32 tensor per wave costs its
+    # page faults (a new 16 MiB allocation is slower than the copy into it); autograd keeps
+    # every wave, so with gradients each wave is its own tensor
+    buffers = None
+    if work != k.dtype and not grad and stop > start:
+        size = min(wave, stop - start)
+        buffers = (k.new_empty(N, G, size, E, dtype=work), v.new_empty(N, G, size, Ev, dtype=work))
     for first in range(start, stop, max(wave, 1)):
         last = min(first + wave, stop)
+        keys, values, offset = k, v, 0
+        if buffers is not None:
+            keys = buffers[0][:, :, : last - first].copy_(k[:, :, first:last])  # (N, G, wave, E)
+            values = buffers[1][:, :, : last - first].copy_(v[:, :, first:last])  # (N, G, wave, Ev)
+            offset = first
         body = (last - first) // chunk * chunk
         for a, b in ((first, first + body), (first + body, last)):
             if b > a:
                 count = max(1, (b - a) // chunk)
-                states.append(_chunk_states(qg, k, v, a, b, count, work, acc, lo, hi, valid, terms, R, L))
+                states.append(
+                    _chunk_states(qg, keys, values, a, b, offset, count, work, acc, lo, hi, valid, terms, R, L, grad)
+                )
     out, lse = _merge(states, sink_rows, N, G, R * L, Ev, q, acc)
     return (
         out.reshape(N, G, R, L, Ev).reshape(N, H, L, Ev).to(q.dtype),  # (N, G, R*L, Ev) -> (N, H, L, Ev)
@@ -156,6 +173,7 @@ def _chunk_states(
     v: torch.Tensor,
     a: int,
     b: int,
+    offset: int,
     count: int,
     work: torch.dtype,
     acc: torch.dtype,
@@ -165,13 +183,16 @@ def _chunk_states(
     terms: ScoreTerms | None,
     R: int,
     L: int,
+    grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax states of keys a..b-1 split into ``count`` equal chunks: row max m (N, G, c, R*L, 1),
-    sum l (N, G, c, R*L, 1) and unnormalized output (N, G, c, R*L, Ev)."""
+    sum l (N, G, c, R*L, 1) and unnormalized output (N, G, c, R*L, Ev). k and v hold key
+    ``offset`` at their index 0 (a widened wave); ``grad``: keep autograd's history (else the
+    exponentials overwrite the scores in place)."""
     N, G, _, E = qg.shape
     C = (b - a) // count
-    kc = k[:, :, a:b].to(work).reshape(N, G, count, C, E)  # (N, G, c, C, E)
-    vc = v[:, :, a:b].to(work).reshape(N, G, count, C, v.shape[3])  # (N, G, c, C, Ev)
+    kc = k[:, :, a - offset : b - offset].to(work).reshape(N, G, count, C, E)  # (N, G, c, C, E)
+    vc = v[:, :, a - offset : b - offset].to(work).reshape(N, G, count, C, v.shape[3])  # (N, G, c, C, Ev)
     # keys times queries, not queries times keys: a tall (C, E) x (E, R*L) product per chunk, which
     # BLAS runs near the read rate, where (R*L, E) x (E, C) is a slow matrix-vector shape
     scores = torch.matmul(kc, qg.unsqueeze(2).transpose(-1, -2)).to(acc)  # (N, G, c, C, R*L)
@@ -190,7 +211,8 @@ def _chunk_states(
     if hidden is not None:
         scores = scores.masked_fill(hidden, _NEG_INF)
     m = scores.amax(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
-    p = torch.exp(scores - m.masked_fill(m == _NEG_INF, 0.0))  # (N, G, c, C, R*L): zeros in empty chunks
+    shift = m.masked_fill(m == _NEG_INF, 0.0)  # rows of empty chunks: exp(-inf - 0) = 0
+    p = torch.exp(scores - shift) if grad else scores.sub_(shift).exp_()  # (N, G, c, C, R*L)
     total = p.sum(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
     partial = torch.matmul(p.to(work).transpose(-1, -2), vc).to(acc)  # (N, G, c, R*L, Ev)
     m, total = m.transpose(-1, -2), total.transpose(-1, -2)  # (N, G, c, R*L, 1) each
