@@ -13,6 +13,7 @@ from qkv._problem import AttentionProblem, compact, normalize_mask
 from qkv.dispatch import MaskRoute, Plan, complete, key_padding
 from qkv.kernels import short_bf16
 from qkv.kernels.blocks import block_attention, block_lse, block_weights
+from qkv.kernels.decode import decode_attention
 from qkv.kernels.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.kernels.flex import flex_attention_layout
 from qkv.kernels.scored import scored_block_attention
@@ -29,6 +30,14 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
     """Run ``plan``: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
     if plan.path in ("blocks", "flex"):
         return _run_tiles(problem, plan)
+    if plan.path == "decode":
+        mask = problem.mask
+        assert mask is None or isinstance(mask, Mask)  # dispatch.decode_plan takes no tensor mask
+        out, lse = decode_attention(
+            problem.q, problem.k, problem.v, problem.scale, None if mask is None else mask.to(problem.q.device),
+            problem.terms, problem.sinks,
+        )
+        return out, None, lse
     q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
     mask = _mask_tensor(problem, plan.mask)
     if plan.path == "math":

@@ -16,6 +16,7 @@ from qkv._problem import AttentionProblem
 from qkv.dispatch import BLOCKS, Plan, mask_heads
 from qkv.kernels import interval_bf16, interval_bf16_backward, short_bf16
 from qkv.kernels.blocks import engine_extra_bytes
+from qkv.kernels.decode import decode_extra_bytes, default_splits
 from qkv.kernels.dense import fused_extra_bytes, math_extra_bytes
 from qkv.kernels.flex import FLEX_BLOCK, flex_extra_bytes
 from qkv.kernels.machine import cpu_features, emulation_note
@@ -104,12 +105,14 @@ _MASK_ROUTES = {
     "causal_offset": "the causal mask is applied by the formula",
     "dense": "the mask is a dense tensor",
     "tiles": "the mask reaches the kernel as tiles",
+    "chunks": "the mask is applied to each key chunk from the positions",
 }
 _SCORE_ROUTES = {
     "dense_mask": "the bias joins SDPA's float mask",
     "formula": "the score terms are applied by the formula",
     "tiles": "the score terms are applied tile by tile",
     "score_mod": "the score terms are FlexAttention's score_mod",
+    "chunks": "the bias is added to each key chunk",
 }
 _SOURCES = {"kernel": "the kernel", "dense": "the dense formula", "tiles": "the tiles"}
 
@@ -253,6 +256,8 @@ def extra_bytes(problem: AttentionProblem, plan: Plan) -> int:
     weights = N * H * L * S * acc if plan.weights != "none" else 0
     if plan.path == "math":
         return math_extra_bytes(q.dtype, N=N, H=H, L=L, S=S)  # the weights are among its intermediates
+    if plan.path == "decode":
+        return decode_extra_bytes(q.dtype, N=N, H=H, L=L, S=S, Ev=problem.Ev, splits=default_splits(S))
     if plan.path in ("blocks", "flex"):
         return _tile_path_bytes(problem, plan) + weights
     extra = fused_extra_bytes(q.dtype, q.device, N=N, H=H, L=L, S=S, Ev=problem.Ev) + weights

@@ -2,7 +2,7 @@
 
 A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
 ``math``: the explicit formula; ``blocks``: the CPU block engine; ``flex``: FlexAttention with
-qkv's BlockMask), how the mask reaches that kernel, how the score terms (softcap, bias,
+qkv's BlockMask; ``decode``: the split-key decode kernel), how the mask reaches that kernel, how the score terms (softcap, bias,
 score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
 executes a Plan (`qkv._execute`), `qkv.explain` describes one (`qkv._explain`) and runs no
 kernel; both read the Plan only.
@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from qkv._problem import AttentionProblem, compact
-from qkv.kernels import interval_bf16, short_bf16
+from qkv.kernels import decode, interval_bf16, short_bf16
 from qkv.kernels.block_plan import BlockConfig, BlockPlan, BlockSizes, plan_intervals, plan_layout
 from qkv.kernels.dense import flash_kernel_available, fused_lse_available
 from qkv.kernels.flex import FLEX_BLOCK, flex_available, flex_suits
@@ -41,6 +41,8 @@ __all__ = [
     "Source",
     "choose_path",
     "complete",
+    "decode_plan",
+    "decode_widens_itself",
     "key_padding",
     "mask_heads",
     "needs_grad",
@@ -49,17 +51,18 @@ __all__ = [
     "weights_plan",
 ]
 
-Backend = Literal["auto", "fused", "math", "blocks", "flex"]
-BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex")
-Path = Literal["fused", "math", "blocks", "flex"]
+Backend = Literal["auto", "fused", "math", "blocks", "flex", "decode"]
+BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex", "decode")
+Path = Literal["fused", "math", "blocks", "flex", "decode"]
 # How the mask reaches the kernel: not at all (no mask, or one that hides nothing here);
 # SDPA's is_causal flag; a causal offset the formula applies itself (query i sees keys
-# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles.
-MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles"]
+# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles; the decode kernel's
+# key positions, chunk by chunk.
+MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles", "chunks"]
 # How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
 # mask; the explicit formula applies them; the block engine applies them tile by tile;
-# FlexAttention applies them as its score_mod.
-ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod"]
+# FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
+ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod", "chunks"]
 # Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
 # formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
 Source = Literal["none", "kernel", "dense", "tiles"]
@@ -95,6 +98,11 @@ _DENSE_BF16_KERNEL_MIN_QUERIES = 256
 # to 2e3 stayed below 0.9x, and two-valued padding masks (0 / -1e4, 0 / finfo.min) below 0.3x but
 # are routed too, for simplicity. bfloat16 / float16 stayed below 0.7x everywhere.
 _FLASH_GRAD_MAX_MASK_SPAN = 1e3
+
+# 'auto' sends L <= decode.MAX_QUERIES queries on CPU to the decode kernel from this many keys:
+# below it one thread reads the cache in microseconds and the split does not repay its set-up
+# (benchmarks/decode.py).
+DECODE_MIN_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,11 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
     if backend == "math":
         return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
-    if problem.sinks is not None:  # the block engine and decode do not take sinks yet
+    if backend in ("decode", "auto"):
+        decode = decode_plan(problem, backend, return_weights)
+        if decode is not None:
+            return decode
+    if problem.sinks is not None:  # the block engine does not take sinks yet
         if backend != "auto":
             raise ValueError(f"sinks: backend={backend!r} does not apply attention sinks; backend='math' or 'auto' does")
         return _math_plan(problem, "sinks: the math path applies them", return_weights, return_lse)
@@ -187,6 +199,56 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         if kernel is not None:
             return kernel
     return _fused_plan(problem, backend, return_weights, return_lse)
+
+
+def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -> Plan | None:
+    """The decode kernel (`qkv.kernels.decode`) for a few queries against many keys. With
+    ``backend="decode"`` it raises a ValueError naming what it cannot take; with "auto" it
+    returns None unless the problem is a decode step on CPU (L <= `decode.MAX_QUERIES`,
+    S >= `DECODE_MIN_KEYS`)."""
+    L, S, terms = problem.L, problem.S, problem.terms
+    refusal = None
+    if L > decode.MAX_QUERIES:
+        refusal = f"it takes at most {decode.MAX_QUERIES} queries, got L={L}"
+    elif not decode.supports_mask(problem.mask):
+        refusal = f"it applies no mask, causal(), sliding_window() or key_padding() only, got {problem.mask_kind}"
+    elif terms.softcap is not None or terms.score_mod is not None:
+        refusal = f"it applies a bias only, got {terms.describe()}"
+    elif problem.dropout > 0.0:
+        refusal = f"it has no dropout (got dropout={problem.dropout})"
+    elif return_weights:
+        refusal = "it returns no weights (return_weights=True)"
+    if backend == "decode":
+        if refusal is not None:
+            raise ValueError(f"backend='decode': {refusal}; use 'auto'")
+        return Plan("decode", "backend='decode' was requested", mask="chunks" if problem.mask is not None else "none",
+                    scores="chunks" if terms.active else "none", lse="kernel")
+    if refusal is not None or problem.q.device.type != "cpu" or S < DECODE_MIN_KEYS:
+        return None
+    reason = (
+        f"a decode step ({L} queries <= {decode.MAX_QUERIES}, {S:,} keys >= {DECODE_MIN_KEYS:,}) on CPU: "
+        "the decode kernel splits the keys into chunks across threads, reads each K/V chunk once for "
+        "all query heads of its group and merges the chunks by lse"
+    )
+    return Plan("decode", reason, mask="chunks" if problem.mask is not None else "none",
+                scores="chunks" if terms.active else "none", lse="kernel")
+
+
+def decode_widens_itself(
+    q: torch.Tensor, k: torch.Tensor, mask: object, backend: str, *, scored: bool, dropout: float, return_weights: bool
+) -> bool:
+    """Whether a call in an emulated low-precision dtype will take the decode path, which widens
+    its keys and values to float32 one wave of chunks at a time: then `qkv.attention` does not
+    copy the whole cache to float32 first. The shape-level conditions of `decode_plan` (``scored``:
+    a softcap or score_mod is given); the checks that need the validated problem stay there."""
+    if backend not in ("auto", "decode") or q.device.type != "cpu" or q.dim() < 2 or k.dim() < 2:
+        return False
+    if backend == "auto" and k.shape[-2] < DECODE_MIN_KEYS:
+        return False
+    return (
+        q.shape[-2] <= decode.MAX_QUERIES and decode.supports_mask(mask) and not scored
+        and dropout == 0.0 and not return_weights
+    )  # fmt: skip
 
 
 def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:

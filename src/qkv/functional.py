@@ -30,7 +30,7 @@ from qkv._log import note_once
 from qkv._nan_rule import affected_rows, finite_problem, poison
 from qkv._problem import autocast_dtype, check_indices, describe_problem
 from qkv.bias import Bias
-from qkv.dispatch import Backend, choose_path, weights_plan
+from qkv.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
 from qkv.kernels.machine import compute_dtype, emulation_note
 from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
@@ -83,7 +83,8 @@ def attention(
         return_lse: also return log sum_j exp(score_ij) (..., H, L), float32 or wider.
         backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
             (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
-            objects only) or "flex" (FlexAttention with qkv's BlockMask); see `qkv.explain`.
+            objects only), "flex" (FlexAttention with qkv's BlockMask) or "decode" (L <= 16
+            queries, keys split across threads: `qkv.kernels.decode`); see `qkv.explain`.
         kv_bounds: what a KV cache knows of k and v (`qkv.KVCache.bounds`): the input checks
             then read q only, not the cache. Used only if it describes exactly these k and v.
         sinks: None, or attention-sink logits (H,) or broadcastable to (..., H), float32 or
@@ -135,6 +136,11 @@ def attention(
                 sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
+    scored = softcap is not None or score_mod is not None
+    if wide is not None and isinstance(k, torch.Tensor) and decode_widens_itself(
+        q, k, mask, backend, scored=scored, dropout=dropout, return_weights=return_weights
+    ):
+        wide = None  # a decode step widens its cache chunk by chunk (`qkv.kernels.decode`)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
@@ -153,7 +159,7 @@ def attention(
         sinks=sinks,
     )
     plan = choose_path(problem, backend, return_weights, return_lse)
-    if q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
+    if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)

@@ -11,6 +11,9 @@ measuring tools that every script under benchmarks/ and the `quadratic` example 
   `traced_peak_bytes` (Python's allocations, NumPy's included);
 - data: `random_qkv`, `document_ids` / `document_lengths` (packed documents of random
   lengths);
+- decode: `decode_steps` (a decode step, qkv vs SDPA, K + V bytes per second against the read
+  bandwidth measured in the same run) and `generation` (greedy generation with a random
+  Llama-shaped model, qkv vs sdpa), behind `qkv bench --decode` and benchmarks/decode.py;
 - the suite: `BenchConfig` (`STANDARD`, `QUICK`), `run_suite` yielding a `BenchReport` of
   `Comparison` rows, which prints itself (`BenchReport.print`) and converts to JSON.
 
@@ -19,6 +22,7 @@ in tests (docs/design.md). Importing this package imports PyTorch; `qkv --help` 
 """
 
 from qkv.bench._data import document_ids, document_lengths, random_qkv
+from qkv.bench._decode import DecodeRow, GenerationRow, decode_steps, generation
 from qkv.bench._memory import (
     PeakGrowth,
     peak_growth,
@@ -43,4 +47,5 @@ __all__ = [  # noqa: RUF022  (grouped as the list above, not sorted)
     "fastest", "FORWARD_ROUND_SECONDS", "matmul_gflops", "matmul_words", "LIMIT_SIDES", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",
     "status_bytes", "traced_peak_bytes", "random_qkv", "document_ids", "document_lengths",
     "BenchConfig", "STANDARD", "QUICK", "BenchReport", "Comparison", "PEAK_RSS_GOAL_BYTES", "run_suite", "steps",
+    "DecodeRow", "GenerationRow", "decode_steps", "generation",
 ]

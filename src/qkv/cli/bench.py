@@ -44,8 +44,22 @@ def bench_command(
         str, typer.Option("--dtype", help="float32 or bfloat16: the dtype of q, k, v and of the matmul rate compared with.")
     ] = "float32",
     quiet: QuietOption = False,
+    decode: Annotated[
+        bool,
+        typer.Option(
+            "--decode",
+            help="Instead: a decode step (S = 8,192 and 32,768; with --quick 2,048) in float32 and bfloat16, "
+            "qkv vs SDPA, with the read bandwidth; then greedy generation (qkv vs sdpa) with --generate.",
+        ),
+    ] = False,
+    generate: Annotated[
+        int, typer.Option("--generate", help="With --decode: prompt tokens for greedy generation (0: none).", min=0)
+    ] = 0,
 ) -> None:
     """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
+    if decode:
+        _decode(quick, generate)
+        return
     # checked before the run (minutes), not found out when the plot is saved after it
     check_output_file(plot, "--plot", PLOT_SUFFIXES)
     check_dtype(dtype)
@@ -80,6 +94,19 @@ def bench_command(
             fail(f"--plot: could not write {str(plot)!r}: {error}", code=1)
         if not as_json:
             say(f"plot written to {plot}")
+
+
+def _decode(quick: bool, prompt: int) -> None:
+    """`qkv bench --decode`: the decode step's table, then generation when ``prompt`` > 0."""
+    from qkv.bench import decode_steps, generation
+    from qkv.bench._decode_table import print_decode, print_generation
+
+    lengths = (2048,) if quick else (8192, 32768)
+    rows = decode_steps(lengths, ("float32", "bfloat16"), reps=2 if quick else 5, probe_bytes=(16 if quick else 512) * 2**20)
+    print_decode(rows, console)
+    if prompt:
+        layers, hidden, new = (1, 256, 2) if quick else (4, 2048, 16)
+        print_generation(generation(prompt, new, layers=layers, hidden=hidden), console)
 
 
 def _plot(report: BenchReport, path: Path) -> None:

@@ -1,0 +1,42 @@
+"""The decode benchmark's tables, printed with the CPU and its tier (`qkv.kernels.machine.machine_line`)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from qkv.bench._decode import DecodeRow, GenerationRow
+from qkv.kernels.machine import machine_line
+
+__all__ = ["print_decode", "print_generation"]
+
+
+def print_decode(rows: list[DecodeRow], console: Console) -> None:
+    """One line per cache length and dtype: times, the qkv / SDPA ratio, K + V GB/s and the fraction of bandwidth."""
+    bandwidth = max(row.bandwidth for row in rows)
+    table = Table(
+        title=f"decode step, B=1 Hq=32 G=8 E=128, causal; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        "(torch.sum over 512 MiB, same run)\n" + machine_line()
+    )
+    for column in ("S", "dtype", "qkv path", "qkv ms", "SDPA ms", "qkv vs SDPA", "qkv K+V GB/s", "of bandwidth", "SDPA GB/s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row.S:,}", row.dtype, row.path, f"{row.qkv_seconds * 1e3:.2f}", f"{row.sdpa_seconds * 1e3:.2f}",
+            f"{row.ratio:.2f}x", f"{row.qkv_rate / 1e9:.2f}", f"{row.qkv_rate / row.bandwidth:.0%}",
+            f"{row.sdpa_rate / 1e9:.2f}",
+        )  # fmt: skip
+    console.print(table)
+
+
+def print_generation(rows: list[GenerationRow], console: Console) -> None:
+    """Time to first token and decode tokens per second per attention implementation."""
+    table = Table(title="greedy generation, random Llama-shaped model, float32\n" + machine_line())
+    for column in ("attn_implementation", "prompt", "new tokens", "first token s", "tokens/s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row.implementation, f"{row.prompt:,}", str(row.new_tokens), f"{row.first_token_seconds:.2f}",
+            f"{row.tokens_per_second:.2f}",
+        )  # fmt: skip
+    console.print(table)
