@@ -21,6 +21,7 @@ length, E q/k head dim (d_k), Ev value head dim (d_v), D model width, Dc context
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import nn
@@ -393,6 +394,39 @@ class MultiHeadAttention(nn.Module):
         weight = torch.cat([p.weight for p in parts])  # (H*E + G*E + G*Ev, D)
         bias = torch.cat([p.bias for p in parts]) if self.config.bias else None  # (H*E + G*E + G*Ev,)
         return weight, bias
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: bool = ...,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
         self,

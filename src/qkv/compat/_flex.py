@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -178,6 +178,54 @@ def _as_mask(block_mask: object, L: int, S: int) -> Mask | None:
             f"block_mask was made for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, the inputs have L={L} and S={S}"
         )
     return block_mask.mask
+
+
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[False] = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    *,
+    return_aux: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    return_lse: Literal[True],
+    kernel_options: dict[str, Any] | None = ...,
+    return_aux: None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: bool = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    *,
+    return_aux: Any = ...,
+) -> torch.Tensor | tuple[torch.Tensor, Any]: ...
 
 
 def flex_attention(
