@@ -170,6 +170,8 @@ class MultiHeadAttention(nn.Module):
         ('position_bias_0', (2, 5, 16))
     """
 
+    _position_bias_names: list[str]  # set by _own_position_bias: the names of its registered tensors
+
     def __init__(
         self,
         d_model: int,
@@ -472,20 +474,23 @@ class MultiHeadAttention(nn.Module):
             q = self.rope(q, offset)  # (B, H, L, E)
             k = self.rope(k, offset)  # (B, G, S_new, E)
         dropout = cfg.dropout if self.training else 0.0
-        scores = {"bias": self._position_bias(), "softcap": self.softcap}
+        bias = self._position_bias()
         if cache is not None:
             length, maxima = cache.length, (cache.k_max, cache.v_max)
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
                 result = attention(
-                    q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights, kv_bounds=cache.bounds
+                    q, k, v, mask, bias=bias, softcap=self.softcap, dropout=dropout, return_weights=return_weights,
+                    kv_bounds=cache.bounds,
                 )  # the checks read the new rows only, not the cache
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
                 cache.k_max, cache.v_max = maxima  # nor to its bounds
                 raise
         else:
-            result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
+            result = attention(
+                q, k, v, mask, bias=bias, softcap=self.softcap, dropout=dropout, return_weights=return_weights
+            )
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
         out = onednn_linear.run(self.out_proj, concat)  # (B, L, D); bf16 inference: bias in the epilogue
