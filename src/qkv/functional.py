@@ -282,7 +282,7 @@ def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     assert isinstance(q, torch.Tensor)
-    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[union-attr]
+    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[attr-defined]
         return None
     wide = compute_dtype(q.dtype, q.device)
     return None if wide == q.dtype else wide
