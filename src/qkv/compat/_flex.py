@@ -295,10 +295,14 @@ def flex_attention(
         )
     L, S = query.shape[-2], key.shape[-2]
     need_lse = want_lse or (want_aux and bool(return_aux.lse))
-    result = attention(query, key, value, _as_mask(block_mask, L, S), score_mod=score_mod, scale=scale, return_lse=need_lse)
+    mask = _as_mask(block_mask, L, S)
+    lse: torch.Tensor | None = None
+    if need_lse:
+        out, lse = attention(query, key, value, mask, score_mod=score_mod, scale=scale, return_lse=True)
+    else:
+        out = attention(query, key, value, mask, score_mod=score_mod, scale=scale)
     if not want_aux:
-        return result
+        return (out, lse) if want_lse else out
     from torch.nn.attention.flex_attention import AuxOutput
 
-    out, lse = result if need_lse else (result, None)
     return out, AuxOutput(lse=lse)
