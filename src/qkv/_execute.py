@@ -132,6 +132,7 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     plan = complete(problem, plan)  # a deferred plan's tiles are found now
     mask = _structured(problem)
     q, k, v, scale, terms = problem.q, problem.k, problem.v, problem.scale, problem.terms
+    lse: torch.Tensor | None  # None where compiled FlexAttention gives none (qkv.kernels.flex)
     if plan.path == "blocks":
         assert plan.tiles is not None
         if plan.scores == "tiles":

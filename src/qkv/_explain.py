@@ -130,7 +130,7 @@ def describe_route(problem: AttentionProblem, plan: Plan) -> str:
     return "; ".join(parts)
 
 
-def _format_bytes(n: int) -> str:
+def _format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -18,6 +18,7 @@ afterwards.
 from __future__ import annotations
 
 import dataclasses
+from typing import overload
 
 import torch
 
@@ -66,6 +67,14 @@ def finite_problem(problem: AttentionProblem) -> AttentionProblem:
         return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     return dataclasses.replace(problem, q=clean(problem.q), k=clean(problem.k), v=clean(problem.v), nonfinite=False)
+
+
+@overload
+def poison(x: torch.Tensor, rows: torch.Tensor, per_row: bool) -> torch.Tensor: ...
+@overload
+def poison(x: None, rows: torch.Tensor, per_row: bool) -> None: ...
+@overload
+def poison(x: torch.Tensor | None, rows: torch.Tensor, per_row: bool) -> torch.Tensor | None: ...
 
 
 def poison(x: torch.Tensor | None, rows: torch.Tensor, per_row: bool) -> torch.Tensor | None:

@@ -493,12 +493,12 @@ class Sum(Bias):
 
     @property
     def batch(self) -> int | None:
-        sizes = {p.batch for p in self.parts} - {None}
+        sizes = {p.batch for p in self.parts if p.batch is not None}
         return max(sizes) if sizes else None
 
     @property
     def heads(self) -> int | None:
-        sizes = {p.heads for p in self.parts} - {None}
+        sizes = {p.heads for p in self.parts if p.heads is not None}
         if len(sizes) > 1:
             raise ValueError(f"cannot add biases over different numbers of heads: {sorted(sizes)}")
         return sizes.pop() if sizes else None

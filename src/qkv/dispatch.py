@@ -160,7 +160,7 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
             raise ValueError(f"sinks: backend={backend!r} does not apply attention sinks; backend='math' or 'auto' does")
         return _math_plan(problem, "sinks: the math path applies them", return_weights, return_lse)
     if backend in ("blocks", "flex"):
-        return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)
+        return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)  # type: ignore[arg-type]  # mypy does not narrow a Literal through `in`
     if scored and backend == "fused":
         raise ValueError(
             "backend='fused' (PyTorch's SDPA) takes no softcap or score_mod; use 'auto', 'math' or 'blocks'"
@@ -480,6 +480,7 @@ def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLay
         N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
         mask_heads=mask_heads(problem), need_grad=needs_grad(problem), score_terms=problem.terms.active,
     )
+    intervals: tuple[torch.Tensor, torch.Tensor] | None
     if mask is None:
         intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 
@@ -36,6 +37,106 @@ from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask
 
 __all__ = ["Explanation", "attention", "attention_weights", "explain"]
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[True],
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[False] = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[True],
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: bool = ...,
+    return_lse: bool = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def attention(
@@ -187,7 +288,7 @@ def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     assert isinstance(q, torch.Tensor)
-    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[union-attr]
+    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[attr-defined]
         return None
     wide = compute_dtype(q.dtype, q.device)
     return None if wide == q.dtype else wide

@@ -194,7 +194,7 @@ class Inspection:
         heaviest first. ``query`` is a token index, or a word's token indices (see `find`), whose
         rows are averaged (a word looks the way its pieces look on average)."""
         T = len(self.tokens)
-        rows = [query] if _is_index(query) else query
+        rows = [query] if isinstance(query, int) else query  # a bool is refused just below
         if not isinstance(rows, (list, tuple)) or not all(_is_index(r) for r in rows):
             raise TypeError(f"query must be a token index (int) or a list of them, got {query!r}")
         if not rows or not all(0 <= r < T for r in rows):

@@ -24,9 +24,11 @@ on one key, log T for a uniform row.
 
 from __future__ import annotations
 
+import operator
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,8 +113,8 @@ class HeadRoles:
             raise ValueError(f"cannot average head roles of different models: shapes {sorted(shapes)}")
         counts = torch.tensor([p.texts for p in parts], dtype=torch.float64)  # (N,)
         w = counts / counts.sum()
-        shares = sum(wi * p.shares for wi, p in zip(w, parts, strict=True))
-        entropy = sum(wi * p.entropy for wi, p in zip(w, parts, strict=True))
+        shares = reduce(operator.add, (wi * p.shares for wi, p in zip(w, parts, strict=True)))
+        entropy = reduce(operator.add, (wi * p.entropy for wi, p in zip(w, parts, strict=True)))
         return HeadRoles(shares=shares, entropy=entropy, texts=int(counts.sum()))
 
 

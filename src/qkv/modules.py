@@ -21,6 +21,7 @@ length, E q/k head dim (d_k), Ev value head dim (d_v), D model width, Dc context
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import nn
@@ -168,6 +169,8 @@ class MultiHeadAttention(nn.Module):
         >>> [name for name, _ in t5_layer.named_parameters()][0], tuple(t5_layer(x).shape)
         ('position_bias_0', (2, 5, 16))
     """
+
+    _position_bias_names: list[str]  # set by _own_position_bias: the names of its registered tensors
 
     def __init__(
         self,
@@ -394,6 +397,39 @@ class MultiHeadAttention(nn.Module):
         bias = torch.cat([p.bias for p in parts]) if self.config.bias else None  # (H*E + G*E + G*Ev,)
         return weight, bias
 
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = ...,
+        *,
+        mask: torch.Tensor | Mask | None = ...,
+        cache: KVCache | None = ...,
+        return_weights: bool = ...,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
     def forward(
         self,
         x: torch.Tensor,
@@ -438,20 +474,23 @@ class MultiHeadAttention(nn.Module):
             q = self.rope(q, offset)  # (B, H, L, E)
             k = self.rope(k, offset)  # (B, G, S_new, E)
         dropout = cfg.dropout if self.training else 0.0
-        scores = {"bias": self._position_bias(), "softcap": self.softcap}
+        bias = self._position_bias()
         if cache is not None:
             length, maxima = cache.length, (cache.k_max, cache.v_max)
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
                 result = attention(
-                    q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights, kv_bounds=cache.bounds
+                    q, k, v, mask, bias=bias, softcap=self.softcap, dropout=dropout, return_weights=return_weights,
+                    kv_bounds=cache.bounds,
                 )  # the checks read the new rows only, not the cache
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
                 cache.k_max, cache.v_max = maxima  # nor to its bounds
                 raise
         else:
-            result = attention(q, k, v, mask, **scores, dropout=dropout, return_weights=return_weights)
+            result = attention(
+                q, k, v, mask, bias=bias, softcap=self.softcap, dropout=dropout, return_weights=return_weights
+            )
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
         out = onednn_linear.run(self.out_proj, concat)  # (B, L, D); bf16 inference: bias in the epilogue

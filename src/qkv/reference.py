@@ -175,9 +175,10 @@ def modify_scores(scaled: Array, score_mod: Callable[..., ArrayLike]) -> Array:
     shape = scaled.shape
     x = scaled.reshape((1,) * max(0, 4 - scaled.ndim) + shape)  # (..., B | 1, H | 1, L, S)
     lead = (1,) * (x.ndim - 4)
+    sizes: tuple[int, ...] = x.shape[-4:]  # B | 1, H | 1, L, S
     b, h, i, j = (
         np.arange(n).reshape(lead + tuple(n if a == axis else 1 for a in range(4)))
-        for axis, n in enumerate(x.shape[-4:])
+        for axis, n in enumerate(sizes)
     )
     modified = np.broadcast_to(np.asarray(score_mod(x, b, h, i, j), dtype=np.float64), x.shape)
     return modified.reshape(shape).copy()

@@ -11,6 +11,8 @@ not total_q * total_k.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from qkv.bias import Bias
@@ -37,6 +39,63 @@ def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str) -> 
     if int(cu[-1]) != total:
         raise ValueError(f"{name} ends at {int(cu[-1])} but the packed tensor holds {total} rows")
     return lengths
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    *,
+    causal: bool = ...,
+    window: tuple[int, int] | None = ...,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: Backend = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    *,
+    causal: bool = ...,
+    window: tuple[int, int] | None = ...,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    return_lse: Literal[True],
+    backend: Backend = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    *,
+    causal: bool = ...,
+    window: tuple[int, int] | None = ...,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    return_lse: bool = ...,
+    backend: Backend = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(

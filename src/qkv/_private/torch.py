@@ -121,13 +121,14 @@ def onednn_linear_pointwise():  # type: ignore[no-untyped-def]
 
 def softmax_backward(grad: torch.Tensor, probs: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """P * (dP - rowsum(dP * P)) along ``dim``: the softmax's backward from its output."""
-    return torch._softmax_backward_data(grad, probs, dim, dtype)
+    return torch._softmax_backward_data(grad, probs, dim, dtype)  # pyright: ignore[reportPrivateImportUsage]  # private, not re-exported
 
 
 def is_wrapped_tensor(x: torch.Tensor) -> bool:
     """Whether ``x`` is a functorch wrapper (vmap, grad) or a functional tensor, whose data
     pointer does not address its values."""
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._is_functional_tensor(x))
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(x)  # pyright: ignore[reportAttributeAccessIssue]  # no stub
+    return bool(wrapped or torch._is_functional_tensor(x))  # pyright: ignore[reportPrivateImportUsage]  # private
 
 
 def mode_active() -> bool:

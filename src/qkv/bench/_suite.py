@@ -189,9 +189,9 @@ class BenchReport:
             say(f"sliding window forward: {window.qkv_gflops:.1f} GFLOP/s on visited tiles = "
                 f"{window.qkv_gflops / self.matmul_gflops:.0%} of the matmul rate")
         if self.peak_rss_bytes is not None:
-            goal = f" (goal < {PEAK_RSS_GOAL_BYTES / 1e9:g} GB at n={STANDARD.n_memory})" if judge else ""
+            rss_goal = f" (goal < {PEAK_RSS_GOAL_BYTES / 1e9:g} GB at n={STANDARD.n_memory})" if judge else ""
             say(f"peak RSS, sliding window forward at n={config.n_memory}: "
-                f"{self.peak_rss_bytes / 2**30:.2f} GiB{goal}")
+                f"{self.peak_rss_bytes / 2**30:.2f} GiB{rss_goal}")
 
 
 def _inputs(n: int, config: BenchConfig, requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -335,7 +335,8 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
     rss = _peak_rss("qkv", (*config.sweep, config.n_memory), config)
     report.peak_rss_bytes = rss[config.n_memory]
     report.sweep["qkv peak RSS bytes"] = {n: rss[n] for n in config.sweep}
-    report.sweep["SDPA dense mask peak RSS bytes"] = _peak_rss("sdpa", config.sweep, config)
+    sdpa_rss = _peak_rss("sdpa", config.sweep, config)
+    report.sweep["SDPA dense mask peak RSS bytes"] = {n: sdpa_rss[n] for n in config.sweep}
     yield "peak memory", report
 
 

@@ -13,6 +13,8 @@ softcap * tanh(s / softcap) on the scaled score s; ``alibi_slopes`` (H,) or (B, 
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from qkv.compat._alibi import alibi_from_slopes
@@ -23,6 +25,55 @@ __all__ = ["flash_attn_func"]
 
 _LAYOUT_Q = "(batch_size, seqlen, nheads, headdim)"
 _LAYOUT_KV = "(batch_size, seqlen_k, nheads_k, headdim)"
+
+
+@overload
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_func(

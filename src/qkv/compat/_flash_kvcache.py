@@ -20,6 +20,8 @@ and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes no
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from qkv.compat._alibi import alibi_from_slopes
@@ -75,6 +77,79 @@ def _cache_lengths(cache_seqlens: object, B: int, S_cache: int, device: torch.de
     if bool(((lengths < 0) | (lengths > S_cache)).any()):
         raise ValueError(f"cache_seqlens must lie in [0, seqlen_cache={S_cache}], got {lengths.tolist()}")
     return lengths
+
+
+@overload
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    rotary_cos: torch.Tensor | None = ...,
+    rotary_sin: torch.Tensor | None = ...,
+    cache_seqlens: int | torch.Tensor | None = ...,
+    cache_batch_idx: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    rotary_interleaved: bool = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    num_splits: int = ...,
+    return_softmax_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    rotary_cos: torch.Tensor | None = ...,
+    rotary_sin: torch.Tensor | None = ...,
+    cache_seqlens: int | torch.Tensor | None = ...,
+    cache_batch_idx: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    rotary_interleaved: bool = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    num_splits: int = ...,
+    *,
+    return_softmax_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    rotary_cos: torch.Tensor | None = ...,
+    rotary_sin: torch.Tensor | None = ...,
+    cache_seqlens: int | torch.Tensor | None = ...,
+    cache_batch_idx: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    rotary_interleaved: bool = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    num_splits: int = ...,
+    return_softmax_lse: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_with_kvcache(

@@ -10,6 +10,8 @@ is refused here: `flash_attn_with_kvcache` reads one, and `qkv.PagedKVCache` kee
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from qkv.compat._alibi import alibi_from_slopes
@@ -43,6 +45,70 @@ def _max_seqlen(value: object, lengths: torch.Tensor, name: str) -> int:
     if value < longest:
         raise ValueError(f"{name}={value} is below the longest sequence ({longest} rows)")
     return value
+
+
+@overload
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+    block_table: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+    block_table: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: float | None = ...,
+    causal: bool = ...,
+    window_size: tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+    block_table: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_varlen_func(

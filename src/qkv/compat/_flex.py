@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -180,6 +180,54 @@ def _as_mask(block_mask: object, L: int, S: int) -> Mask | None:
     return block_mask.mask
 
 
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[False] = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    *,
+    return_aux: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    return_lse: Literal[True],
+    kernel_options: dict[str, Any] | None = ...,
+    return_aux: None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | Mask | Any | None = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: bool = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    *,
+    return_aux: Any = ...,
+) -> torch.Tensor | tuple[torch.Tensor, Any]: ...
+
+
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -247,10 +295,14 @@ def flex_attention(
         )
     L, S = query.shape[-2], key.shape[-2]
     need_lse = want_lse or (want_aux and bool(return_aux.lse))
-    result = attention(query, key, value, _as_mask(block_mask, L, S), score_mod=score_mod, scale=scale, return_lse=need_lse)
+    mask = _as_mask(block_mask, L, S)
+    lse: torch.Tensor | None = None
+    if need_lse:
+        out, lse = attention(query, key, value, mask, score_mod=score_mod, scale=scale, return_lse=True)
+    else:
+        out = attention(query, key, value, mask, score_mod=score_mod, scale=scale)
     if not want_aux:
-        return result
+        return (out, lse) if want_lse else out
     from torch.nn.attention.flex_attention import AuxOutput
 
-    out, lse = result if need_lse else (result, None)
     return out, AuxOutput(lse=lse)

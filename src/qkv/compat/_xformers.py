@@ -114,7 +114,9 @@ def _block_diagonal(attn_bias: Any, name: str) -> masks.Mask:
         p = i + (lk - lq if diagonal == "bottom-right" else 0)  # the query's position among the block's keys
         last = torch.full_like(i, lk - 1) if diagonal == "none" else torch.minimum(p, torch.tensor(lk - 1))
         first = torch.zeros_like(i) if window is None else (p - window + 1).clamp(min=0)
-        lo.append(first + k0), hi.append(last + k0), positions.append(p + k0)
+        lo.append(first + k0)
+        hi.append(last + k0)
+        positions.append(p + k0)
     return KeyIntervals(torch.cat(lo), torch.cat(hi), torch.cat(positions), S, f"xformers {name} ({len(q_blocks)} blocks)")
 
 

@@ -172,10 +172,15 @@ def run() -> Result:
     from qkv.bench import traced_peak_bytes
 
     rng = np.random.default_rng(SEED)
-    numpy_inputs = [tuple(rng.standard_normal((n, HEAD_DIM)) for _ in range(3)) for n in SIZES]  # (n, E) each
-    torch_inputs = [
-        tuple(torch.tensor(a, dtype=torch.float32)[None, None] for a in qkv_) for qkv_ in numpy_inputs
-    ]  # (1, 1, n, E) each
+    numpy_inputs = [
+        (rng.standard_normal((n, HEAD_DIM)), rng.standard_normal((n, HEAD_DIM)), rng.standard_normal((n, HEAD_DIM)))
+        for n in SIZES
+    ]  # (n, E) each: q, k, v
+
+    def as_torch(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(a, dtype=torch.float32)[None, None]  # (1, 1, n, E)
+
+    torch_inputs = [(as_torch(q), as_torch(k), as_torch(v)) for q, k, v in numpy_inputs]
     mask = qkv.masks.sliding_window(WINDOW_LEFT)
 
     def materialized(i: int) -> Callable[[], object]:

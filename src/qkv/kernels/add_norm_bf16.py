@@ -89,6 +89,7 @@ def _fused(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Ten
     build failed on first use."""
     if unavailable_reason(x, y, norm) is not None:
         return None
+    assert isinstance(norm, nn.LayerNorm)  # unavailable_reason accepts a plain nn.LayerNorm only
     module = compiled.built_once(_built, _build)
     if isinstance(module, str):
         return None

@@ -85,12 +85,14 @@ def block_mask_from_layout(layout: BlockLayout, mask: Mask | None, device: torch
     kv_num_blocks, kv_indices = _indices_first(states == PARTIAL)
     full_num_blocks, full_indices = _indices_first(states == FULL)
     L, S = layout.L, layout.S
-    if mask is None:
-        mask_mod = None
-    else:
+    mask_mod = None
+    if mask is not None:
+        structured = mask
 
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return mask.visible(b, h, q_idx, kv_idx, L, S)
+        def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return structured.visible(b, h, q_idx, kv_idx, L, S)
+
+        mask_mod = visible
 
     return BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices,
@@ -135,8 +137,10 @@ def flex_attention_layout(
     if terms is not None and terms.active:
         active = terms
 
-        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def apply_terms(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return active.apply(score, b, h, q_idx, kv_idx)
+
+        score_mod = apply_terms
 
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": gqa, "score_mod": score_mod}
     if not need_lse:
@@ -146,6 +150,7 @@ def flex_attention_layout(
         lse = aux.lse
     else:
         out, lse = run(q, k, v, return_lse=True, **kwargs)
+    assert lse is not None  # asked for
     empty = lse == _NEG_INF  # (N, H, L)
     out = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
     return out, lse.float()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,7 @@ def run_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear_gelu(x, layer.weight, layer.bias)
 
 
-def _plain_linear(layer: nn.Module) -> bool:
+def _plain_linear(layer: nn.Module) -> TypeGuard[nn.Linear]:
     """Whether calling ``layer`` is exactly ``F.linear(x, layer.weight, layer.bias)``: the
     class is nn.Linear itself and no hook watches it."""
     return type(layer) is nn.Linear and not hooked(layer)

@@ -281,7 +281,7 @@ def _backward(
     run: _ScoredRun,
     bias_tensors: tuple[torch.Tensor, ...],
     bias_needs_grad: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor | None, ...]:
     """dq, dk, dv (N, H, *, Ep) and the gradients of the bias tensors, from the forward's lse in
     two parts, shift + rest (N, H, L) each."""
     N, H, L, Ep = q.shape

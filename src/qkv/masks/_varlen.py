@@ -78,7 +78,9 @@ class _Lengths(Mask):
         return type(self)(self.q_lengths.to(device), self.k_lengths.to(device), self.causal, self.window)
 
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
-        return states_from_intervals(*self.row_intervals(L, S, device), S, block_q, block_k)
+        intervals = self.row_intervals(L, S, device)
+        assert intervals is not None  # a varlen mask always knows its rows' key intervals
+        return states_from_intervals(*intervals, S, block_q, block_k)
 
     def describe(self) -> str:
         return f"{self.constructor}({_lengths_text(self.q_lengths, self.k_lengths)}{_options_text(self.causal, self.window)})"

@@ -17,6 +17,7 @@ Reference: Devlin et al., "BERT" (2019), and the checkpoint layout of Hugging Fa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -119,9 +120,14 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
     @property
+    def blocks(self) -> list[BertLayer]:
+        """The layers, typed as what they are (an nn.ModuleList yields plain Modules to a type checker)."""
+        return [cast(BertLayer, layer) for layer in self.layers]
+
+    @property
     def matmul_dtype(self) -> torch.dtype:
         """The dtype of the linear layers' weights, in which the matrix multiplies run."""
-        return self.layers[0].ffn_in.weight.dtype if len(self.layers) else self.embeddings.word.weight.dtype
+        return self.blocks[0].ffn_in.weight.dtype if len(self.layers) else self.embeddings.word.weight.dtype
 
     def set_matmul_dtype(self, dtype: torch.dtype) -> BertEncoder:
         """Mixed precision: the linear layers (attention projections, feed-forward) in
@@ -184,7 +190,7 @@ class BertEncoder(nn.Module):
         x = self.embeddings(ids, positions, token_types)  # (B, L, D)
         hidden_states, attentions = [x], []
         x_low = None  # x in the matmul dtype, handed from block to block
-        for layer in self.layers:
+        for layer in self.blocks:
             if onednn_linear.hooked(layer):  # a hook on the block must see its call
                 (x, weights), x_low = layer(x, mask, return_weights), None
             else:

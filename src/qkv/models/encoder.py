@@ -408,7 +408,7 @@ class Encoder:
         """Every layer's per-head q, k, v, recomputed from that layer's input (the hidden state
         before it) with the layer's own projection weights; what `Inspection.steps` reads."""
         qs, ks, vs = [], [], []
-        for layer, x in zip(self.model.layers, hidden_states, strict=False):  # x (1, T, D): layer's input
+        for layer, x in zip(self.model.blocks, hidden_states, strict=False):  # x (1, T, D): layer's input
             attention = layer.attention
             cfg = attention.config
             T = x.shape[1]
@@ -422,7 +422,7 @@ class Encoder:
             ks.append(k)
             vs.append(v)
         stack = lambda xs: torch.stack(xs).float().cpu()  # noqa: E731  (layers, heads, T, width)
-        d_k = self.model.layers[0].attention.config.d_k
+        d_k = self.model.blocks[0].attention.config.d_k
         return Projections(q=stack(qs), k=stack(ks), v=stack(vs), scale=1.0 / math.sqrt(d_k))  # qkv.attention's default scale
 
     def context(self, word: str, text_a: str, text_b: str) -> torch.Tensor:

@@ -75,7 +75,7 @@ class WordPieceTokenizer:
             TokenizedText(
                 ids=list(e.ids),
                 tokens=list(e.tokens),
-                offsets=[tuple(span) for span in e.offsets],
+                offsets=[(start, end) for start, end in e.offsets],
                 word_ids=list(e.word_ids),
             )
             for e in encodings

@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -105,15 +105,15 @@ def heatmap_grid(
     """
     maps = _select(source, layer=layer, words=words, labels=labels, key_labels=key_labels)
     H = maps.weights.shape[0]
-    ncols = ncols or min(H, max(1, math.ceil(math.sqrt(H))))
-    nrows = math.ceil(H / ncols)
+    cols = ncols or min(H, max(1, math.ceil(math.sqrt(H))))
+    nrows = math.ceil(H / cols)
     side_l, side_s = _panel_inches(len(maps.queries), len(maps.keys), single=False)
     margin_w, margin_h = _label_inches(maps.queries), _label_inches(maps.keys)
     # Panels get a little room each for their titles; labels only on the left and bottom edges.
-    width = ncols * (side_s + 0.15) + margin_w + 1.4
+    width = cols * (side_s + 0.15) + margin_w + 1.4
     fig = Figure(figsize=(width, nrows * (side_l + 0.35) + margin_h + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    axes = fig.subplots(nrows, cols, squeeze=False)
     top = _top(maps.weights, vmax)
     image = None
     for h, ax in enumerate(axes.flat):
@@ -124,13 +124,14 @@ def heatmap_grid(
             ax, maps.weights[h], maps, vmax=top, cmap=cmap, max_labels=GRID_MAX_LABELS
         )
         ax.set_title(f"head {h}", fontsize=9)
-        if h % ncols != 0:  # labels once per row and column of panels
+        if h % cols != 0:  # labels once per row and column of panels
             ax.set_yticklabels([])
             ax.set_ylabel("")
-        if h + ncols < H:
+        if h + cols < H:
             ax.set_xticklabels([])
             ax.set_xlabel("")
     fig.suptitle(maps.title.rstrip(", "), fontsize=11)
+    assert image is not None  # H >= 1: at least one panel was drawn
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (shared scale)")
     return fig
 
@@ -170,10 +171,11 @@ def _select(
     # An Inspection can only exist once qkv.inspect (and torch) is loaded; raw arrays need neither.
     inspect_module = sys.modules.get("qkv.inspect")
     if inspect_module is not None and isinstance(source, inspect_module.Inspection):
-        attentions = source.word_attentions() if words else source.attentions
+        inspection = cast("Inspection", source)  # the module was found by name, so its class is opaque
+        attentions = inspection.word_attentions() if words else inspection.attentions
         stack = np.asarray(attentions.detach().cpu().float().numpy())  # (layers, H, T, T)
-        default = source.words if words else list(source.tokens)
-        title = f"{source.model_name + ' · ' if source.model_name else ''}layer {layer}, "
+        default = inspection.words if words else list(inspection.tokens)
+        title = f"{inspection.model_name + ' · ' if inspection.model_name else ''}layer {layer}, "
     else:
         if words:
             raise ValueError("words=True needs an Inspection (it knows the word boundaries)")
@@ -207,9 +209,9 @@ def _select(
 
 
 def _as_array(source: object) -> np.ndarray:
-    detach = getattr(source, "detach", None)
-    if callable(detach):  # a torch tensor; read without importing torch here
-        source = detach().cpu().float().numpy()
+    if callable(getattr(source, "detach", None)):  # a torch tensor; read without importing torch here
+        tensor: Any = source
+        source = tensor.detach().cpu().float().numpy()
     return np.asarray(source, dtype=np.float32)
 
 
@@ -261,7 +263,7 @@ def _label_axis(ax: Axes, axis: Literal["x", "y"], labels: list[str], max_labels
     size = 8 if len(positions) <= 24 else 6
     # parse_math=False: a token is text, never mathtext ("$x$" must not turn into italics).
     # label_families: DejaVu Sans, then the CJK font qkv ships, so 苹果 is drawn, not boxes
-    options = {"fontsize": size, "parse_math": False, "fontfamily": label_families()}
+    options: dict[str, Any] = {"fontsize": size, "parse_math": False, "fontfamily": label_families()}
     if axis == "x":
         ax.set_xticks(positions, labels=text, rotation=90, **options)
     else:

@@ -284,7 +284,8 @@ def _projections(inspection: Inspection) -> dict[str, Any] | None:
         return None
     allowed = None  # (layers, T, T) as bytes 0 / 1: which keys each query of a layer may see
     if p.allowed is not None:
-        rows = torch.stack([p.allowed_rows(layer) for layer in range(layers)])  # (layers, T, T)
+        per_layer = [p.allowed_rows(layer) for layer in range(layers)]  # never None: p.allowed is set
+        rows = torch.stack([r for r in per_layer if r is not None])  # (layers, T, T)
         allowed = _pack(rows.to(torch.uint8).contiguous().numpy().tobytes())
     repeat = H // int(p.k.shape[1])
     keys = p.k.repeat_interleave(repeat, dim=1)  # (layers, H, T, E): query head h reads key head h // repeat

@@ -227,7 +227,7 @@ def attention_forward(
         query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
         return_weights=want_weights,
     )
-    out, weights = result if want_weights else (result, None)  # (B, H, L, Ev), (B, H, L, S) | None
+    out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev), (B, H, L, S) | None
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Ev)
     if weights is not None:
         weights = weights.to(query.dtype)  # (B, H, L, S), the dtype eager returns

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -37,7 +38,7 @@ _POSITIVE_SIZES = (
 
 
 def inspect(
-    model: torch.nn.Module, tokenizer: object, text: str, *, truncate: bool = False, name: str = ""
+    model: torch.nn.Module, tokenizer: Any, text: str, *, truncate: bool = False, name: str = ""
 ) -> Inspection:
     """Run ``text`` through ``model`` and keep everything (see `Inspection`).
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import masking_utils as hf_masks
@@ -111,8 +112,8 @@ class _Remapped:
 _Term = _Band | _Ids | _Remapped | tuple[str, list["_Term"]]
 
 
-def _closure(fn: Callable) -> dict[str, object]:
-    """The variables a nested function closed over, by name."""
+def _closure(fn: Callable) -> dict[str, Any]:
+    """The variables a nested function closed over, by name (whatever they hold: Any)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         raise _Unrecognised(f"{fn!r} is not a Python function")
@@ -129,24 +130,24 @@ def _parse(fn: Callable) -> _Term:
         return _Band(None, None)
     name, free = fn.__qualname__, _closure(fn)
     if name == "and_masks.<locals>.and_mask":
-        return ("and", [_parse(f) for f in free["mask_functions"]])  # type: ignore[union-attr]
+        return ("and", [_parse(f) for f in free["mask_functions"]])
     if name == "or_masks.<locals>.or_mask":
-        return ("or", [_parse(f) for f in free["mask_functions"]])  # type: ignore[union-attr]
+        return ("or", [_parse(f) for f in free["mask_functions"]])
     if name == "sliding_window_overlay.<locals>.inner_mask":
         # kv_idx > q_idx - W: the query and the W - 1 keys before it
-        return _Band(1 - int(free["sliding_window"]), None)  # type: ignore[call-overload]
+        return _Band(1 - int(free["sliding_window"]), None)
     if name == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
-        window = int(free["sliding_window"])  # type: ignore[call-overload]
+        window = int(free["sliding_window"])
         return _Band(-window, window)
     if name == "packed_sequence_mask_function.<locals>.inner_mask":
-        return _Ids(free["packed_sequence_mask"], "packed sequences")  # type: ignore[arg-type]
+        return _Ids(free["packed_sequence_mask"], "packed sequences")
     if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        inner = _parse(free["mask_function"])  # type: ignore[arg-type]
+        inner = _parse(free["mask_function"])
         if not isinstance(inner, _Band):
             inner = _flatten_band(inner)
-        return _Remapped(inner, free["position_ids"])  # type: ignore[arg-type]
+        return _Remapped(inner, free["position_ids"])
     if name == "chunked_overlay.<locals>.inner_mask":
-        return ("chunks", [free["chunk_size"], free["left_padding"]])  # type: ignore[list-item]
+        return ("chunks", [free["chunk_size"], free["left_padding"]])
     raise _Unrecognised(f"transformers mask function {name!r}")
 
 
@@ -316,20 +317,24 @@ def structured_mask(
     if isinstance(attention_mask, StructuredMask):
         return attention_mask  # prepared earlier for this very call (generate with a static cache)
     sizes = _Sizes(batch_size, q_length, kv_length, _int(q_offset), _int(kv_offset), torch.device(device))
+    term: _Term | None = None
+    mask: Mask | None = None
     try:
-        term: _Term | None = _parse(mask_function)
-        mask = _to_mask(term, sizes)
-        recognised = True
+        parsed = _parse(mask_function)
+        mask = _to_mask(parsed, sizes)
+        term, recognised = parsed, True
     except _Unrecognised:
         term, recognised = None, False
     padding = _padding(attention_mask, sizes)
     source = _describe_source(term) + (", padding" if padding is not None else "")
     if not recognised:
         dense = hf_masks.sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+            q_offset=q_offset,  # type: ignore[arg-type]  # transformers annotates int; its callers pass tensors too
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device,
         )  # (B, 1, L, S) bool, padding included
+        assert dense is not None  # None only where a skip is allowed, and both are off
         return StructuredMask(masks.dense(dense), False, source, batch_size, q_length, kv_length)
     if padding is not None:
         mask = padding if mask is None else mask & padding
