@@ -31,13 +31,7 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
     if plan.path in ("blocks", "flex"):
         return _run_tiles(problem, plan)
     if plan.path == "decode":
-        mask = problem.mask
-        assert mask is None or isinstance(mask, Mask)  # dispatch.decode_plan takes no tensor mask
-        out, lse = decode_attention(
-            problem.q, problem.k, problem.v, problem.scale, None if mask is None else mask.to(problem.q.device),
-            problem.terms, problem.sinks,
-        )
-        return out, None, lse
+        return _run_decode(problem)
     q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
     mask = _mask_tensor(problem, plan.mask)
     if plan.path == "math":
@@ -65,6 +59,17 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
         # the kernel gives no lse here (a learned mask, or not on CPU): recompute it by row chunks
         lse = dense_lse(q, k, mask, scale, plan.causal_offset)
     return out, weights, lse
+
+
+def _run_decode(problem: AttentionProblem) -> Result:
+    """The decode kernel: (output (N, H, L, Ev), no weights, lse (N, H, L))."""
+    mask = problem.mask
+    assert mask is None or isinstance(mask, Mask)  # dispatch.decode_plan takes no tensor mask
+    out, lse = decode_attention(
+        problem.q, problem.k, problem.v, problem.scale, None if mask is None else mask.to(problem.q.device),
+        problem.terms, problem.sinks,
+    )
+    return out, None, lse
 
 
 def _mask_tensor(problem: AttentionProblem, route: MaskRoute) -> torch.Tensor | None:

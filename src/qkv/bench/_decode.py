@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qkv._bounds import KVBounds
 from qkv.bench._timing import fastest
 
 __all__ = ["PROBE_BYTES", "DecodeRow", "GenerationRow", "decode_steps", "generation", "read_bandwidth_probe"]
@@ -91,7 +92,7 @@ def decode_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, p
 
 
 def _step_calls(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: object, probe: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: KVBounds, probe: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
     """The timed calls of one size: the bandwidth probe, qkv's step and SDPA's."""
     import qkv
@@ -99,7 +100,7 @@ def _step_calls(
     causal = qkv.masks.causal()
     return {
         "probe": lambda: probe.sum(),
-        "qkv": lambda: qkv.attention(q, keys, values, causal, kv_bounds=bounds),  # type: ignore[arg-type]
+        "qkv": lambda: qkv.attention(q, keys, values, causal, kv_bounds=bounds),
         "sdpa": lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
     }
 
