@@ -32,7 +32,18 @@ import torch
 from qkv._bounds import KVBounds, largest_magnitude
 from qkv._checks import positive_int
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "storage_heads"]
+
+
+def storage_heads(owner: str, num_kv_heads: object, d_k: object, d_v: object, dtype: object) -> tuple[int, int, int]:
+    """(G, E, Ev) of a cache's storage, checked: positive head counts and widths (d_v defaults
+    to d_k) and a floating-point dtype, else a ValueError / TypeError naming ``owner``."""
+    G = positive_int(num_kv_heads, f"{owner}: num_kv_heads")
+    E = positive_int(d_k, f"{owner}: d_k")
+    Ev = E if d_v is None else positive_int(d_v, f"{owner}: d_v")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{owner}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return G, E, Ev
 
 
 class KVCache:
@@ -70,11 +81,7 @@ class KVCache:
     ) -> None:
         B = positive_int(batch_size, "KVCache: batch_size")
         S = positive_int(max_len, "KVCache: max_len")
-        G = positive_int(num_kv_heads, "KVCache: num_kv_heads")
-        E = positive_int(d_k, "KVCache: d_k")
-        Ev = E if d_v is None else positive_int(d_v, "KVCache: d_v")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"KVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        G, E, Ev = storage_heads("KVCache", num_kv_heads, d_k, d_v, dtype)
         self.k = torch.zeros(B, G, S, E, dtype=dtype, device=device)  # (B, G, max_len, E)
         self.v = torch.zeros(B, G, S, Ev, dtype=dtype, device=device)  # (B, G, max_len, Ev)
         self.length = 0  # positions 0 .. length - 1 hold keys and values

@@ -35,6 +35,7 @@ import torch
 
 from qkv._bounds import KVBounds, largest_magnitude
 from qkv._checks import positive_int
+from qkv.cache import storage_heads
 from qkv.functional import attention
 from qkv.masks import Mask
 
@@ -86,11 +87,7 @@ class PagedKVCache:
     ) -> None:
         N = positive_int(num_blocks, "PagedKVCache: num_blocks")
         P = positive_int(block_size, "PagedKVCache: block_size")
-        G = positive_int(num_kv_heads, "PagedKVCache: num_kv_heads")
-        E = positive_int(d_k, "PagedKVCache: d_k")
-        Ev = E if d_v is None else positive_int(d_v, "PagedKVCache: d_v")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"PagedKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        G, E, Ev = storage_heads("PagedKVCache", num_kv_heads, d_k, d_v, dtype)
         self.k = torch.zeros(N, P, G, E, dtype=dtype, device=device)  # (num_blocks, block_size, G, E)
         self.v = torch.zeros(N, P, G, Ev, dtype=dtype, device=device)  # (num_blocks, block_size, G, Ev)
         self._free = list(range(N - 1, -1, -1))  # a stack: the lowest free block is taken first
