@@ -393,7 +393,7 @@ def _terms_bias(ex: TermsExample, param: torch.Tensor | None) -> object:
 
 
 def _terms_formula(ex: TermsExample, q, k, v, param, acc: torch.dtype):  # type: ignore[no-untyped-def]
-    """DESIGN.md's score order in plain torch ops, every step in ``acc`` (float32 or wider)."""
+    """docs/design.md's score order in plain torch ops, every step in ``acc`` (float32 or wider)."""
     H, L, E = q.shape[1:]
     G, S = k.shape[1], k.shape[2]
     wide = torch.promote_types(acc, torch.float32)

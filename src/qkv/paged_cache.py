@@ -21,7 +21,7 @@ Every method checks all of its arguments (known sequence ids, shapes, dtypes, en
 blocks for the whole batch) before it changes anything. Use under ``torch.no_grad()`` or
 ``torch.inference_mode()``: storage is written in place.
 
-Shape legend (DESIGN.md): G key/value heads, H query heads, L new positions, S positions held,
+Shape legend (docs/design.md): G key/value heads, H query heads, L new positions, S positions held,
 E key dim, Ev value dim.
 """
 

@@ -104,6 +104,12 @@ def test_an_emulated_dtype_is_computed_in_float32_and_returned_in_its_own(monkey
     out, lse = qkv.attention(q, k, v, mask, return_lse=True)
     want, want_lse = qkv.attention(q.float(), k.float(), v.float(), mask, return_lse=True)
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16()) and torch.equal(lse, want_lse)
+    # and independently: the float64 formula on the same bf16 inputs, within one bf16 rounding
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 24**-0.5  # (2, 4, 33, 33)
+    scores = scores.masked_fill(~mask.to_dense(33, 33), float("-inf"))
+    reference = torch.softmax(scores, dim=-1) @ v.double()  # (2, 4, 33, 24)
+    torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=2**-9)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, dim=-1), rtol=1e-6, atol=1e-5)
     trained = [x.clone().requires_grad_(True) for x in (q, k, v)]
     qkv.attention(*trained, mask).float().sum().backward()
     assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in trained)
