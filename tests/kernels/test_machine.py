@@ -155,6 +155,7 @@ def test_linear_layers_compute_an_emulated_dtype_in_float32(monkeypatch: pytest.
     from qkv.kernels import onednn_linear
 
     _fake_machine(monkeypatch, "avx2", avx512_bf16=False, amx=False)
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # its reason would come first
     gen = torch.Generator().manual_seed(1)
     layer = nn.Linear(40, 24).to(torch.bfloat16)
     x = torch.randn(3, 5, 40, generator=gen).bfloat16()

@@ -32,6 +32,13 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     return CallSpy(monkeypatch, onednn_linear, "_fused")
 
 
+@pytest.fixture(autouse=True)
+def _switch_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the op and its reasons; QKV_NO_COMPILED_KERNELS (set by CI's
+    kernels-off run) would come first and hide them. Its own effect is tested in test_reasons."""
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
+
+
 def _machine_reason() -> str | None:
     """Why this machine cannot run the op at all (no oneDNN, or no native bf16: oneDNN then has
     no bf16 inner product), or None: the reason that comes before any check of the op."""
