@@ -5,11 +5,11 @@ sliding_window(256, 256) at n = 16,384, B = 1, H = 8, E = 64 (2 threads unless -
   engine computes (`qkv.explain`, backward 2.5x forward) and on the mask's visible pairs, and
   the fraction of that dtype's own matrix-multiply limit (`qkv.bench.matmul_gflops`: the best
   of 1024^2 and 2048^2 products, measured before and after the timings; the higher counts);
-- the bfloat16 forward twice: with the fused bf16 interval kernel (`qkv.kernels.interval_bf16`,
+- the bfloat16 forward twice: with the fused bf16 interval kernel (`qkv.native.interval_bf16`,
   the default where it builds: AMX, a compiler) and with the per-tile flash path it replaces;
 - bfloat16 forward + backward three times: with the fused bf16 interval backward kernel
-  (`qkv.kernels.interval_bf16_backward`, the default where it builds), and with the two routes
-  it replaces: the matrix-product backward (`qkv.kernels.matmul_backward`, the engine's
+  (`qkv.native.interval_bf16_backward`, the default where it builds), and with the two routes
+  it replaces: the matrix-product backward (`qkv.backends.blocks.matmul_backward`, the engine's
   default on one thread without the kernel) and the flash kernel in float32 on exact copies
   (its default on more threads, `matmul_backward.MAX_THREADS`), compared in the same run.
 
@@ -32,8 +32,9 @@ import os
 import torch
 
 import qkv
+from qkv.backends.blocks import matmul_backward
 from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, matmul_words
-from qkv.kernels import interval_bf16, interval_bf16_backward, matmul_backward
+from qkv.native import interval_bf16, interval_bf16_backward
 
 B, H, E, WINDOW = 1, 8, 64, 256
 

@@ -6,7 +6,7 @@ B=1, H=32, G=8, E=Ev=128 (a Llama-shaped layer), one query against ``--length`` 
 causal. Rows, timed in rotating rounds of one run (`qkv.bench.fastest`):
 - "qkv, full checks": ``qkv.attention`` scanning q, k and v (max |x|, finiteness) every step;
 - "qkv, kv_bounds": the same with ``kv_bounds=cache.bounds``, the checks reading q only;
-- "checks alone": `qkv._problem.describe_problem` with and without the bounds;
+- "checks alone": `qkv.attention.problem.describe_problem` with and without the bounds;
 - "PagedKVCache.attend": blocks of 16 positions, gathered per step, then attention;
 - "SDPA": ``scaled_dot_product_attention(enable_gqa=True)`` on the contiguous views.
 Bytes are those of K and V (the step's physical minimum); GB/s is those bytes over the time, next
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 import qkv
-from qkv._problem import describe_problem
+from qkv.attention.problem import describe_problem
 from qkv.bench import fastest
 
 H, G, E = 32, 8, 128

@@ -18,7 +18,7 @@ sentences per path, interleaved so that the load of a shared machine falls on al
 alike. "qkv bfloat16 one by one" is qkv bf16 padded with its batches one after another
 (``qkv.models.batches.ENABLED = False``), each on all threads, as sentence-transformers runs them;
 "qkv bfloat16 unfused" is qkv bf16 padded on eager ops where it fuses (``F.linear`` + bias,
-GELU, residual add + LayerNorm + cast: `qkv.kernels.onednn_linear`, `qkv.kernels.add_norm_bf16`
+GELU, residual add + LayerNorm + cast: `qkv.native.onednn_linear`, `qkv.native.add_norm_bf16`
 switched off). Compare the ratios, not the
 absolute rates. The CPU time of this process (all threads) is reported next to the wall
 clock because it is steadier when other processes compete for the cores.
@@ -52,8 +52,8 @@ import qkv_minilm
 import torch
 
 from qkv.bench import matmul_gflops, matmul_words
-from qkv.kernels import add_norm_bf16, onednn_linear
 from qkv.models import Encoder, batches, load_encoder
+from qkv.native import add_norm_bf16, onednn_linear
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
 BATCH = 32

@@ -10,7 +10,7 @@ Cases (B = 1, H = 8, E = 64), each timed against its peers in one run by `qkv.be
 - the encoder (all-MiniLM-L6-v2, `load_encoder`): 256 sentences of 5-120 tokens, bf16 against
   float32 (goal >= 1.0x).
 
-Every table is printed with the CPU model and the tier qkv uses (`qkv.kernels.machine`), and
+Every table is printed with the CPU model and the tier qkv uses (`qkv.native.machine`), and
 each dtype's GFLOP/s is given as a fraction of the matmul rate, measured in the same run, of
 the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed). ``--tier avx2`` makes qkv behave as on an AVX2 machine (QKV_CPU_TIER) to measure that
 tier on a higher machine.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, random_qkv
-from qkv.kernels.machine import TIER_VARIABLE, compute_dtype, machine_line
+from qkv.native.machine import TIER_VARIABLE, compute_dtype, machine_line
 
 B, H, E = 1, 8, 64
 DTYPES = (torch.float32, torch.bfloat16)

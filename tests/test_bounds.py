@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import qkv
-import qkv._problem
-import qkv.modules
-from qkv._bounds import KVBounds
+import qkv.attention.problem
+import qkv.nn.multihead
+from qkv.attention.bounds import KVBounds
 
 CAUSAL = qkv.masks.causal()
 
@@ -18,13 +18,13 @@ CAUSAL = qkv.masks.causal()
 def record_scans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Every tensor attention's input checks scan for magnitudes, by shape."""
     scanned: list[tuple[int, ...]] = []
-    original = qkv._problem._largest_magnitudes
+    original = qkv.attention.problem._largest_magnitudes
 
     def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
         scanned.extend(tuple(t.shape) for t in tensors)
         return original(tensors)
 
-    monkeypatch.setattr(qkv._problem, "_largest_magnitudes", spy)
+    monkeypatch.setattr(qkv.attention.problem, "_largest_magnitudes", spy)
     return scanned
 
 
@@ -38,13 +38,13 @@ def test_a_large_cache_hands_attention_its_filled_rows_only(monkeypatch: pytest.
     cache.k.fill_(math.nan)
     cache.v.fill_(math.nan)
     handed: list[torch.Tensor] = []
-    original = qkv.modules.attention
+    original = qkv.nn.multihead.attention
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object) -> object:
         handed.extend((k, v))
         return original(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(qkv.modules, "attention", spy)
+    monkeypatch.setattr(qkv.nn.multihead, "attention", spy)
     scanned = record_scans(monkeypatch)
     with torch.no_grad():
         full = m(x, mask=CAUSAL)

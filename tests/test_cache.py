@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.positional import RotaryEmbedding
+from qkv.nn.positional import RotaryEmbedding
 
 CAUSAL = qkv.masks.causal()
 

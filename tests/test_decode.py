@@ -1,4 +1,4 @@
-"""The decode kernel (`qkv.kernels.decode`, backend="decode"): a few queries against many keys,
+"""The decode kernel (`qkv.backends.decode`, backend="decode"): a few queries against many keys,
 split into chunks and merged by lse. Against the float64 reference on awkward sizes, a decode
 step against the full causal forward (forward and backward), determinism, routing and refusals."""
 
@@ -10,8 +10,8 @@ import torch
 
 import qkv
 import qkv.reference as ref
-from qkv.kernels.decode import decode_attention, default_splits
-from qkv.kernels.machine import compute_dtype
+from qkv.backends.decode import decode_attention, default_splits
+from qkv.native.machine import compute_dtype
 
 CAUSAL = qkv.masks.causal()
 
@@ -163,7 +163,7 @@ def test_too_many_queries_are_refused() -> None:
 def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a machine that emulates bf16 products, attention hands the decode kernel the bf16 cache
     (it widens one wave at a time); the result equals the float32 computation on the rounded inputs."""
-    import qkv.kernels.decode as decode
+    import qkv.backends.decode as decode
 
     seen: list[torch.dtype] = []
     real = decode.decode_attention
@@ -172,7 +172,7 @@ def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.M
         seen.append(k.dtype)
         return real(q, k, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("qkv._execute.decode_attention", spy)
+    monkeypatch.setattr("qkv.attention.execute.decode_attention", spy)
     monkeypatch.setattr(decode, "WIDEN_WAVE", 700)  # several waves, a partial last one
     q, k, v = (t.bfloat16() for t in _inputs(1, 6, 2, 2, 2049, 16, 16, dtype=torch.float32))
     out = qkv.attention(q, k, v, CAUSAL)

@@ -1,6 +1,6 @@
-"""qkv.dispatch: every decision of a call is in its Plan, and explain runs no kernel.
+"""qkv.attention.dispatch: every decision of a call is in its Plan, and explain runs no kernel.
 
-The expected routes are the design's (docs/design.md, the module docstring of qkv.dispatch): SDPA's
+The expected routes are the design's (docs/design.md, the module docstring of qkv.attention.dispatch): SDPA's
 is_causal only for top-left-equal causal masks, no mask at all where causality hides nothing,
 tiles for the structured engines. Numbers for the memory model are counted by hand.
 """
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import qkv
-import qkv._execute
-import qkv.functional
+import qkv.attention.execute
+import qkv.attention.functional
 from qkv import masks as M
-from qkv._problem import describe_problem
-from qkv.dispatch import choose_path, ring_block_path, weights_plan
-from qkv.kernels import interval_bf16
+from qkv.attention.dispatch import choose_path, ring_block_path, weights_plan
+from qkv.attention.problem import describe_problem
+from qkv.native import interval_bf16
 
 
 def _plan(L: int, S: int, mask: object, *, backend: str = "auto", weights: bool = False, lse: bool = False,
@@ -133,7 +133,7 @@ def test_explain_runs_no_kernel(monkeypatch: pytest.MonkeyPatch, kwargs: dict) -
         raise AssertionError("explain ran a kernel")
 
     for name in _KERNELS:
-        monkeypatch.setattr(qkv._execute, name, no_kernel)
+        monkeypatch.setattr(qkv.attention.execute, name, no_kernel)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_kernel)
     e = qkv.explain(q, q, q, **kwargs)
     assert e.flops > 0 and e.peak_extra_bytes > 0
@@ -162,7 +162,7 @@ def test_attention_varlen_goes_through_the_dispatcher(monkeypatch: pytest.Monkey
         chosen.append(plan)
         return plan
 
-    monkeypatch.setattr(qkv.functional, "choose_path", recording)
+    monkeypatch.setattr(qkv.attention.functional, "choose_path", recording)
     q = torch.randn(600, 2, 8)
     cu = torch.tensor([0, 200, 600], dtype=torch.int32)
     qkv.attention_varlen(q, q, q, cu, causal=True)

@@ -32,10 +32,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv import dispatch
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels.block_plan import BlockConfig
+from qkv.attention import dispatch
+from qkv.backends.blocks.planner import BlockConfig
 
 settings.register_profile(
     "ci", max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -1,4 +1,4 @@
-"""`Inspection.attention_between` and `qkv.inspect_pronoun.pronoun_heads` on hand-built
+"""`Inspection.attention_between` and `qkv.inspect.pronoun.pronoun_heads` on hand-built
 inspections of "trophy suitcase it" (suitcase split into two pieces); expected weights are
 the rows written here, summed and averaged by hand."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkv.inspect import Inspection
-from qkv.inspect_pronoun import PronounHead, pronoun_heads
+from qkv.inspect.pronoun import PronounHead, pronoun_heads
 
 TOKENS = ["[CLS]", "trophy", "suit", "##case", "it", "[SEP]"]
 T = len(TOKENS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qkv.inspect import HeadRoles, Inspection
-from qkv.inspect_roles import ROLES
+from qkv.inspect.roles import ROLES
 
 TOKENS = ["[CLS]", "a", ",", "b", ".", "[SEP]"]  # text "a, b."
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import qkv
-from qkv.interop import masks_from_torch
+from qkv.nn.interop import masks_from_torch
 
 B, L, S, D, H = 3, 5, 7, 12, 3
 

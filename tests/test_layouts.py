@@ -16,7 +16,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.kernels.flex import flex_attention_layout
+from qkv.backends.flex import flex_attention_layout
 
 H, G, L, S, E, EV = 4, 2, 9, 11, 8, 5
 LAYOUTS = {"(H, L, E)": (), "(B, H, L, E)": (3,), "(B1, B2, H, L, E)": (2, 3)}
@@ -68,9 +68,9 @@ def _batched(mask: object, batch: tuple[int, ...]) -> object:
 def _run_flex_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     """backend="flex" with FlexAttention's eager reference: the compiled CPU kernel takes a
     minute to build and returns no lse; the layout handling around it is the same."""
-    import qkv._execute
+    import qkv.attention.execute
 
-    monkeypatch.setattr(qkv._execute, "flex_attention_layout", functools.partial(flex_attention_layout, compiled=False))
+    monkeypatch.setattr(qkv.attention.execute, "flex_attention_layout", functools.partial(flex_attention_layout, compiled=False))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import qkv
 from qkv import _log
-from qkv.kernels import compiled
-from qkv.kernels.machine import emulation_note
+from qkv.native import build as compiled
+from qkv.native.machine import emulation_note
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_an_emulated_dtype_is_noted_once_whatever_the_number_of_calls(fresh: pyt
     qkv.attention(q.float(), q.float(), q.float())
     expected = emulation_note(torch.bfloat16, torch.device("cpu"))
     records = [(r.levelname, r.getMessage()) for r in _ours(fresh)]
-    # computed in float32 (qkv.kernels.machine.compute_dtype): said as information, not a warning
+    # computed in float32 (qkv.native.machine.compute_dtype): said as information, not a warning
     assert records == ([] if expected is None else [("INFO", expected)])
 
 

@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 import qkv
 from qkv import reference
-from qkv.positional import RotaryEmbedding
+from qkv.nn.positional import RotaryEmbedding
 
 
 def reference_output(

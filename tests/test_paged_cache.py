@@ -101,11 +101,11 @@ def test_errors_change_nothing(call, error, match) -> None:
 
 
 def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import qkv._problem
+    import qkv.attention.problem
 
     scanned: list[tuple[int, ...]] = []
-    original = qkv._problem._largest_magnitudes
-    monkeypatch.setattr(qkv._problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
+    original = qkv.attention.problem._largest_magnitudes
+    monkeypatch.setattr(qkv.attention.problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
     cache = qkv.PagedKVCache(8, 16, 1, 4)
     a = cache.allocate()
     cache.append([a], [torch.randn(1, 100, 4)], [torch.randn(1, 100, 4)])

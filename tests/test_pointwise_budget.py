@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-import qkv.dispatch
+import qkv.attention.dispatch
 import qkv.masks
 from qkv import reference
 
@@ -59,7 +59,7 @@ def test_draw_within_the_budget_still_evaluates_every_point():
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_a_deferred_plan_equals_the_reference(monkeypatch, backend, softcap):
     # a small budget makes a 300 x 290 predicate "huge": the engine then finds its tiles at run time
-    monkeypatch.setattr(qkv.dispatch, "POINTWISE_BUDGET", 1000)
+    monkeypatch.setattr(qkv.attention.dispatch, "POINTWISE_BUDGET", 1000)
     torch.manual_seed(0)
     L, S, E = 300, 290, 8
     q = torch.randn(1, 2, L, E, dtype=torch.float64, requires_grad=True)

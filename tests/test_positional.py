@@ -1,4 +1,4 @@
-"""qkv.positional against formulas written independently here.
+"""qkv.nn.positional against formulas written independently here.
 
 RoPE's reference uses complex numbers: a pair of features (a, b) is the complex a + ib, and
 rotating it by the angle pos * theta is multiplying by exp(i * pos * theta).
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qkv
-from qkv.positional import LearnedEncoding, RotaryEmbedding, SinusoidalEncoding
+from qkv.nn.positional import LearnedEncoding, RotaryEmbedding, SinusoidalEncoding
 
 
 def rope_complex(x: np.ndarray, positions: np.ndarray, layout: str, base: float = 10000.0) -> np.ndarray:

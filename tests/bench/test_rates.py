@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qkv.bench._rates as rates
+import qkv.native.rates as rates
 from qkv.bench import machine_matmul_gflops, matmul_gflops
 
 

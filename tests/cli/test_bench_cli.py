@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 import qkv
+from qkv.attention.dispatch import BLOCKS
 from qkv.bench import QUICK
 from qkv.cli import app
-from qkv.dispatch import BLOCKS
 
 
 @pytest.fixture(scope="module")

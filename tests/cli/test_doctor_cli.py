@@ -11,15 +11,15 @@ import torch
 from typer.testing import CliRunner
 
 from qkv.cli import app
-from qkv.kernels import (
+from qkv.native import (
     add_norm_bf16,
-    compiled,
     interval_bf16,
     interval_bf16_backward,
     machine,
     magnitude_bf16,
     short_bf16,
 )
+from qkv.native import build as compiled
 
 KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16", "magnitude_bf16"}
 

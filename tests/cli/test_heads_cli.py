@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from qkv.cli import app
 from qkv.inspect import HeadRoles
-from qkv.inspect_roles import ROLES
+from qkv.inspect.roles import ROLES
 from qkv.viz import role_grid, save_role_grid
 from qkv.viz.roles import ROLE_COLOURS
 

@@ -15,7 +15,7 @@ from qkv import examples
 from qkv.cli import app
 from qkv.cli.tour import SECTIONS, Section, TourContext, run_tour
 from qkv.cli.tour_model import SENTENCES
-from qkv.inspect_pronoun import TROPHY_BIG
+from qkv.inspect.pronoun import TROPHY_BIG
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import qkv
+from qkv.backends.merge import merge_partial
 from qkv.distributed import RingStats, ring_attention
 from qkv.distributed import blockwise as blockwise_module
 from qkv.distributed.blockwise import block_forward
 from qkv.distributed.layout import shard_chunks
 from qkv.distributed.ring import _schedule
-from qkv.kernels.merge import merge_partial
 from tests.distributed._ring_cases import RingCase, block_settings, naive, reference, single_process
 
 

@@ -31,7 +31,7 @@ def test_positions_break_it(result: permutation.Result) -> None:
     import torch.nn.functional as F
 
     from qkv.examples.apple import W_K, W_Q, W_V, WORDS
-    from qkv.positional import sinusoidal_table
+    from qkv.nn.positional import sinusoidal_table
 
     x = torch.tensor([WORDS[t] for t in ("我", "吃", "苹果")], dtype=torch.float64)  # (L, 4)
     pe = sinusoidal_table(3, 4)  # (L, 4) float64
@@ -55,7 +55,7 @@ def test_sinusoidal_table_by_hand(result: permutation.Result) -> None:
 
 
 def test_sinusoidal_table_matches_qkv_positional() -> None:
-    from qkv.positional import sinusoidal_table
+    from qkv.nn.positional import sinusoidal_table
 
     for length, d in ((3, 4), (17, 10), (5, 7)):
         np.testing.assert_allclose(permutation.sinusoidal_table(length, d), sinusoidal_table(length, d).numpy(), atol=1e-15)

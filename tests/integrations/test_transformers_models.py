@@ -36,7 +36,7 @@ def _grads(model, ids, mask, weights):
 
 def test_import_qkv_never_imports_transformers() -> None:
     code = (
-        "import sys, qkv, qkv.integrations, qkv.masks, qkv.functional, qkv.modules, qkv.models, qkv.inspect\n"
+        "import sys, qkv, qkv.integrations, qkv.masks, qkv.attention.functional, qkv.nn.multihead, qkv.models, qkv.inspect\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,5 +1,5 @@
 """The kernel tests test each kernel's own dtype path: bfloat16 stays bfloat16 here even where this
-CPU only emulates its products (`qkv.kernels.machine.KEEP_VARIABLE`), so that the bf16 kernels'
+CPU only emulates its products (`qkv.native.machine.KEEP_VARIABLE`), so that the bf16 kernels'
 fallbacks run on every machine (slowly where emulated); the float32 widening that `qkv.attention`
 applies on such machines is tested in `test_machine.py` and by the suite outside this folder."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.kernels.machine import KEEP_VARIABLE
+from qkv.native.machine import KEEP_VARIABLE
 
 
 @pytest.fixture(autouse=True)

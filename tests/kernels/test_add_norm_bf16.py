@@ -1,4 +1,4 @@
-"""The residual add + LayerNorm kernel (`qkv.kernels.add_norm_bf16`): results against
+"""The residual add + LayerNorm kernel (`qkv.native.add_norm_bf16`): results against
 float64 LayerNorm, the bf16 copy, NaN/inf rows, when it runs, why it does not, its fallback.
 
 The rule: the float32 result within twice the error of eager ``norm(x + y)`` in float32
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.kernels import add_norm_bf16, compiled
+from qkv.native import add_norm_bf16
+from qkv.native import build as compiled
 from tests.kernels._spy import CallSpy
 
 BF16 = torch.bfloat16
@@ -145,7 +146,7 @@ def test_reasons_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
         assert reason(x, y, norm) == "QKV_NO_COMPILED_KERNELS is set"
         monkeypatch.delenv("QKV_NO_COMPILED_KERNELS")
         monkeypatch.setattr(add_norm_bf16, "ENABLED", False)
-        assert reason(x, y, norm) == "it is switched off (qkv.kernels.add_norm_bf16.ENABLED = False)"
+        assert reason(x, y, norm) == "it is switched off (qkv.native.add_norm_bf16.ENABLED = False)"
         spy = _spy(monkeypatch)
         out, low = add_norm_bf16.add_norm(x, y, norm, BF16)  # the eager ops
         assert spy.calls == 0

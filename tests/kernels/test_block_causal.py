@@ -12,7 +12,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.kernels.block_plan import BlockConfig, BlockSizes, plan_intervals
+from qkv.backends.blocks.planner import BlockConfig, BlockSizes, plan_intervals
 from tests.kernels.test_blocks import _problem, _reference, check_engine
 
 # (q_lengths, k_lengths) of packed documents: equal lengths, more keys than queries (the

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkv import masks as M
-from qkv.kernels.block_plan import (
+from qkv.backends.blocks.planner import (
     BlockConfig,
     BlockSizes,
     _plan_intervals,

@@ -91,7 +91,8 @@ def test_few_merging_rows_on_the_per_tile_path(monkeypatch: pytest.MonkeyPatch) 
     # causal & window(1100) at n = 1300: the rows past masked_span (1024) keys merge pieces, the
     # rest do not, so the bf16 output keeps its dtype and those rows merge in float32 buffers
     # of their own (block_calls._MergedRows); the fused kernel is off so the per-tile path runs
-    from qkv.kernels import block_calls, interval_bf16
+    from qkv.backends.blocks import calls as block_calls
+    from qkv.native import interval_bf16
 
     monkeypatch.setattr(interval_bf16, "ENABLED", False)
     used = []

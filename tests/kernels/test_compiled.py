@@ -1,4 +1,4 @@
-"""`qkv.kernels.compiled`'s build tools: ninja comes with qkv (the ``ninja`` package), so a build
+"""`qkv.native.build`'s build tools: ninja comes with qkv (the ``ninja`` package), so a build
 finds it even when the venv's bin folder is not on PATH; the cache folder's name covers the
 source, flags, torch and the Python ABI."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import ninja
 import pytest
 
-from qkv.kernels import compiled, interval_bf16
+from qkv.native import build as compiled
+from qkv.native import interval_bf16
 
 
 def test_ninja_from_the_package_is_found_without_it_on_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels.flex import (
+from qkv.backends.flex import (
     FLEX_BLOCK,
     block_mask_from_layout,
     flex_attention_layout,
@@ -129,7 +129,7 @@ def test_cuda_weights_and_refusals() -> None:
 
 
 def test_auto_sends_flex_only_what_its_gpu_kernels_are_built_for() -> None:
-    from qkv.kernels.flex import flex_suits
+    from qkv.backends.flex import flex_suits
 
     assert flex_suits(torch.bfloat16, (64, 64))
     assert flex_suits(torch.float32, (128, 64))
@@ -151,7 +151,7 @@ def _terms_cases(H: int, S: int) -> dict[str, dict]:
 @pytest.mark.parametrize("terms_name", ["alibi+softcap", "relative", "score_mod"])
 @pytest.mark.parametrize("mask_name", ["sliding", "varlen"])
 def test_eager_flex_applies_the_score_terms_like_the_math_path(terms_name: str, mask_name: str) -> None:
-    from qkv._problem import describe_problem
+    from qkv.attention.problem import describe_problem
 
     N, H, L, S, E = 1, 4, 150, 200, 8
     mask = M.sliding_window(30, 5) if mask_name == "sliding" else M.varlen([50, 100], [120, 80], causal=True)

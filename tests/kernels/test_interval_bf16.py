@@ -1,4 +1,4 @@
-"""The fused bf16 interval kernel (`qkv.kernels.interval_bf16`) and its fallback.
+"""The fused bf16 interval kernel (`qkv.native.interval_bf16`) and its fallback.
 
 Its forward goes through the whole engine (`qkv.attention(..., backend="blocks")`), so the
 backward (the engine's own, from the kernel's output and lse) is checked too, against the
@@ -21,7 +21,8 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.kernels import compiled, interval_bf16
+from qkv.native import build as compiled
+from qkv.native import interval_bf16
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule

@@ -1,4 +1,4 @@
-"""The fused bf16 interval backward kernel (`qkv.kernels.interval_bf16_backward`) and its fallback.
+"""The fused bf16 interval backward kernel (`qkv.native.interval_bf16_backward`) and its fallback.
 
 Every gradient goes through the whole engine (`qkv.attention(..., backend="blocks")` and
 autograd), against the float64 reference by docs/design.md's tolerance rule (`assert_by_the_rule`:
@@ -15,7 +15,8 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.kernels import compiled, interval_bf16_backward
+from qkv.native import build as compiled
+from qkv.native import interval_bf16_backward
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule

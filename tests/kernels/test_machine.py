@@ -1,4 +1,4 @@
-"""`qkv.kernels.machine`: the CPU tier from PyTorch's own queries, the QKV_CPU_TIER switch, the
+"""`qkv.native.machine`: the CPU tier from PyTorch's own queries, the QKV_CPU_TIER switch, the
 dtype qkv computes low-precision products in, and what `qkv.explain` says about the machine
 (its tier, emulated dtypes, and the rates of `qkv.bench.machine_matmul_gflops` when asked)."""
 
@@ -9,7 +9,7 @@ import torch
 
 import qkv
 import qkv.bench
-from qkv.kernels import machine
+from qkv.native import machine
 
 CPU = torch.device("cpu")
 
@@ -152,7 +152,7 @@ def test_linear_layers_compute_an_emulated_dtype_in_float32(monkeypatch: pytest.
     from torch import nn
     from torch.nn import functional as F
 
-    from qkv.kernels import onednn_linear
+    from qkv.native import onednn_linear
 
     _fake_machine(monkeypatch, "avx2", avx512_bf16=False, amx=False)
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # its reason would come first

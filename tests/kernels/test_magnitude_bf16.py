@@ -1,8 +1,8 @@
-"""The bfloat16 magnitude scan (`qkv.kernels.magnitude_bf16`): its largest |x| against torch's
+"""The bfloat16 magnitude scan (`qkv.native.magnitude_bf16`): its largest |x| against torch's
 own reduction in float32 (exact: every bfloat16 value is a float32), on awkward layouts and
 special values; its use by the input check of `qkv.attention`; why it does not run.
 
-Each test goes through the input check's own reduction (`qkv._problem._largest_magnitudes`,
+Each test goes through the input check's own reduction (`qkv.attention.problem._largest_magnitudes`,
 torch.aminmax where the scan cannot run), and a spy counts the scan's results, so a test
 fails if the check silently stops using it on a machine that can build it.
 """
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import qkv
-from qkv import _problem
-from qkv.kernels import compiled, magnitude_bf16
+from qkv.attention import problem as _problem
+from qkv.native import build as compiled
+from qkv.native import magnitude_bf16
 from tests.kernels._spy import CallSpy
 
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""The bf16 matrix-product backward of the block engine (`qkv.kernels.matmul_backward`).
+"""The bf16 matrix-product backward of the block engine (`qkv.backends.blocks.matmul_backward`).
 
 Expected values come from the float64 reference (`qkv.reference` through the engine tests'
 helpers, or float64 autograd of the formula), never from the kernel itself. The bar is
@@ -14,8 +14,9 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels import interval_bf16_backward, matmul_backward
-from qkv.kernels.matmul_backward import call_gradients, suits
+from qkv.backends.blocks import matmul_backward
+from qkv.backends.blocks.matmul_backward import call_gradients, suits
+from qkv.native import interval_bf16_backward
 from tests.kernels.test_blocks import MASKS, _problem, _reference
 from tests.kernels.test_blocks_bf16 import _err, _naive, assert_by_the_rule
 
@@ -49,7 +50,7 @@ class _Spy:
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr("qkv.kernels.blocks.call_gradients", counted)
+        monkeypatch.setattr("qkv.backends.blocks.engine.call_gradients", counted)
 
 
 def test_one_call_against_float64_autograd() -> None:

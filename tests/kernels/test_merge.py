@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from qkv import reference as R
-from qkv.kernels.merge import merge_partial, merge_split
+from qkv.backends.merge import merge_partial, merge_split
 
 NEG_INF = float("-inf")
 

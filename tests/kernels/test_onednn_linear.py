@@ -1,4 +1,4 @@
-"""oneDNN's fused bf16 linear (`qkv.kernels.onednn_linear`): results, the erf GELU, when it
+"""oneDNN's fused bf16 linear (`qkv.native.onednn_linear`): results, the erf GELU, when it
 runs, why it does not, and its check at first use.
 
 Expected values come from float64 math on the bf16-rounded inputs; the rule is docs/design.md's
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.kernels import onednn_linear
-from qkv.kernels.machine import cpu_features
+from qkv.native import onednn_linear
+from qkv.native.machine import cpu_features
 from tests.kernels._spy import CallSpy
 
 BF16 = torch.bfloat16
@@ -184,7 +184,7 @@ def test_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reason(x, weight, b) == "QKV_NO_COMPILED_KERNELS is set"
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "0")
     monkeypatch.setattr(onednn_linear, "ENABLED", False)
-    assert reason(x, weight, b) == "it is switched off (qkv.kernels.onednn_linear.ENABLED = False)"
+    assert reason(x, weight, b) == "it is switched off (qkv.native.onednn_linear.ENABLED = False)"
     spy = _spy(monkeypatch)
     out = onednn_linear.linear(x, weight, b)  # the fallback: F.linear itself
     assert spy.calls == 0 and torch.equal(out, F.linear(x, weight, b))

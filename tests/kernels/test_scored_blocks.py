@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import qkv
-from qkv import dispatch
 from qkv import masks as M
 from qkv import reference as R
-from qkv.kernels import block_calls
-from qkv.kernels.block_plan import (
+from qkv.attention import dispatch
+from qkv.backends.blocks import calls as block_calls
+from qkv.backends.blocks.planner import (
     _TILE_SHARE,
     BlockConfig,
     BlockSizes,
@@ -27,7 +27,7 @@ from qkv.kernels.block_plan import (
     _narrow,
     plan_intervals,
 )
-from qkv.kernels.scored import _owned
+from qkv.backends.blocks.scored import _owned
 from tests.kernels.test_blocks import _problem
 from tests.kernels.test_blocks_bf16 import _err
 

@@ -1,4 +1,4 @@
-"""The short-sequence bf16 kernel (`qkv.kernels.short_bf16`), its dispatch and its fallback.
+"""The short-sequence bf16 kernel (`qkv.native.short_bf16`), its dispatch and its fallback.
 
 Every case goes through `qkv.attention` with ``backend="auto"`` and a spy that counts the
 kernel's calls, so a test fails if the dispatcher silently stops choosing it on a machine that
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.kernels import compiled, short_bf16
+from qkv.native import build as compiled
+from qkv.native import short_bf16
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive

@@ -38,7 +38,7 @@ def test_importing_the_masks_loads_no_kernel() -> None:
     code = "import sys, qkv.masks; print(sorted(m for m in sys.modules if m.startswith('qkv.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "qkv.masks._layout" in loaded  # the measurement sees the package's own modules
-    assert "qkv.kernels" not in loaded and "qkv.functional" not in loaded
+    assert "qkv.kernels" not in loaded and "qkv.attention.functional" not in loaded
 
 
 def test_public_names_are_the_ones_users_import() -> None:

@@ -1,6 +1,6 @@
 """The bf16 encoder on its fused ops: oneDNN's linear with bias / GELU in the epilogue
-(`qkv.kernels.onednn_linear`) and the residual add + LayerNorm kernel
-(`qkv.kernels.add_norm_bf16`).
+(`qkv.native.onednn_linear`) and the residual add + LayerNorm kernel
+(`qkv.native.add_norm_bf16`).
 
 Expected values: qkv's float32 embeddings (checked against sentence-transformers in
 test_models_encoder) and sentence-transformers float32; the bar is the issue's cosine of
@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from tests.kernels._spy import CallSpy
 
-from qkv.kernels import add_norm_bf16, compiled, onednn_linear
 from qkv.models import Encoder, load_encoder
+from qkv.native import add_norm_bf16, onednn_linear
+from qkv.native import build as compiled
 
 MIN_COSINE = 0.9999
 BF16 = torch.bfloat16

@@ -16,6 +16,7 @@ from playwright.sync_api import Browser
 from tests.viz._browser import TOLERANCE, Viewer, assert_lines, open_viewer
 from tests.viz._inspections import HOSTILE, HOSTILE_TOKENS, make_inspection
 
+import qkv
 from qkv.inspect import Inspection
 from qkv.viz import html
 from qkv.viz.viewer import QUANT_LEVELS
@@ -164,10 +165,10 @@ def test_long_input_draws_a_capped_overview_and_full_focus(
 def test_notebook_iframe_runs_the_viewer_in_its_sandbox(
     browser: Browser, small: Inspection, tmp_path: Path
 ) -> None:
-    # What Jupyter does with _repr_html_: put the fragment into its own page.
+    # What Jupyter does with the HTML qkv registers for an Inspection: put the fragment into its own page.
     host = tmp_path / "notebook.html"
     host.write_text(
-        f"<!DOCTYPE html><html><body>{small._repr_html_()}</body></html>", encoding="utf-8"
+        f"<!DOCTYPE html><html><body>{qkv._notebook_html(small)}</body></html>", encoding="utf-8"
     )
     page = browser.new_page(viewport={"width": 1200, "height": 1000})
     errors: list[str] = []

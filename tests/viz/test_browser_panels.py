@@ -17,7 +17,7 @@ from tests.viz._inspections import (
     make_projected_inspection,
 )
 
-from qkv.inspect_roles import ROLES
+from qkv.inspect.roles import ROLES
 from qkv.viz import html
 from qkv.viz import viewer as viewer_module
 from qkv.viz.roles import ROLE_COLOURS

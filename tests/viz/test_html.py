@@ -17,6 +17,7 @@ import pytest
 import torch
 from tests.viz._inspections import HOSTILE_TOKENS, make_inspection
 
+import qkv
 from qkv.inspect import Inspection
 from qkv.viz import html, render, render_inline
 from qkv.viz.viewer import QUANT_LEVELS
@@ -102,7 +103,25 @@ def test_inline_form_is_a_sandboxed_srcdoc_iframe(hostile) -> None:
     assert match is not None
     assert "<" not in match.group(1)
     assert html_text.unescape(match.group(1)) == render(hostile)
-    assert hostile._repr_html_() == fragment
+    assert qkv._notebook_html(hostile) == fragment
+
+
+def test_notebooks_show_an_inspection_as_the_viewer(hostile, monkeypatch) -> None:
+    # IPython is not a dependency: a stand-in with the one method qkv calls records the hook
+    import sys
+    import types
+
+    registered = {}
+
+    class Formatter:
+        def for_type_by_name(self, module, name, function):
+            registered[(module, name)] = function
+
+    shell = types.SimpleNamespace(display_formatter=types.SimpleNamespace(formatters={"text/html": Formatter()}))
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    qkv._show_inspections_in_notebooks()
+    view = registered[(type(hostile).__module__, type(hostile).__qualname__)]
+    assert view(hostile) == render_inline(hostile)
 
 
 def test_attentions_must_match_the_tokens(small) -> None:

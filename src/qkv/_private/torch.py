@@ -4,14 +4,14 @@
   kernel behind SDPA, called directly because it returns the log-sum-exp that SDPA drops and
   its backward takes that lse (the fused path's lse, the block engine, ring attention);
 - ``mkldnn::_linear_pointwise``: oneDNN's linear with a fused activation, the op Inductor uses
-  for frozen models (`qkv.kernels.onednn_linear`);
+  for frozen models (`qkv.native.onednn_linear`);
 - ``torch._softmax_backward_data``: the softmax's own backward in one pass;
 - ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``torch._is_functional_tensor``: a
   tensor whose data pointer is not its values (vmap, grad, functionalization);
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
-  itself detected (`qkv.kernels.machine`'s tier); a release without one claims less;
+  itself detected (`qkv.native.machine`'s tier); a release without one claims less;
 - ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
   ``torch.nn.modules.module``): whether ``module(x)`` would run a hook.
 

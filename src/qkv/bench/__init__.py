@@ -30,7 +30,6 @@ from qkv.bench._memory import (
     status_bytes,
     traced_peak_bytes,
 )
-from qkv.bench._rates import LIMIT_SIDES, machine_matmul_gflops, matmul_gflops, matmul_words
 from qkv.bench._suite import (
     PEAK_RSS_GOAL_BYTES,
     QUICK,
@@ -41,7 +40,8 @@ from qkv.bench._suite import (
     run_suite,
     steps,
 )
-from qkv.bench._timing import FORWARD_ROUND_SECONDS, fastest
+from qkv.native.rates import LIMIT_SIDES, machine_matmul_gflops, matmul_gflops, matmul_words
+from qkv.native.timing import FORWARD_ROUND_SECONDS, fastest
 
 __all__ = [  # noqa: RUF022  (grouped as the list above, not sorted)
     "fastest", "FORWARD_ROUND_SECONDS", "matmul_gflops", "matmul_words", "LIMIT_SIDES", "machine_matmul_gflops", "peak_rss_bytes", "peak_growth", "PeakGrowth",

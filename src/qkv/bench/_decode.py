@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qkv._bounds import KVBounds
-from qkv.bench._timing import fastest
+from qkv import masks
+from qkv.attention.bounds import KVBounds
+from qkv.native.timing import fastest
 
 __all__ = ["PROBE_BYTES", "DecodeRow", "GenerationRow", "decode_steps", "generation", "read_bandwidth_probe"]
 
@@ -68,9 +69,10 @@ def read_bandwidth_probe(nbytes: int = PROBE_BYTES) -> tuple[torch.Tensor, int]:
 
 def decode_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, probe_bytes: int = PROBE_BYTES) -> list[DecodeRow]:
     """The decode step at each cache length and dtype, qkv vs SDPA, with the read bandwidth."""
-    import qkv
+    from qkv.attention.functional import explain
+    from qkv.nn.cache import KVCache
 
-    causal = qkv.masks.causal()
+    causal = masks.causal()
     probe, probe_size = read_bandwidth_probe(probe_bytes)
     rows = []
     for dtype_name in dtypes:
@@ -80,12 +82,12 @@ def decode_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, p
             k = torch.randn(1, G, S, E, generator=gen).to(dtype)  # (B, G, S, E)
             v = torch.randn(1, G, S, E, generator=gen).to(dtype)  # (B, G, S, Ev)
             q = torch.randn(1, H, 1, E, generator=gen).to(dtype)  # (B, H, 1, E)
-            cache = qkv.KVCache(1, S, G, E, dtype=dtype)
+            cache = KVCache(1, S, G, E, dtype=dtype)
             keys, values = cache.update(k, v)  # (1, G, S, E) views of the filled prefix
             del k, v
             with torch.inference_mode():
                 times = fastest(_step_calls(q, keys, values, cache.bounds, probe), reps, warmup=1)
-            path = qkv.explain(q, keys, values, causal).path
+            path = explain(q, keys, values, causal).path
             kv_bytes = (keys.numel() + values.numel()) * keys.element_size()
             rows.append(DecodeRow(S, dtype_name, times["qkv"], times["sdpa"], kv_bytes, probe_size / times["probe"], path))
     return rows
@@ -95,12 +97,12 @@ def _step_calls(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: KVBounds, probe: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
     """The timed calls of one size: the bandwidth probe, qkv's step and SDPA's."""
-    import qkv
+    from qkv.attention.functional import attention
 
-    causal = qkv.masks.causal()
+    causal = masks.causal()
     return {
         "probe": lambda: probe.sum(),
-        "qkv": lambda: qkv.attention(q, keys, values, causal, kv_bounds=bounds),
+        "qkv": lambda: attention(q, keys, values, causal, kv_bounds=bounds),
         "sdpa": lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
     }
 

@@ -1,4 +1,4 @@
-"""The decode benchmark's tables, printed with the CPU and its tier (`qkv.kernels.machine.machine_line`)."""
+"""The decode benchmark's tables, printed with the CPU and its tier (`qkv.native.machine.machine_line`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qkv.bench._decode import DecodeRow, GenerationRow
-from qkv.kernels.machine import machine_line
+from qkv.native.machine import machine_line
 
 __all__ = ["print_decode", "print_generation"]
 

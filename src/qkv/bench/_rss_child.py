@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import qkv
+from qkv import masks
+from qkv.attention.functional import attention
 from qkv.bench._data import random_qkv
 from qkv.bench._memory import peak_rss_bytes
 
@@ -29,12 +30,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     path, window, heads, head_dim, dtype = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), getattr(torch, argv[4])
-    mask = qkv.masks.sliding_window(window, window)
+    mask = masks.sliding_window(window, window)
     for n in map(int, argv[5:]):
         q, k, v = random_qkv(n, heads=heads, head_dim=head_dim, dtype=dtype)
         with torch.no_grad():
             if path == "qkv":
-                out = qkv.attention(q, k, v, mask)
+                out = attention(q, k, v, mask)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to_dense(n, n))
         del q, k, v, out

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-import qkv
+from qkv import masks
+from qkv.attention.functional import attention, explain
 from qkv.bench._data import document_ids, random_qkv
-from qkv.bench._rates import matmul_gflops, matmul_words
-from qkv.bench._timing import fastest
+from qkv.native.rates import matmul_gflops, matmul_words
+from qkv.native.timing import fastest
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -202,17 +203,17 @@ def _inputs(n: int, config: BenchConfig, requires_grad: bool = False) -> tuple[t
 def _warm_up(config: BenchConfig, n: int = 512) -> None:
     """Run every path once, forward and backward, so that no timing pays for first-call setup."""
     q, k, v = _inputs(n, config, requires_grad=True)
-    window = qkv.masks.sliding_window(64, 64)
-    docs = qkv.masks.documents(document_ids(n, 4)) & qkv.masks.causal()
-    for mask in (window, docs, qkv.masks.causal()):
-        qkv.attention(q, k, v, mask, backend="blocks").sum().backward()
-        qkv.attention(q, k, v, mask).sum().backward()
+    window = masks.sliding_window(64, 64)
+    docs = masks.documents(document_ids(n, 4)) & masks.causal()
+    for mask in (window, docs, masks.causal()):
+        attention(q, k, v, mask, backend="blocks").sum().backward()
+        attention(q, k, v, mask).sum().backward()
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to_dense(n, n)).sum().backward()
     F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
 
 def _forward_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> int:
-    return qkv.explain(q, k, v, mask).flops
+    return explain(q, k, v, mask).flops
 
 
 def _compare_forward(
@@ -221,10 +222,10 @@ def _compare_forward(
 ) -> Comparison:
     q, k, v = _inputs(n, config)
     with torch.no_grad():
-        ours = qkv.attention(q, k, v, mask)
+        ours = attention(q, k, v, mask)
         theirs = peer_fn(q, k, v)
         err = float((ours - theirs).abs().max())
-        times = fastest({"qkv": lambda: qkv.attention(q, k, v, mask), "peer": lambda: peer_fn(q, k, v)}, config.repeats)
+        times = fastest({"qkv": lambda: attention(q, k, v, mask), "peer": lambda: peer_fn(q, k, v)}, config.repeats)
     flops = _forward_flops(q, k, v, mask)
     return Comparison(case, name, n, times["qkv"], peer, times["peer"], goal, flops / times["qkv"] / 1e9, err)
 
@@ -244,7 +245,7 @@ def _compare_backward(name: str, n: int, mask: Any, config: BenchConfig, goal: f
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
 
     def ours() -> None:
-        qkv.attention(q, k, v, mask).backward(grad)
+        attention(q, k, v, mask).backward(grad)
 
     def peer() -> None:
         F.scaled_dot_product_attention(q, k, v, attn_mask=dense).backward(grad)
@@ -264,11 +265,11 @@ def _flex_comparisons(n: int, config: BenchConfig) -> list[Comparison]:
     def window_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return ((q_idx - kv_idx) <= w) & ((kv_idx - q_idx) <= w)
 
-    mask = qkv.masks.sliding_window(w, w)
+    mask = masks.sliding_window(w, w)
     q, k, v = _inputs(n, config)
     with torch.no_grad():
         start = time.perf_counter()
-        ours = qkv.attention(q, k, v, mask)
+        ours = attention(q, k, v, mask)
         ours_first = time.perf_counter() - start
         compiled = torch.compile(flex_attention, dynamic=False)
         start = time.perf_counter()
@@ -277,7 +278,7 @@ def _flex_comparisons(n: int, config: BenchConfig) -> list[Comparison]:
         flex_first = time.perf_counter() - start
         err = float((ours - theirs).abs().max())
         times = fastest(
-            {"qkv": lambda: qkv.attention(q, k, v, mask), "flex": lambda: compiled(q, k, v, block_mask=block_mask)},
+            {"qkv": lambda: attention(q, k, v, mask), "flex": lambda: compiled(q, k, v, block_mask=block_mask)},
             config.repeats,
         )
     flops = _forward_flops(q, k, v, mask)
@@ -307,20 +308,20 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
     report = BenchReport(config, torch.get_num_threads(), torch.__version__, rate)
     yield "warm-up and matmul rate", report
     w, n = config.window, config.n_window
-    window = qkv.masks.sliding_window(w, w)
+    window = masks.sliding_window(w, w)
     report.comparisons.append(_versus_dense("window", f"sliding_window({w}, {w}) forward", n, window, config, 20.0))
     yield "sliding window vs SDPA", report
     if config.flex:
         report.comparisons.extend(_flex_comparisons(n, config))
         yield "sliding window vs FlexAttention", report
-    docs = qkv.masks.documents(document_ids(config.n_docs, config.documents)) & qkv.masks.causal()
+    docs = masks.documents(document_ids(config.n_docs, config.documents)) & masks.causal()
     report.comparisons.append(
         _versus_dense("documents", f"documents({config.documents}) & causal forward", config.n_docs, docs, config, 20.0)
     )
     yield "documents vs SDPA", report
     for size in config.n_causal:
         report.comparisons.append(_compare_forward(
-            "causal", "causal forward", size, qkv.masks.causal(), "SDPA is_causal",
+            "causal", "causal forward", size, masks.causal(), "SDPA is_causal",
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), config, 0.95,
         ))
     yield "causal vs SDPA", report
@@ -343,11 +344,11 @@ def run_suite(config: BenchConfig) -> Iterator[tuple[str, BenchReport]]:
 def _window_times(n: int, config: BenchConfig) -> tuple[float, float]:
     """Fastest forward of the sliding window: (qkv, SDPA with the dense bool mask) in seconds."""
     q, k, v = _inputs(n, config)
-    window = qkv.masks.sliding_window(config.window, config.window)
+    window = masks.sliding_window(config.window, config.window)
     dense = window.to_dense(n, n)
     with torch.no_grad():
         times = fastest({
-            "qkv": lambda: qkv.attention(q, k, v, window),
+            "qkv": lambda: attention(q, k, v, window),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         }, config.repeats)
     return times["qkv"], times["sdpa"]

@@ -12,7 +12,7 @@ from qkv.cli._app import fail
 from qkv.cli._options import check_dtype
 
 if TYPE_CHECKING:
-    from qkv.inspect import Inspection
+    from qkv.inspect.inspection import Inspection
     from qkv.models import Encoder, TextTooLongError
 
 __all__ = ["inspect_or_fail", "load_or_fail", "too_long_message"]

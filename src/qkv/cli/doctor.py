@@ -23,8 +23,8 @@ def machine_report(build: bool = False) -> dict[str, Any]:
     """Everything `qkv doctor` prints, as plain data (``build``: build the kernels first)."""
     import torch
 
-    from qkv.kernels import inventory
-    from qkv.kernels.machine import TIER_VARIABLE, cpu_features, cpu_model
+    from qkv.native import inventory
+    from qkv.native.machine import TIER_VARIABLE, cpu_features, cpu_model
 
     features = cpu_features()
     kernels = inventory.build_all() if build else inventory.kernel_statuses()

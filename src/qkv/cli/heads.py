@@ -30,11 +30,11 @@ from qkv.cli._progress import QuietOption, progress
 from qkv.cli._text import read_text_lines
 
 if TYPE_CHECKING:
-    from qkv.inspect import HeadRoles
+    from qkv.inspect.inspection import HeadRoles
 
 __all__ = ["heads_command", "role_sentence", "strongest_report"]
 
-ROLE_NAMES = ("previous", "next", "self", "cls", "sep", "punctuation", "rest")  # qkv.inspect_roles.ROLES, without torch
+ROLE_NAMES = ("previous", "next", "self", "cls", "sep", "punctuation", "rest")  # qkv.inspect.roles.ROLES, without torch
 # One letter per role in the grid, so that twelve heads fit an 80-column terminal.
 CODES = {"previous": "P", "next": "N", "self": "S", "cls": "C", "sep": "E", "punctuation": ".", "rest": "-"}
 CODE_LEGEND = "P previous token, N next token, S itself, C [CLS], E [SEP] (end), . punctuation, - the rest"
@@ -42,7 +42,7 @@ CODE_LEGEND = "P previous token, N next token, S itself, C [CLS], E [SEP] (end),
 
 def role_sentence(role: str, layer: int, head: int, share: float) -> str:
     """"layer 0 head 2 sends 86% of its attention to the previous token"."""
-    from qkv.inspect_roles import ROLE_TEXT
+    from qkv.inspect.roles import ROLE_TEXT
 
     return f"layer {layer} head {head} sends {100 * share:.0f}% of its attention to {ROLE_TEXT[role]}"
 

@@ -23,7 +23,7 @@ from qkv.cli._options import BUILTIN_MODEL, DtypeOption, JsonOption, ModelOption
 from qkv.cli._progress import QuietOption, progress
 
 if TYPE_CHECKING:
-    from qkv.inspect import Inspection
+    from qkv.inspect.inspection import Inspection
 
 __all__ = ["context_command", "inspect_command"]
 
@@ -272,7 +272,7 @@ def context_command(
     if not word.strip():
         fail("WORD is empty")
     encoder = load_or_fail(model, dtype)
-    from qkv.inspect import context_similarity
+    from qkv.inspect.inspection import context_similarity
 
     first = inspect_or_fail(encoder, text1, truncate=truncate, name="TEXT1")
     second = inspect_or_fail(encoder, text2, truncate=truncate, name="TEXT2")

@@ -19,8 +19,8 @@ from qkv.examples._result import jsonable
 from qkv.examples._tables import fmt, table
 
 if TYPE_CHECKING:
-    from qkv.inspect import Inspection
-    from qkv.inspect_steps import StepTrace
+    from qkv.inspect.inspection import Inspection
+    from qkv.inspect.steps import StepTrace
 
 __all__ = ["MAX_ROWS", "render_steps", "steps_json"]
 

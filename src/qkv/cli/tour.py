@@ -22,24 +22,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.rule import Rule
 from rich.text import Text
 
 from qkv.cli._app import app, console, fail
 from qkv.cli.examples import example_json, render_example
+from qkv.cli.tour_context import TourContext
 from qkv.cli.tour_model import model_section
 
 __all__ = ["SECTIONS", "Section", "TourContext", "examples_section", "run_tour", "tour_command"]
-
-
-@dataclass(frozen=True)
-class TourContext:
-    """How a section should report: ``out`` is None when nothing may be printed (--json)."""
-
-    out: Console | None
-    quiet: bool = False
-    out_dir: Path = Path("qkv-out")  # where sections write their files
 
 
 @dataclass(frozen=True)

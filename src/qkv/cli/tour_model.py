@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-# the sentences only: qkv.inspect_pronoun imports no torch
-from qkv.inspect_pronoun import TROPHY_BIG, TROPHY_SMALL
+# the sentences only: qkv.inspect.pronoun imports no torch
+from qkv.inspect.pronoun import TROPHY_BIG, TROPHY_SMALL
 
 if TYPE_CHECKING:
-    from qkv.cli.tour import TourContext
-    from qkv.inspect import Inspection
-    from qkv.inspect_pronoun import PronounHead
+    from qkv.cli.tour_context import TourContext
+    from qkv.inspect.inspection import Inspection
+    from qkv.inspect.pronoun import PronounHead
 
 __all__ = ["SENTENCES", "model_section"]
 
@@ -93,8 +93,8 @@ def _context_table(similarities: dict[str, list[float]]) -> Table:
 
 def model_section(context: TourContext) -> dict[str, Any]:
     """Load the embedded model, inspect the seeds' sentences, write heatmaps and viewers."""
-    from qkv.inspect import context_similarity
-    from qkv.inspect_pronoun import pronoun_heads
+    from qkv.inspect.inspection import context_similarity
+    from qkv.inspect.pronoun import pronoun_heads
     from qkv.models import load_encoder
 
     out = context.out

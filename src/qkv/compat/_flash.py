@@ -17,9 +17,9 @@ from typing import Literal, overload
 
 import torch
 
+from qkv.attention.functional import attention
 from qkv.compat._alibi import alibi_from_slopes
 from qkv.compat._args import check_flag, flash_mask, flash_softcap, real_number, tensor_of_rank
-from qkv.functional import attention
 
 __all__ = ["flash_attn_func"]
 

@@ -14,7 +14,7 @@ t % block_size]`` (FlashAttention's and vLLM's layout; `qkv.PagedKVCache` keeps 
 block_size works here (FlashAttention's CUDA kernel wants a multiple of 256). Entries of a row
 past its ceil(n_b / block_size) blocks are never read.
 
-Refused with a clear error: ``cache_batch_idx`` together with ``block_table``, ``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.positional.RotaryEmbedding`)
+Refused with a clear error: ``cache_batch_idx`` together with ``block_table``, ``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.nn.positional.RotaryEmbedding`)
 and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes nothing here.
 """
 
@@ -24,9 +24,9 @@ from typing import Literal, overload
 
 import torch
 
+from qkv.attention.functional import attention
 from qkv.compat._alibi import alibi_from_slopes
 from qkv.compat._args import check_flag, flash_mask_options, flash_softcap, tensor_of_rank
-from qkv.functional import attention
 from qkv.masks import padded
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -209,7 +209,7 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError(
             "rotary_cos / rotary_sin are not supported: rotate q and the new k before the call "
-            "(qkv.positional.RotaryEmbedding) and pass them already rotated"
+            "(qkv.nn.positional.RotaryEmbedding) and pass them already rotated"
         )
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad is not supported: keep each cache row's keys from position 0")

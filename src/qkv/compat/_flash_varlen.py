@@ -14,6 +14,8 @@ from typing import Literal, overload
 
 import torch
 
+from qkv.attention.functional import attention
+from qkv.attention.varlen import lengths_from_cu_seqlens
 from qkv.compat._alibi import alibi_from_slopes
 from qkv.compat._args import (
     check_flag,
@@ -22,9 +24,7 @@ from qkv.compat._args import (
     real_number,
     tensor_of_rank,
 )
-from qkv.functional import attention
 from qkv.masks import varlen
-from qkv.varlen import lengths_from_cu_seqlens
 
 __all__ = ["flash_attn_varlen_func", "refuse_block_table"]
 

@@ -20,10 +20,10 @@ from typing import Any, Literal, overload
 
 import torch
 
+from qkv.attention.functional import attention
 from qkv.compat._args import check_flag
-from qkv.functional import attention
-from qkv.kernels.scores import ScoreMod
 from qkv.masks import Mask, predicate
+from qkv.scores import ScoreMod
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "from_block_mask", "or_masks"]
 

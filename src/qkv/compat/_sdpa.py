@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from qkv.attention.functional import attention
 from qkv.compat._args import check_flag, real_number
-from qkv.functional import attention
 from qkv.masks import causal
 
 __all__ = ["scaled_dot_product_attention"]

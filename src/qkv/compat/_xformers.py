@@ -30,9 +30,9 @@ from typing import Any, Literal, TypedDict
 import torch
 
 from qkv import masks
+from qkv.attention.functional import attention
 from qkv.compat._args import real_number, tensor_of_rank
 from qkv.compat._intervals import KeyIntervals
-from qkv.functional import attention
 
 __all__ = ["XformersBias", "from_xformers", "memory_efficient_attention"]
 

@@ -5,7 +5,7 @@ Blockwise Transformers"; the backward follows FlashAttention-2, Dao 2023, Algori
 
 - `block_forward` returns the block's normalized output and its log-sum-exp (lse), both in
   the accumulation dtype (float32, or float64 for float64 inputs);
-- `qkv.kernels.merge.merge_partial` (the block engine's merge too) folds a block's (output,
+- `qkv.backends.merge.merge_partial` (the block engine's merge too) folds a block's (output,
   lse) into the running (output, lse) of the same query rows: out = out_a * exp(lse_a - lse)
   + out_b * exp(lse_b - lse) with lse = logaddexp(lse_a, lse_b), which is exactly the
   softmax over the union of the keys;
@@ -14,7 +14,7 @@ Blockwise Transformers"; the backward follows FlashAttention-2, Dao 2023, Algori
   attention probability, and dS = P * (dP - delta) needs nothing else from other blocks.
 
 Two implementations of a block, chosen by `block_path` (the dispatcher's sub-rule for ring
-blocks, `qkv.dispatch.ring_block_path`):
+blocks, `qkv.attention.dispatch.ring_block_path`):
 
 - ``cpu-flash``: PyTorch's CPU flash-attention kernels (the ones SDPA runs on CPU), which
   return the lse and whose backward takes the output and lse as arguments, so they accept
@@ -39,9 +39,9 @@ from __future__ import annotations
 import torch
 
 from qkv._private import torch as private_torch
-from qkv.dispatch import ring_block_path
-from qkv.kernels.heads import expand_kv_heads, sum_kv_heads
-from qkv.kernels.softmax import causal_kernel_scale
+from qkv.attention.dispatch import ring_block_path
+from qkv.backends.heads import expand_kv_heads, sum_kv_heads
+from qkv.backends.softmax import causal_kernel_scale
 
 __all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path"]
 
@@ -58,7 +58,7 @@ _NEG_INF = float("-inf")
 
 def block_path(q: torch.Tensor, v: torch.Tensor) -> str:
     """Which implementation computes blocks of these queries and values: "cpu-flash" or "tiles",
-    by the dispatcher's sub-rule for ring blocks (`qkv.dispatch.ring_block_path`)."""
+    by the dispatcher's sub-rule for ring blocks (`qkv.attention.dispatch.ring_block_path`)."""
     return ring_block_path(q, v, cpu_flash=USE_CPU_FLASH)
 
 

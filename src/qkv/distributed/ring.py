@@ -8,7 +8,7 @@ Forward, on each of the P ranks of the ring, for step t = 0 .. P-1: the rank hol
 key/value shard of rank src = (rank - t) mod P. It first posts the non-blocking transfer of
 that shard to rank + 1 (and the receive of the next one from rank - 1), then computes its
 queries against the shard it holds (`blockwise.block_forward`), folds the block's (out, lse)
-into the running (out, lse) with log-sum-exp in float32 (`qkv.kernels.merge.merge_partial`),
+into the running (out, lse) with log-sum-exp in float32 (`qkv.backends.merge.merge_partial`),
 and only then waits for the transfer: communication overlaps compute.
 
 Backward (a custom autograd Function; only the inputs, the output and the lse are saved):
@@ -45,11 +45,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from qkv._problem import describe_problem
+from qkv.attention.problem import describe_problem
+from qkv.backends.merge import merge_partial
+from qkv.backends.softmax import accumulation_dtype
 from qkv.distributed.blockwise import block_backward, block_forward
 from qkv.distributed.layout import Chunk, Layout, check_layout, shard_chunks, shard_lengths
-from qkv.kernels.merge import merge_partial
-from qkv.kernels.softmax import accumulation_dtype
 
 __all__ = ["DEFAULT_TIMEOUT", "RingCommunicationError", "RingStats", "ring_attention"]
 

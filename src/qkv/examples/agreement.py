@@ -78,8 +78,8 @@ def run() -> Agreement:
     import torch
     import torch.nn.functional as F
 
-    import qkv
     from qkv import reference
+    from qkv.attention.functional import attention
 
     questions = np.array([q for _, q in address_book.QUESTIONS])  # (2, 4)
     expected = reference.attention(questions, address_book.KEYS, address_book.VALUES)
@@ -98,7 +98,7 @@ def run() -> Agreement:
 
     paths = []
     for backend in ("auto", "fused", "math"):
-        out, weights = qkv.attention(q, k, v, backend=backend, return_weights=True)
+        out, weights = attention(q, k, v, backend=backend, return_weights=True)
         paths.append(compare(f"qkv {backend}", out, weights))
     paths.append(compare("torch SDPA", F.scaled_dot_product_attention(q, k, v), None))
     return Agreement(

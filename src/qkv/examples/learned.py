@@ -217,7 +217,7 @@ class _Reader:
     def __init__(self, seed: int) -> None:
         import torch
 
-        from qkv.modules import MultiHeadAttention
+        from qkv.nn.multihead import MultiHeadAttention
 
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)  # the initialization is part of the example's determinism

@@ -10,7 +10,7 @@ the same output: attention alone cannot tell who eats whom.
 Adding a positional encoding to X before attention breaks this on purpose. Here it is the
 original paper's sinusoidal table, PE(pos, 2i) = sin(pos / 10000^(2i/d)),
 PE(pos, 2i+1) = cos(pos / 10000^(2i/d)), computed in NumPy (the same table as
-`qkv.positional.SinusoidalEncoding`).
+`qkv.nn.positional.SinusoidalEncoding`).
 """
 
 from __future__ import annotations

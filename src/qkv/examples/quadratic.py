@@ -13,7 +13,7 @@ one head of width 64.
 
 Next to it, qkv's PyTorch paths on the same inputs: ``backend="math"`` (materialized, in
 float32) and a sliding-window mask,
-``qkv.attention(q, k, v, qkv.masks.sliding_window(127))``, where each query sees only the
+``attention(q, k, v, masks.sliding_window(127))``, where each query sees only the
 128 most recent keys: its work grows like n, not n^2, and `qkv.explain` says which path runs
 and what it visits.
 """
@@ -27,7 +27,7 @@ import numpy as np
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from qkv import reference
+from qkv import masks, reference
 from qkv.examples._result import ExampleResult
 from qkv.examples._tables import fmt, table
 
@@ -62,7 +62,7 @@ class SizeRow:
     scores: int
     reference_seconds: float
     reference_peak_bytes: int
-    math_seconds: float  # qkv.attention(backend="math"), float32
+    math_seconds: float  # attention(backend="math"), float32
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def run() -> Result:
     """Measure the reference and qkv's paths for every n in SIZES."""
     import torch
 
-    import qkv
+    from qkv.attention.functional import attention, explain
     from qkv.bench import traced_peak_bytes
 
     rng = np.random.default_rng(SEED)
@@ -181,16 +181,16 @@ def run() -> Result:
         return torch.tensor(a, dtype=torch.float32)[None, None]  # (1, 1, n, E)
 
     torch_inputs = [(as_torch(q), as_torch(k), as_torch(v)) for q, k, v in numpy_inputs]
-    mask = qkv.masks.sliding_window(WINDOW_LEFT)
+    mask = masks.sliding_window(WINDOW_LEFT)
 
     def materialized(i: int) -> Callable[[], object]:
         return lambda: reference.attention(*numpy_inputs[i])
 
     def math(i: int) -> Callable[[], object]:
-        return lambda: qkv.attention(*torch_inputs[i], backend="math")
+        return lambda: attention(*torch_inputs[i], backend="math")
 
     def window(i: int) -> Callable[[], object]:
-        return lambda: qkv.attention(*torch_inputs[i], mask)
+        return lambda: attention(*torch_inputs[i], mask)
 
     count = len(SIZES)
     # NumPy's and PyTorch's thread pools each spin for a while after a call: timing them
@@ -217,7 +217,7 @@ def run() -> Result:
     largest = torch_inputs[-1]
     windows = []
     for i, n in enumerate(SIZES):
-        explanation = qkv.explain(*torch_inputs[i], mask)
+        explanation = explain(*torch_inputs[i], mask)
         windows.append(
             WindowRow(
                 n=n,
@@ -230,7 +230,7 @@ def run() -> Result:
             )
         )
     q, k, v = numpy_inputs[SIZES.index(CHECK_N)]
-    out = qkv.attention(*torch_inputs[SIZES.index(CHECK_N)], mask)
+    out = attention(*torch_inputs[SIZES.index(CHECK_N)], mask)
     assert isinstance(out, torch.Tensor)
     expected = reference.attention(q, k, v, mask=mask.to_dense(CHECK_N, CHECK_N)[0, 0].numpy()).output  # (n, E)
     window_difference = float(np.abs(out[0, 0].double().numpy() - expected).max())
@@ -239,7 +239,7 @@ def run() -> Result:
         window_left=WINDOW_LEFT,
         sizes=sizes,
         windows=tuple(windows),
-        explain_dense=str(qkv.explain(*largest, backend="math")),
-        explain_window=str(qkv.explain(*largest, mask)),
+        explain_dense=str(explain(*largest, backend="math")),
+        explain_window=str(explain(*largest, mask)),
         window_max_difference=window_difference,
     )

@@ -28,7 +28,7 @@ DEFAULT_BLOCK = 128
 _DRAW_COLUMNS = 48
 # Points a drawing or a path decision may evaluate one by one (`Mask.evaluated_points`):
 # 8192 x 8192, about a second of a simple predicate on one core. Beyond it `draw` refuses and
-# the dispatcher decides without evaluating (qkv.dispatch).
+# the dispatcher decides without evaluating (qkv.attention.dispatch).
 POINTWISE_BUDGET = 1 << 26
 
 

@@ -22,10 +22,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from qkv.kernels import add_norm_bf16, onednn_linear
 from qkv.masks import Mask
 from qkv.models.config import BertConfig
-from qkv.modules import MultiHeadAttention
+from qkv.native import add_norm_bf16, onednn_linear
+from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["BertEmbeddings", "BertEncoder", "BertLayer", "EncoderOutput"]
 
@@ -92,7 +92,7 @@ class BertLayer(nn.Module):
         the LayerNorms keep theirs (float32 after `BertEncoder.set_matmul_dtype`): the sums
         x + sublayer(x) promote to the wider of the two. Each sublayer ends with the residual
         stream and its copy in the matmul dtype, the next product's input (one pass in
-        bf16 inference: `qkv.kernels.add_norm_bf16`).
+        bf16 inference: `qkv.native.add_norm_bf16`).
         """
         matmul_dtype = self.ffn_in.weight.dtype
         if x_low is None or x_low.dtype != matmul_dtype:  # the first block, or blocks of mixed dtypes
@@ -103,7 +103,7 @@ class BertLayer(nn.Module):
         else:
             mixed = self.attention(x_low, mask=mask)  # (B, L, D)
         x, x_low = add_norm_bf16.add_norm(x, mixed, self.attention_norm, matmul_dtype)  # (B, L, D) twice
-        # bf16 inference: bias and GELU in the product's epilogue (qkv.kernels.onednn_linear)
+        # bf16 inference: bias and GELU in the product's epilogue (qkv.native.onednn_linear)
         hidden = onednn_linear.run_gelu(self.ffn_in, x_low)  # (B, L, intermediate)
         x, x_low = add_norm_bf16.add_norm(x, onednn_linear.run(self.ffn_out, hidden), self.ffn_norm, matmul_dtype)  # (B, L, D)
         return x, x_low, weights

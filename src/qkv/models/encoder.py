@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv._checks import positive_int
-from qkv.inspect import Inspection, Projections, context_similarity
+from qkv.inspect.inspection import Inspection, Projections, context_similarity
 from qkv.models import batches
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from qkv.inspect import HeadRoles
+from qkv.inspect.inspection import HeadRoles
 from qkv.models.encoder import TextTooLongError
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.image import AxesImage
 
-    from qkv.inspect import Inspection
+    from qkv.inspect.inspection import Inspection
 
 __all__ = ["heatmap", "heatmap_grid", "save_heatmap"]
 

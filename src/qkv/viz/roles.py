@@ -16,10 +16,10 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from qkv.inspect_roles import ROLE_TEXT, ROLES
+from qkv.inspect.roles import ROLE_TEXT, ROLES
 
 if TYPE_CHECKING:
-    from qkv.inspect import HeadRoles
+    from qkv.inspect.inspection import HeadRoles
 
 __all__ = ["ROLE_COLOURS", "role_grid", "save_role_grid"]
 

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from qkv.inspect import Inspection
+    from qkv.inspect.inspection import Inspection
 
 __all__ = [
     "DENSE_LIMIT",
@@ -235,7 +235,7 @@ def payload(inspection: Inspection) -> dict[str, Any]:
             "indices": _pack(top.indices.to(torch.int32).contiguous().numpy().tobytes()),
             "values": _pack(top.values.contiguous().numpy().tobytes()),
         }
-    from qkv.inspect_roles import ROLES
+    from qkv.inspect.roles import ROLES
 
     roles = inspection.head_roles()
     dominant = roles.dominant()  # (layers, H)

@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import qkv
+from qkv import masks
 from qkv._private.transformers import attentions_collected
+from qkv.attention.functional import attention, explain
 from qkv.integrations.transformers._masks import StructuredMask
 from qkv.masks import Mask
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from qkv.functional import Explanation
+    from qkv.attention.functional import Explanation
 
 __all__ = ["AttentionCall", "HeadInputs", "attention_forward", "capturing", "recording"]
 
@@ -171,7 +172,7 @@ def _qkv_mask(
     # no mask: sdpa's rule, is_causal from the call or the module, top-left, and off for one query
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if causal and L > 1:
-        return qkv.masks.causal(align="top-left"), "causal (no mask given; the module is causal)", True
+        return masks.causal(align="top-left"), "causal (no mask given; the module is causal)", True
     return None, "no mask", True
 
 
@@ -218,12 +219,12 @@ def attention_forward(
         _capture(kept, module, query, key, value, mask, scaling, softcap, position_bias)
     calls = _recorder.get()
     if calls is not None:
-        explanation = qkv.explain(
+        explanation = explain(
             query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
             return_weights=want_weights,
         )
         calls.append(AttentionCall(getattr(module, "layer_idx", None), type(module).__name__, source, recognised, explanation))
-    result = qkv.attention(
+    result = attention(
         query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
         return_weights=want_weights,
     )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import transformers
 
-from qkv.inspect import Inspection, Projections
+from qkv.inspect.inspection import Inspection, Projections
 from qkv.integrations.transformers._attention import HeadInputs, capturing
 from qkv.models import TextTooLongError
 from qkv.models.encoder import check_text
@@ -145,7 +145,7 @@ def load_model(directory: str | Path, *, attn_implementation: str | None = None)
 
     ``attn_implementation`` defaults to qkv (registered here when needed).
     """
-    from qkv.integrations.transformers import register
+    from qkv.integrations.transformers._register import register
 
     path = Path(directory)
     if not (path / "config.json").is_file():

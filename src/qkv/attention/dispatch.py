@@ -1,0 +1,668 @@
+"""The one place where a path is chosen: `choose_path` returns a `Plan`, and nothing else decides.
+
+A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
+``math``: the explicit formula; ``blocks``: the CPU block engine; ``flex``: FlexAttention with
+qkv's BlockMask; ``decode``: the split-key decode kernel), how the mask reaches that kernel, how the score terms (softcap, bias,
+score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
+executes a Plan (`qkv.attention.execute`), `qkv.explain` describes one (`qkv.attention.explain`) and runs no
+kernel; both read the Plan only.
+
+`choose_path` reads top to bottom: an explicit backend first, then the score terms, dropout,
+a wide float mask under autograd, and finally whether the structured engines pay off for a
+structured mask. A `predicate` mask beyond `POINTWISE_BUDGET` points is not evaluated to
+decide: it goes to the structured engine with a deferred Plan, which `complete` fills in when
+attention runs. `weights_plan` is the rule of `qkv.attention_weights`, and `ring_block_path`
+the sub-rule for one block of ring attention (`qkv.distributed.blockwise`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from qkv.attention.problem import AttentionProblem, compact
+from qkv.backends import decode
+from qkv.backends.blocks.planner import (
+    BlockConfig,
+    BlockPlan,
+    BlockSizes,
+    plan_intervals,
+    plan_layout,
+)
+from qkv.backends.blocks.scored import closes_over_grad
+from qkv.backends.dense import flash_kernel_available, fused_lse_available
+from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
+from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, KeyPadding, Mask
+from qkv.native import interval_bf16, short_bf16
+
+__all__ = [
+    "BACKENDS",
+    "BLOCKS",
+    "Backend",
+    "MaskRoute",
+    "Path",
+    "Plan",
+    "ScoreRoute",
+    "Source",
+    "choose_path",
+    "complete",
+    "decode_plan",
+    "decode_widens_itself",
+    "key_padding",
+    "mask_heads",
+    "needs_grad",
+    "ring_block_path",
+    "short_kernel_reason",
+    "weights_plan",
+]
+
+Backend = Literal["auto", "fused", "math", "blocks", "flex", "decode"]
+BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex", "decode")
+Path = Literal["fused", "math", "blocks", "flex", "decode"]
+# How the mask reaches the kernel: not at all (no mask, or one that hides nothing here);
+# SDPA's is_causal flag; a causal offset the formula applies itself (query i sees keys
+# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles; the decode kernel's
+# key positions, chunk by chunk.
+MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles", "chunks"]
+# How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
+# mask; the explicit formula applies them; the block engine applies them tile by tile;
+# FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
+ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod", "chunks"]
+# Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
+# formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
+Source = Literal["none", "kernel", "dense", "tiles"]
+
+# The CPU block engine's tile and call sizes (see BlockConfig for why).
+BLOCKS = BlockConfig()
+# "auto" sends a structured mask to the block engine / FlexAttention when they compute at
+# most this fraction of the score matrix: the engine's tiles run at about 60-80 % of the
+# dense kernel's rate per FLOP (benchmarks/sparse.py), and SDPA with a dense mask pays for
+# building and reading the L x S mask on top.
+_SPARSE_MAX_VISITED = 0.6
+# ... and when the problem has at least this many (query, key) pairs per head: below it the
+# few microseconds of SDPA beat planning and launching tiles.
+_SPARSE_MIN_PAIRS = 256 * 256
+
+# 'auto' sends dense bfloat16 attention on CPU (no mask, or causal with L == S) that needs no
+# gradient to the block engine, whose fused bf16 interval kernel (`kernels.interval_bf16`)
+# beats PyTorch's CPU flash kernel there, for head dims up to this. Measured through
+# qkv.attention, input checks included (n = 4,096, H = 8, 2 threads, interleaved, load 1.1-1.3;
+# SDPA time / engine time): E = 64 no mask 1.39x, causal 1.37x; E = 128 no mask 1.24x, causal
+# 1.30x. Gradients stay on SDPA: its flash backward is faster than the engine's. Without a
+# mask, up to `short_bf16.MAX_KEYS` keys belong to the short-sequence kernel.
+_DENSE_BF16_KERNEL_MAX_HEAD_DIM = 128
+# ... and for at least this many queries: each task of the kernel packs its head's keys and
+# values for 64 queries, which few queries do not repay (measured the same way, no mask: L, S =
+# 16, 8192 0.58x; 64, 8192 0.97x; 256, 4096 (E = 128) 1.10x; 1024, 4096 1.16x)
+_DENSE_BF16_KERNEL_MIN_QUERIES = 256
+
+# 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
+# finite values span more than this: PyTorch's CPU flash backward then misses docs/design.md's
+# tolerance rule (3x the naive error plus 1e-6). Measured (L = S = 128..1024, E = 64): ALiBi-like
+# ramps spanning 5e3..3e4 gave 1.2x..3.4x the allowed error, random spreads of 1e4 1.4x; spans up
+# to 2e3 stayed below 0.9x, and two-valued padding masks (0 / -1e4, 0 / finfo.min) below 0.3x but
+# are routed too, for simplicity. bfloat16 / float16 stayed below 0.7x everywhere.
+_FLASH_GRAD_MAX_MASK_SPAN = 1e3
+
+# 'auto' sends L <= decode.MAX_QUERIES queries on CPU to the decode kernel from this many keys:
+# below it one thread reads the cache in microseconds and the split does not repay its set-up
+# (benchmarks/decode.py).
+DECODE_MIN_KEYS = 1024
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision of one attention call, and why (``reason``, which `qkv.explain` prints)."""
+
+    path: Path
+    reason: str
+    mask: MaskRoute = "none"
+    scores: ScoreRoute = "none"
+    weights: Source = "none"  # where the returned weights come from; "none" when not asked for
+    lse: Source = "none"  # where the lse comes from when the call needs one (returned, or for tile weights)
+    # the causal rule the dense formulas apply themselves when no mask tensor carries it: the
+    # math path's causal mask, SDPA's is_causal (0) for recomputed weights / lse, and the
+    # weights with gradient of the blocks / flex paths
+    causal_offset: int | None = None
+    layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
+    tiles: BlockPlan | None = None  # blocks: the engine's calls; flex: the calls that recompute lse / weights
+    # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
+    # large to evaluate for a decision or an explanation); layout and tiles are None until then
+    deferred: bool = False
+    # fused: the compiled short-sequence bf16 kernel (`qkv.native.short_bf16`) runs instead of
+    # SDPA (SDPA still runs if its build or self-check fails when attention runs)
+    short_kernel: bool = False
+    short_kernel_absent: str | None = None  # fused bf16 on CPU: why that kernel does not run
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+
+
+def _causal_offset(problem: AttentionProblem) -> int | None:
+    mask = problem.mask
+    return mask.offset(problem.L, problem.S) if isinstance(mask, Causal) else None
+
+
+def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
+    """The one place where a path is chosen. Read top to bottom: the first rule that fires wins."""
+    _check_backend(backend)
+    mask = problem.mask
+    causal_offset = _causal_offset(problem)
+    # SDPA's is_causal is top-left; it equals ours when the offset is zero.
+    sdpa_causal = causal_offset == 0
+    terms = problem.terms
+    scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
+    if backend == "math":
+        return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
+    if backend in ("decode", "auto"):
+        decode = decode_plan(problem, backend, return_weights)
+        if decode is not None:
+            return decode
+    if problem.sinks is not None:  # the block engine does not take sinks yet
+        if backend != "auto":
+            raise ValueError(f"sinks: backend={backend!r} does not apply attention sinks; backend='math' or 'auto' does")
+        return _math_plan(problem, "sinks: the math path applies them", return_weights, return_lse)
+    if backend in ("blocks", "flex"):
+        return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)  # type: ignore[arg-type]  # mypy does not narrow a Literal through `in`
+    if scored and backend == "fused":
+        raise ValueError(
+            "backend='fused' (PyTorch's SDPA) takes no softcap or score_mod; use 'auto', 'math' or 'blocks'"
+        )
+    if backend == "auto" and terms.active and problem.dropout == 0.0:
+        engine = _scored_engine(problem, return_weights, return_lse)
+        if engine is not None:
+            return engine
+    if scored:
+        return _math_plan(problem, f"SDPA cannot apply {terms.describe()}; the explicit formula can", return_weights, return_lse)
+    if return_weights and problem.dropout > 0.0:
+        if backend == "fused":
+            raise ValueError(
+                "return_weights=True with dropout > 0 needs the weights that produced the output, "
+                "which only backend='math' (or 'auto') can return"
+            )
+        return _math_plan(problem, "the weights after dropout must be the ones that produced the output", return_weights, return_lse)
+    if return_lse and problem.dropout > 0.0:
+        if backend == "fused":
+            raise ValueError("return_lse=True with dropout > 0 is only available with backend='math' (or 'auto')")
+        return _math_plan(problem, "the fused kernel returns no log-sum-exp under dropout", return_weights, return_lse)
+    if backend == "auto" and _wide_float_mask_with_grad(problem):
+        return _math_plan(
+            problem,
+            f"the float mask's values span more than {_FLASH_GRAD_MAX_MASK_SPAN:g} and gradients are needed: "
+            "PyTorch's CPU flash backward is less accurate than the tolerance rule allows there",
+            return_weights,
+            return_lse,
+        )
+    if backend == "auto" and isinstance(mask, Mask) and not sdpa_causal and problem.dropout == 0.0:
+        sparse = _sparse_if_it_wins(problem, return_weights, return_lse)
+        if sparse is not None:
+            return sparse
+    if backend == "auto" and (mask is None or sdpa_causal):
+        kernel = _dense_bf16_kernel(problem, return_weights, return_lse)
+        if kernel is not None:
+            return kernel
+    return _fused_plan(problem, backend, return_weights, return_lse)
+
+
+def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -> Plan | None:
+    """The decode kernel (`qkv.backends.decode`) for a few queries against many keys. With
+    ``backend="decode"`` it raises a ValueError naming what it cannot take; with "auto" it
+    returns None unless the problem is a decode step on CPU (L <= `decode.MAX_QUERIES`,
+    S >= `DECODE_MIN_KEYS`)."""
+    L, S, terms = problem.L, problem.S, problem.terms
+    refusal = None
+    if L > decode.MAX_QUERIES:
+        refusal = f"it takes at most {decode.MAX_QUERIES} queries, got L={L}"
+    elif not decode.supports_mask(problem.mask):
+        refusal = f"it applies no mask, causal(), sliding_window() or key_padding() only, got {problem.mask_kind}"
+    elif terms.softcap is not None or terms.score_mod is not None:
+        refusal = f"it applies a bias only, got {terms.describe()}"
+    elif problem.dropout > 0.0:
+        refusal = f"it has no dropout (got dropout={problem.dropout})"
+    elif return_weights:
+        refusal = "it returns no weights (return_weights=True)"
+    if backend == "decode":
+        if refusal is not None:
+            raise ValueError(f"backend='decode': {refusal}; use 'auto'")
+        return Plan("decode", "backend='decode' was requested", mask="chunks" if problem.mask is not None else "none",
+                    scores="chunks" if terms.active else "none", lse="kernel")
+    if refusal is not None or problem.q.device.type != "cpu" or S < DECODE_MIN_KEYS:
+        return None
+    reason = (
+        f"a decode step ({L} queries <= {decode.MAX_QUERIES}, {S:,} keys >= {DECODE_MIN_KEYS:,}) on CPU: "
+        "the decode kernel splits the keys into chunks across threads, reads each K/V chunk once for "
+        "all query heads of its group and merges the chunks by lse"
+    )
+    return Plan("decode", reason, mask="chunks" if problem.mask is not None else "none",
+                scores="chunks" if terms.active else "none", lse="kernel")
+
+
+def decode_widens_itself(
+    q: torch.Tensor, k: torch.Tensor, mask: object, backend: str, *, scored: bool, dropout: float, return_weights: bool
+) -> bool:
+    """Whether a call in an emulated low-precision dtype will take the decode path, which widens
+    its keys and values to float32 one wave of chunks at a time: then `qkv.attention` does not
+    copy the whole cache to float32 first. The shape-level conditions of `decode_plan` (``scored``:
+    a softcap or score_mod is given); the checks that need the validated problem stay there."""
+    if backend not in ("auto", "decode") or q.device.type != "cpu" or q.dim() < 2 or k.dim() < 2:
+        return False
+    if backend == "auto" and k.shape[-2] < DECODE_MIN_KEYS:
+        return False
+    return (
+        q.shape[-2] <= decode.MAX_QUERIES and decode.supports_mask(mask) and not scored
+        and dropout == 0.0 and not return_weights
+    )  # fmt: skip
+
+
+def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' for dense bf16 on CPU (no mask, or causal with L == S): the block engine with its
+    fused bf16 interval kernel where that beats SDPA (`_DENSE_BF16_KERNEL_MAX_HEAD_DIM`), else None."""
+    q = problem.q
+    if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active or needs_grad(problem):
+        return None
+    if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L < _DENSE_BF16_KERNEL_MIN_QUERIES:
+        return None
+    if problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
+        return None  # the short-sequence kernel's problems (`short_kernel_reason`)
+    if not flash_kernel_available() or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
+        return None
+    what = "no mask" if problem.mask is None else "causal (L == S)"
+    reason = (
+        f"dense bfloat16 on CPU with {what}, head dims <= {_DENSE_BF16_KERNEL_MAX_HEAD_DIM}, "
+        f"at least {_DENSE_BF16_KERNEL_MIN_QUERIES} queries and no gradient: "
+        f"the block engine's {interval_bf16.KERNEL_NAME} beats PyTorch's CPU flash kernel here"
+    )
+    return _sparse_plan(problem, "blocks", reason, False, return_lse)
+
+
+def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
+    """SDPA: the mask as is_causal, a dense tensor or nothing; a bias joins it as one float mask."""
+    mask, S = problem.mask, problem.S
+    causal_offset = _causal_offset(problem)
+    bias = problem.terms.bias
+    reason = "backend='fused' was requested" if backend == "fused" else "PyTorch's SDPA applies"
+    route: MaskRoute = "none" if mask is None else "dense"
+    if bias is not None:
+        # the mask joins the rendered bias: SDPA gets one float tensor
+        masked = "" if mask is None else f" with {_mask_name(mask)} as -inf"
+        reason += f"; {bias.describe()} is passed as a dense float mask{masked}"
+        if causal_offset is not None and causal_offset >= S - 1:
+            route = "none"
+    elif causal_offset == 0:
+        route = "is_causal"
+        reason += "; causal runs as SDPA is_causal (L == S or top-left alignment), no mask materialized"
+    elif causal_offset is not None and causal_offset >= S - 1:
+        # every query sees every key (a one-token decoding step over its cache): no mask is built
+        route = "none"
+        reason += "; the causal mask hides no key here (every query sees the whole cache), so none is passed"
+    elif causal_offset is not None:
+        reason += "; bottom-right causal with L != S is passed as a dense bool mask"
+    elif isinstance(mask, Mask):
+        reason += f"; {mask.describe()} is passed as a dense bool mask"
+    short_reason = short_kernel_reason(problem, backend, route, return_weights, return_lse)
+    if short_reason is None:
+        what = "no mask" if route == "none" else "a key-padding mask"
+        reason = (
+            f"the {short_bf16.KERNEL_NAME} applies: bf16 on CPU, {S} keys (at most {short_bf16.MAX_KEYS}), {what}, "
+            "no gradient; SDPA's CPU kernel spends most of such a call on per-head set-up"
+        )
+    lse: Source = "none"
+    if return_weights or return_lse:
+        # the weights are recomputed by the dense formula, and the lse with them; alone, the lse
+        # comes from PyTorch's CPU flash kernel, except for a learned float mask, whose gradient
+        # SDPA gives and a differentiable recomputed lse
+        kernel = not return_weights and not _learned_float_mask(problem) and fused_lse_available(problem.q)
+        lse = "kernel" if kernel else "dense"
+    return Plan(
+        "fused",
+        reason,
+        mask=route,
+        scores="dense_mask" if bias is not None else "none",
+        weights="dense" if return_weights else "none",
+        lse=lse,
+        causal_offset=0 if route == "is_causal" else None,
+        short_kernel=short_reason is None,
+        short_kernel_absent=short_reason,
+    )
+
+
+def short_kernel_reason(
+    problem: AttentionProblem, backend: str, route: MaskRoute, return_weights: bool, return_lse: bool
+) -> str | None:
+    """Why the short-sequence bf16 kernel does not replace SDPA on a fused plan with this mask
+    route, or None when it does. Its cases: ``backend="auto"``, bf16 on CPU, at most
+    `short_bf16.MAX_KEYS` keys, no mask or a bool key-padding mask (varying over batch rows and
+    keys only), no score terms, dropout, gradients, weights or lse."""
+    reason = short_bf16.unavailable_reason(problem.q.dtype, problem.q.device)
+    if reason is not None:
+        return reason
+    if backend != "auto":
+        return f"backend={backend!r} asks for PyTorch's SDPA"
+    if problem.S > short_bf16.MAX_KEYS:
+        return f"{problem.S} keys, more than its {short_bf16.MAX_KEYS} (qkv.native.short_bf16.MAX_KEYS)"
+    threads, tasks = torch.get_num_threads(), problem.N * problem.G  # its tasks: (batch row, key/value head)
+    if tasks < threads:
+        return f"{tasks} (batch row, key/value head) tasks for {threads} threads; SDPA splits the queries too"
+    if problem.terms.active:
+        return "it applies no score terms"
+    if problem.dropout > 0.0:
+        return "it has no dropout"
+    if needs_grad(problem):
+        return "gradients are needed and it has no backward"
+    if return_weights or return_lse:
+        return "it returns neither weights nor lse"
+    if route == "none":
+        return None
+    if route == "dense" and _key_padding(problem.mask, problem.S) is not None:
+        return None
+    return "the mask is not a bool key-padding mask (one that varies over batch rows and keys only)"
+
+
+def _key_padding(mask: torch.Tensor | Mask | None, S: int) -> torch.Tensor | None:
+    """A `qkv.masks.key_padding` mask, or a bool tensor mask (N | 1, H | 1, L, S) that varies
+    over batch rows and keys only, as (N | 1, S); None for any other mask."""
+    if isinstance(mask, KeyPadding):
+        if mask.valid is not None:
+            return mask.valid  # (N | 1, S)
+        assert mask.lengths is not None  # key_padding() sets one of them
+        return torch.arange(S, device=mask.lengths.device).view(1, S) < mask.lengths.view(-1, 1)  # (N | 1, S)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return None
+    narrow = compact(mask)  # (N | 1, 1, 1, S) for a key-padding mask
+    if narrow.shape[1] != 1 or narrow.shape[2] != 1:
+        return None
+    return narrow[:, 0, 0, :]  # (N | 1, S)
+
+
+def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
+    """The key-padding mask (N | 1, S) of a plan with ``short_kernel``, None without a mask."""
+    return _key_padding(problem.mask, problem.S)
+
+
+def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, return_lse: bool) -> Plan:
+    """The explicit formula: causal by offset, other masks dense; it returns weights and lse itself."""
+    causal_offset = _causal_offset(problem)
+    route: MaskRoute = "causal_offset" if causal_offset is not None else "none" if problem.mask is None else "dense"
+    return Plan(
+        "math",
+        reason,
+        mask=route,
+        scores="formula" if problem.terms.active else "none",
+        weights="kernel" if return_weights else "none",
+        lse="kernel",
+        causal_offset=causal_offset,
+    )
+
+
+def _learned_float_mask(problem: AttentionProblem) -> bool:
+    """Whether the float mask SDPA gets will require grad: a float mask or a bias tensor that does."""
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor) and mask.requires_grad:
+        return True
+    bias = problem.terms.bias
+    return bias is not None and torch.is_grad_enabled() and any(t.requires_grad for t in bias.tensors())
+
+
+def _mask_name(mask: torch.Tensor | Mask) -> str:
+    if isinstance(mask, Mask):
+        return mask.describe()
+    return f"a {str(mask.dtype).removeprefix('torch.')} tensor mask"
+
+
+def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
+    """A float32 problem on CPU that needs gradients, with a float mask spanning a wide range."""
+    mask = problem.mask
+    if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
+        return False
+    grad = needs_grad(problem) or (torch.is_grad_enabled() and mask.requires_grad)
+    if problem.q.dtype != torch.float32 or problem.q.device.type != "cpu" or not grad:
+        return False
+    with torch.no_grad():
+        values = compact(mask)
+        finite = values.masked_fill(torch.isinf(values), float("nan"))
+        span = float(finite.nan_to_num(nan=float("-inf")).amax()) - float(finite.nan_to_num(nan=float("inf")).amin())
+    return span > _FLASH_GRAD_MAX_MASK_SPAN
+
+
+def needs_grad(problem: AttentionProblem) -> bool:
+    """Whether autograd will ask for a backward pass through this call."""
+    inputs = (problem.q, problem.k, problem.v, *problem.terms.tensors())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
+def _too_large_to_evaluate(problem: AttentionProblem) -> bool:
+    """Whether the mask's layout would evaluate more than `POINTWISE_BUDGET` points one by one
+    (a large `predicate`): then no decision and no explanation waits for it."""
+    mask = problem.mask
+    return isinstance(mask, Mask) and mask.evaluated_points(problem.L, problem.S) > POINTWISE_BUDGET
+
+
+def _deferred_reason(problem: AttentionProblem, engine: str) -> str:
+    mask = problem.mask
+    assert isinstance(mask, Mask)
+    points = mask.evaluated_points(problem.L, problem.S)
+    return (
+        f"{mask.describe()} is evaluated point by point and has {points:,} points, more than "
+        f"{POINTWISE_BUDGET:,}: it is neither rendered as a dense mask nor evaluated to choose a path; "
+        f"{engine} finds its tiles when attention runs (one block row at a time) and skips the empty ones"
+    )
+
+
+def complete(problem: AttentionProblem, plan: Plan) -> Plan:
+    """A deferred plan with its layout and tiles, found now (attention is about to run)."""
+    if not plan.deferred:
+        return plan
+    if plan.path == "blocks":
+        layout = plan.layout if plan.layout is not None else _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+        tiles = plan.tiles if plan.tiles is not None else _block_plan(problem, BLOCKS, layout)
+    else:
+        layout = plan.layout if plan.layout is not None else _layout(problem, FLEX_BLOCK, FLEX_BLOCK)
+        tiles = None
+        if plan.lse == "tiles" or plan.weights == "tiles":
+            tiles = _block_plan(problem, BlockConfig(block_q=layout.block_q, block_k=layout.block_k), layout)
+    return replace(plan, layout=layout, tiles=tiles, deferred=False)
+
+
+def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayout:
+    """The mask's tiles; no mask is one FULL tile grid."""
+    mask = problem.mask
+    if isinstance(mask, Mask):
+        return mask.layout(problem.L, problem.S, block_q, block_k, device=problem.q.device)
+    n_q, n_k = -(-problem.L // block_q), -(-problem.S // block_k)
+    states = torch.full((1, 1, n_q, n_k), FULL, dtype=torch.uint8)
+    return BlockLayout(states, problem.L, problem.S, block_q, block_k, name="no mask")
+
+
+def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLayout) -> BlockPlan:
+    """The block engine's calls: from exact per-query key intervals when the mask has them,
+    from the block layout otherwise."""
+    mask = problem.mask
+    L, S, device = problem.L, problem.S, problem.q.device
+    # without a backward pass to come, calls can be larger (fewer kernel launches)
+    sizes = BlockSizes(
+        N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
+        mask_heads=mask_heads(problem), need_grad=needs_grad(problem), score_terms=problem.terms.active,
+    )
+    intervals: tuple[torch.Tensor, torch.Tensor] | None
+    if mask is None:
+        intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+    else:
+        assert isinstance(mask, Mask)
+        intervals = mask.row_intervals(L, S, device)
+    if intervals is not None:
+        return plan_intervals(*intervals, sizes, config)
+    return plan_layout(layout, sizes, config)
+
+
+def mask_heads(problem: AttentionProblem) -> int:
+    """Heads the mask's tiles carry: 1 unless the mask varies over heads. With score terms the
+    tiles carry every head, and the engine's own kernel holds scores and probabilities too."""
+    terms = problem.terms
+    if terms.softcap is not None or terms.score_mod is not None:
+        return 3 * problem.H
+    if terms.bias is not None:
+        return problem.H
+    mask = problem.mask
+    return mask.heads if isinstance(mask, Mask) and mask.heads else 1
+
+
+def _sparse_plan(
+    problem: AttentionProblem,
+    path: Literal["blocks", "flex"],
+    reason: str,
+    return_weights: bool,
+    return_lse: bool,
+    layout: BlockLayout | None = None,
+    tiles: BlockPlan | None = None,
+    deferred: bool = False,
+) -> Plan:
+    """Plan for the block engine (CPU) or FlexAttention; raises when they cannot take the problem.
+    ``layout`` / ``tiles``: the mask's tiles and the engine's calls when the caller already made
+    them; ``deferred``: the caller decided not to evaluate the mask (``reason`` says why)."""
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"backend={path!r} takes a qkv.masks object or None, got a {mask.dtype} tensor mask; "
+            "wrap a bool tensor with qkv.masks.dense(tensor)"
+        )
+    if problem.dropout > 0.0:
+        raise ValueError(f"backend={path!r} has no dropout (got dropout={problem.dropout}); use 'fused' or 'math'")
+    terms = problem.terms
+    grad = needs_grad(problem)
+    if terms.score_mod is not None and grad and closes_over_grad(terms.score_mod):
+        raise ValueError(
+            f"backend={path!r} differentiates q, k, v and the qkv.bias tensors only, and this score_mod "
+            "reads tensors that require grad; use backend='math', or pass them as a qkv.bias"
+        )
+    device = problem.q.device
+    if path == "blocks":
+        if device.type != "cpu":
+            raise ValueError(f"backend='blocks' is the CPU block engine, the inputs are on {device}; use 'flex' or 'auto'")
+        if not flash_kernel_available():
+            raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
+    else:
+        if not flex_available():
+            raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
+        if device.type == "cpu" and grad:
+            raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
+    if layout is None and not deferred and _too_large_to_evaluate(problem):
+        engine = "the CPU block engine" if path == "blocks" else "FlexAttention"
+        reason, deferred = f"{reason}; {_deferred_reason(problem, engine)}", True
+    # weights that a loss will differentiate come from the dense formula (they are L x S
+    # anyway), the others from the tiles
+    weights: Source = "none" if not return_weights else "dense" if grad else "tiles"
+    if path == "blocks":
+        lse: Source = "kernel"  # the engine always returns it
+        scores: ScoreRoute = "tiles" if terms.active else "none"
+    else:
+        # compiled FlexAttention returns an lse off CPU only; on CPU the tiles recompute it when needed
+        lse = "kernel" if device.type != "cpu" else "tiles" if return_lse or weights == "tiles" else "none"
+        scores = "score_mod" if terms.active else "none"
+    plan = Plan(
+        path, reason, mask="tiles", scores=scores, weights=weights, lse=lse,
+        causal_offset=_causal_offset(problem) if weights == "dense" else None,
+        layout=layout, tiles=tiles, deferred=True,
+    )
+    # the layout and tiles not given are found now, unless the mask is too large to evaluate
+    return plan if deferred else complete(problem, plan)
+
+
+def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' with score terms on CPU: the block engine whenever it can take the problem and it
+    is large enough. Its alternatives materialize L x S tensors: the math path its scores and
+    weights, SDPA a rendered bias (float mask)."""
+    terms = problem.terms
+    mask = problem.mask
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
+        return None
+    if terms.score_mod is not None and needs_grad(problem) and closes_over_grad(terms.score_mod):
+        return None
+    device = problem.q.device
+    what = "no mask" if mask is None else mask.describe()
+    if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        reason = f"{terms.describe()} with {what}: FlexAttention applies them as its score_mod"
+        return _sparse_plan(problem, "flex", reason, return_weights, return_lse)
+    if device.type != "cpu" or not flash_kernel_available():
+        return None
+    if _too_large_to_evaluate(problem):
+        reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU block engine')}"
+        return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
+    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+    tiles = _block_plan(problem, BLOCKS, layout)
+    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    reason = (
+        f"{terms.describe()} with {what}: the CPU block engine computes {visited:.1%} of the score matrix "
+        "with the terms applied tile by tile, never an L x S tensor"
+    )
+    return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
+
+
+def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
+    L, S = problem.L, problem.S
+    if L * S < _SPARSE_MIN_PAIRS:
+        return None
+    device = problem.q.device
+    if device.type == "cpu" and flash_kernel_available():
+        path: Literal["blocks", "flex"] = "blocks"
+        block_q, block_k = BLOCKS.block_q, BLOCKS.block_k
+    elif device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
+    else:
+        return None
+    engine = "the CPU block engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
+    if _too_large_to_evaluate(problem):
+        return _sparse_plan(problem, path, _deferred_reason(problem, engine), return_weights, return_lse, deferred=True)
+    layout = _layout(problem, block_q, block_k)
+    tiles = None
+    if path == "blocks":
+        tiles = _block_plan(problem, BLOCKS, layout)
+        visited = tiles.computed_pairs() / (problem.N * L * S)
+    else:
+        visited = layout.visited_pairs() / (L * S)
+    if visited > _SPARSE_MAX_VISITED:
+        return None
+    assert isinstance(problem.mask, Mask)
+    reason = (
+        f"{problem.mask.describe()} leaves {layout.visited_block_fraction:.1%} of the "
+        f"{layout.block_q}x{layout.block_k} tiles non-empty; {engine} computes {visited:.1%} "
+        "of the score matrix and skips the rest"
+    )
+    return _sparse_plan(problem, path, reason, return_weights, return_lse, layout, tiles)
+
+
+def weights_plan(problem: AttentionProblem) -> Plan:
+    """The rule of `qkv.attention_weights`: the tiles recompute the weights of the chosen rows
+    for no mask or a structured one; a tensor mask takes the dense formula on the chosen heads
+    and rows."""
+    active = problem.terms.active
+    if problem.mask is None or isinstance(problem.mask, Mask):
+        layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+        reason = "the weights of the chosen heads and rows, recomputed tile by tile from their lse"
+        return Plan(
+            "blocks", reason, mask="tiles", scores="tiles" if active else "none", weights="tiles", lse="tiles",
+            layout=layout, tiles=_block_plan(problem, BLOCKS, layout),
+        )
+    reason = "a tensor mask: the dense formula on the chosen heads and rows"
+    return Plan("math", reason, mask="dense", scores="formula" if active else "none", weights="dense", lse="dense")
+
+
+RingBlockPath = Literal["cpu-flash", "tiles"]
+
+
+def ring_block_path(q: torch.Tensor, v: torch.Tensor, cpu_flash: bool = True) -> RingBlockPath:
+    """The sub-rule for one block of ring attention (`qkv.distributed.blockwise`).
+
+    A block has no mask but a causal diagonal, no score terms and no dropout, and it always
+    needs its lse and a backward that takes the global output and lse. That is the fused
+    path's lse rule above: PyTorch's CPU flash kernel (`fused_lse_available`), here only when
+    E == Ev (the ring does not pad head dims) and ``cpu_flash`` allows it (the ring's switch
+    `blockwise.USE_CPU_FLASH`); the blockwise tiles everywhere else.
+    """
+    if cpu_flash and q.shape[-1] == v.shape[-1] and fused_lse_available(q):
+        return "cpu-flash"
+    return "tiles"

@@ -1,0 +1,390 @@
+"""`qkv.attention`, `qkv.explain` and `qkv.attention_weights`: validate, then one Plan.
+
+Shape legend (docs/design.md): B batch (any number of leading dims), H query heads, G key/value
+heads, L query length, S key length, E q/k head dim, Ev value head dim.
+
+Paths, chosen in one place (`qkv.attention.dispatch.choose_path`):
+- ``fused``: PyTorch's scaled_dot_product_attention, the kernels people run.
+- ``math``: the explicit formula, scores and weights materialized in float32 or wider.
+- ``blocks``: the CPU block engine (`qkv.backends.blocks.engine`): only the tiles a structured mask
+  leaves visible are computed, forward and backward.
+- ``flex``: PyTorch's FlexAttention with a BlockMask built from the mask's layout
+  (`qkv.backends.flex`), for structured masks on CUDA.
+
+Each function validates its inputs (`qkv.attention.problem`), asks `qkv.attention.dispatch` for a Plan, and then
+runs it (`qkv.attention.execute`) or describes it (`qkv.attention.explain`); none of them decides anything.
+`attention_weights` recomputes the probabilities of chosen heads and rows only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Literal, overload
+
+import torch
+
+from qkv._log import note_once
+from qkv.attention.bounds import KVBounds
+from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
+from qkv.attention.execute import pack, run, run_weights
+from qkv.attention.explain import Explanation, explanation
+from qkv.attention.nan_rule import affected_rows, finite_problem, poison
+from qkv.attention.problem import autocast_dtype, check_indices, describe_problem
+from qkv.bias import Bias
+from qkv.masks import Mask
+from qkv.native.machine import compute_dtype, emulation_note
+from qkv.scores import ScoreMod
+
+__all__ = ["Explanation", "attention", "attention_weights", "explain"]
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[True],
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[False] = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[True],
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = ...,
+    *,
+    bias: Bias | torch.Tensor | None = ...,
+    softcap: float | None = ...,
+    score_mod: ScoreMod | None = ...,
+    scale: float | None = ...,
+    dropout: float = ...,
+    return_weights: bool = ...,
+    return_lse: bool = ...,
+    backend: Backend = ...,
+    kv_bounds: KVBounds | None = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = None,
+    *,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+    kv_bounds: KVBounds | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``, with score terms.
+
+    Per (b, h, i, j) the score is s = scale * q_i . k_j; then softcap * tanh(s / softcap)
+    when ``softcap`` is set; then + bias[b, h, i, j]; then score_mod(s, b, h, i, j); then the
+    mask removes pairs and each row is softmaxed (docs/design.md).
+
+    Args:
+        q: (..., H, L, E) queries.
+        k: (..., G, S, E) keys; H must be a multiple of G (grouped-query attention: query
+            head h reads key/value head h // (H // G)).
+        v: (..., G, S, Ev) values.
+        mask: None; a bool tensor broadcastable to (..., H, L, S), True = may attend; a float
+            tensor broadcastable to it, added to the scaled scores; or a `qkv.masks` object.
+        bias: a `qkv.bias` object (``alibi()``, ``relative(table)``, ``dense(t)``, or a sum of
+            them), or a float tensor broadcastable to (..., H, L, S) meaning ``dense(tensor)``.
+            Its tensors may require grad.
+        softcap: cap the scores smoothly at +-softcap (Gemma 2 uses 50 for attention).
+        score_mod: a vectorized fn(score, b, h, q_idx, kv_idx) -> score on broadcasting
+            tensors (FlexAttention's contract; b is the flattened batch row, h the query head).
+        scale: factor applied to q k^T, any finite real number (a NumPy scalar or a
+            one-element tensor without gradient too); default 1 / sqrt(E).
+        dropout: probability of dropping an attention weight (applied whenever > 0; modules
+            pass 0 in eval mode).
+        return_weights: also return the exact probabilities (..., H, L, S) that produced the
+            output (after dropout when dropout > 0), in float32 or wider.
+        return_lse: also return log sum_j exp(score_ij) (..., H, L), float32 or wider.
+        backend: "auto" (default: the first rule of `choose_path` that fires), "fused"
+            (SDPA), "math" (the explicit formula), "blocks" (the CPU block engine, `qkv.masks`
+            objects only), "flex" (FlexAttention with qkv's BlockMask) or "decode" (L <= 16
+            queries, keys split across threads: `qkv.backends.decode`); see `qkv.explain`.
+        kv_bounds: what a KV cache knows of k and v (`qkv.KVCache.bounds`): the input checks
+            then read q only, not the cache. Used only if it describes exactly these k and v.
+        sinks: None, or attention-sink logits (H,) or broadcastable to (..., H), float32 or
+            wider, finite, may require grad (gpt-oss): each row's softmax becomes
+            exp(s_ij - m) / (exp(sink_h - m) + sum_j exp(s_ij - m)), m the row max over the
+            scores and the sink; the sink adds no value, so the weights sum to less than 1,
+            and lse includes it. A row with no visible key still gives zeros (lse = -inf).
+            The math path applies them ('auto' chooses it; 'fused', 'blocks', 'flex' refuse).
+
+    Returns:
+        output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
+        (output, weights, lse). A query row that may attend to no key gets a zero output row,
+        zero weights, lse = -inf and zero gradients. lse is differentiable on every path
+        (d lse_i / d s_ij = p_ij), as are the weights on the paths that return them.
+
+    Numerics, the same on every path:
+        - A float mask is added in float32 or wider (float64 for float64 inputs), whatever
+          the inputs' dtype: it is never rounded to float16 / bfloat16. It holds finite
+          values or -inf (hide); NaN or +inf in it is refused with a ValueError. So is a
+          dense bias or a relative table (-inf hides there too) and any non-finite ALiBi slope.
+        - Non-finite inputs: a NaN or an infinity in q, k or v makes NaN the output, weights
+          and lse of exactly the query rows that read it (a row whose query holds one, and
+          every row that may see a key whose k or v holds one); every other row is exact,
+          and the NaN rows pass no gradient (`qkv.attention.nan_rule`).
+        - Overflow: finite inputs whose scaled scores could leave the accumulation dtype
+          (max(1, |scale|) * max_i |q_i| * max_j |k_j|, capped by the softcap, plus the largest
+          value the bias adds and the largest mask value, above half of float32's largest
+          value 3.4e38, of float64's for float64 inputs) are refused with a ValueError naming
+          the bound, as is a softcap beyond the accumulation dtype; float64 inputs hold scores
+          up to 1e308.
+        - Under torch.compile the data-dependent checks of these three rules are skipped.
+        - Determinism: two calls with the same inputs and thread count give bitwise equal
+          outputs and gradients (q, k, v and the bias tensors). Across thread counts the
+          results may differ in the last bits (PyTorch's kernels split their sums by thread).
+
+    Example:
+        >>> import torch, qkv
+        >>> q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
+        >>> qkv.attention(q, k, v, qkv.masks.causal()).shape
+        torch.Size([2, 4, 5, 3])
+    """
+    low = autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(
+                q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
+                return_weights=return_weights, return_lse=return_lse, backend=backend, kv_bounds=kv_bounds,
+                sinks=sinks,
+            )
+    wide = _widened_dtype(q, k, v)
+    scored = softcap is not None or score_mod is not None
+    if wide is not None and isinstance(k, torch.Tensor) and decode_widens_itself(
+        q, k, mask, backend, scored=scored, dropout=dropout, return_weights=return_weights
+    ):
+        wide = None  # a decode step widens its cache chunk by chunk (`qkv.backends.decode`)
+    if wide is not None:
+        # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
+        dtype, device = q.dtype, q.device
+        note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
+        k_wide, v_wide = k.to(wide), v.to(wide)  # exact copies: the bounds carry over
+        result = attention(
+            q.to(wide), k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+            dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
+            kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
+        )  # fmt: skip
+        if isinstance(result, torch.Tensor):
+            return result.to(q.dtype)
+        return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
+    problem = describe_problem(
+        q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
+        sinks=sinks,
+    )
+    plan = choose_path(problem, backend, return_weights, return_lse)
+    if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
+        # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
+        dtype, device = q.dtype, q.device
+        note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
+    if not problem.nonfinite:
+        out, weights, lse = run(problem, plan)
+        return pack(problem, out, weights, lse, return_weights, return_lse)
+    # the NaN rule (qkv.attention.nan_rule): compute on finite inputs, then NaN the rows that read a bad entry
+    rows = affected_rows(problem)  # (N, H, L)
+    out, weights, lse = run(finite_problem(problem), plan)
+    out, weights, lse = poison(out, rows, False), poison(weights, rows, False), poison(lse, rows, True)
+    assert out is not None
+    return pack(problem, out, weights, lse, return_weights, return_lse)
+
+
+def _cast_for_autocast(low: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+
+
+def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:
+    """float32 when q, k and v share a low-precision dtype whose products this CPU only emulates
+    (`qkv.native.machine.compute_dtype`): the whole call then runs in float32 and its output is
+    rounded back once, which is faster there and at least as accurate. None otherwise (mixed
+    dtypes are left to the input checks, which name them)."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    assert isinstance(q, torch.Tensor)
+    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):  # type: ignore[attr-defined]
+        return None
+    wide = compute_dtype(q.dtype, q.device)
+    return None if wide == q.dtype else wide
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = None,
+    *,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+    measure: bool = False,
+    sinks: torch.Tensor | None = None,
+) -> Explanation:
+    """Say which path `qkv.attention` would take for these arguments, why, and its cost.
+
+    Nothing is computed: the inputs are validated exactly as `attention` does. The score
+    terms (bias, softcap, score_mod) are named and their work counted apart. A note says
+    when a low-precision dtype has no native products on this CPU: the call then runs in
+    float32 (`qkv.native.machine.compute_dtype`) and the Plan described is float32's. With
+    ``measure=True`` the machine's float32 and input-dtype matmul rates are measured (once
+    per process, a fraction of a second; `qkv.bench.machine_matmul_gflops`) and reported, with the time
+    this work would take at that rate.
+    """
+    low = autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
+    stored = q.dtype if isinstance(q, torch.Tensor) else None
+    wide = _widened_dtype(q, k, v)
+    if wide is not None:
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    problem = describe_problem(
+        q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks
+    )
+    return explanation(problem, choose_path(problem, backend, return_weights, return_lse), measure, stored=stored)
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None = None,
+    *,
+    heads: Sequence[int] | torch.Tensor | None = None,
+    rows: Sequence[int] | slice | range | torch.Tensor | None = None,
+    bias: Bias | torch.Tensor | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The exact attention probabilities of chosen heads and query rows, and nothing more.
+
+    For a structured mask the scores are recomputed tile by tile, over the non-empty tiles
+    of the chosen rows only, first for their log-sum-exp and then as exp(s - lse): the
+    memory is that of the answer, whatever L and H. Other masks take the dense path on the
+    chosen heads and rows. The result carries no gradient (use ``qkv.attention(...,
+    backend="math", return_weights=True)`` to differentiate the weights).
+
+    Args:
+        q, k, v, mask, bias, softcap, score_mod, scale: as `qkv.attention` (v is validated
+            and otherwise unused).
+        heads: query head indices, default every head.
+        rows: query row indices (a sequence, range, slice or 1-D integer tensor), default
+            every row.
+
+    Returns:
+        (..., len(heads), len(rows), S) float32 (float64 for float64 inputs). A row that may
+        attend to no key is all zeros.
+
+    Example:
+        >>> import torch, qkv
+        >>> q = k = v = torch.randn(1, 4, 1000, 16)
+        >>> w = qkv.attention_weights(q, k, v, qkv.masks.sliding_window(8), heads=[2], rows=[0, 500])
+        >>> w.shape, int((w[0, 0, 1] > 0).sum())
+        (torch.Size([1, 1, 2, 1000]), 9)
+    """
+    low = autocast_dtype(q)
+    if low is not None:
+        q, k, v = _cast_for_autocast(low, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_weights(
+                q, k, v, mask, heads=heads, rows=rows, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale
+            )
+    wide = _widened_dtype(q, k, v)
+    if wide is not None:  # the weights are float32 either way; only the products' speed differs
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    problem = describe_problem(q, k, v, mask, scale, 0.0, bias=bias, softcap=softcap, score_mod=score_mod)
+    heads_idx = check_indices(heads, problem.H, "heads", q.device)
+    rows_idx = check_indices(rows, problem.L, "rows", q.device)
+    weights = run_weights(problem, weights_plan(problem), heads_idx, rows_idx)  # (N, h, r, S)
+    return weights.reshape(*problem.batch_shape, len(heads_idx), len(rows_idx), problem.S)  # (..., h, r, S)

@@ -1,0 +1,84 @@
+"""The one rule for non-finite inputs, the same on every path.
+
+PyTorch's kernels disagree about a NaN: the fused CPU kernel returns a zero row for a NaN
+query, the explicit formula a NaN row; a NaN value at a masked key poisons other rows in one
+(0 * NaN in the weights-times-values product) and not in another. qkv decides once, before
+and after the kernel, so that every path returns the same thing:
+
+    A NaN or an infinity in q, k or v makes NaN the output row, the weights row and the lse of
+    every query that reads it: query i of head h when q[h, i] holds one, and every query that
+    may see key j (mask and causality applied) when k[g, j] or v[g, j] holds one. Every other
+    row is exact, as if the non-finite entries were not there. The NaN rows pass no gradient.
+
+How: the affected rows are found from the non-finite positions (O(L x number of bad keys)),
+the non-finite entries are replaced by 0 for the kernel, and the affected rows are set to NaN
+afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import overload
+
+import torch
+
+from qkv.attention.problem import AttentionProblem
+from qkv.masks import Mask
+
+__all__ = ["affected_rows", "finite_problem", "poison"]
+
+
+def _visible_columns(problem: AttentionProblem, cols: torch.Tensor) -> torch.Tensor:
+    """Whether each query may see the keys ``cols`` (c,): (N | 1, H | 1, L, c) bool."""
+    mask, L, S = problem.mask, problem.L, problem.S
+    device = problem.q.device
+    if mask is None:
+        return torch.ones(1, 1, L, cols.numel(), dtype=torch.bool, device=device)
+    if isinstance(mask, Mask):
+        B, Hm = mask.batch or 1, mask.heads or 1
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)  # (B | 1, 1, 1, 1)
+        h = torch.arange(Hm, device=device).view(1, Hm, 1, 1)  # (1, H | 1, 1, 1)
+        q_idx = torch.arange(L, device=device).view(1, 1, L, 1)  # (1, 1, L, 1)
+        k_idx = cols.to(device).view(1, 1, 1, -1)  # (1, 1, 1, c)
+        visible = mask.to(device).visible(b, h, q_idx, k_idx, L, S)
+        return torch.broadcast_to(visible, (B, Hm, L, cols.numel()))
+    picked = mask[..., cols]  # (N | 1, H | 1, L, c)
+    return picked if picked.dtype == torch.bool else picked != float("-inf")
+
+
+def affected_rows(problem: AttentionProblem) -> torch.Tensor:
+    """(N, H, L) bool: the query rows that read a non-finite entry of q, k or v (module docstring)."""
+    q, k, v = problem.q, problem.k, problem.v
+    with torch.no_grad():
+        rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
+        bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, G, S)
+        cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
+        if cols.numel() > 0:
+            per_head = bad_keys[:, :, cols].repeat_interleave(problem.H // problem.G, dim=1)  # (N, H, c)
+            sees = _visible_columns(problem, cols)  # (N | 1, H | 1, L, c)
+            rows = rows | (sees & per_head[:, :, None, :]).any(dim=-1)
+    return rows
+
+
+def finite_problem(problem: AttentionProblem) -> AttentionProblem:
+    """The problem with every non-finite entry of q, k, v replaced by 0 (gradient 0 there)."""
+
+    def clean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    return dataclasses.replace(problem, q=clean(problem.q), k=clean(problem.k), v=clean(problem.v), nonfinite=False)
+
+
+@overload
+def poison(x: torch.Tensor, rows: torch.Tensor, per_row: bool) -> torch.Tensor: ...
+@overload
+def poison(x: None, rows: torch.Tensor, per_row: bool) -> None: ...
+@overload
+def poison(x: torch.Tensor | None, rows: torch.Tensor, per_row: bool) -> torch.Tensor | None: ...
+
+
+def poison(x: torch.Tensor | None, rows: torch.Tensor, per_row: bool) -> torch.Tensor | None:
+    """x (N, H, L, ...) with the affected rows (N, H, L) set to NaN; ``per_row``: x is (N, H, L)."""
+    if x is None:
+        return None
+    return x.masked_fill(rows if per_row else rows.unsqueeze(-1), float("nan"))

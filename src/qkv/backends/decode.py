@@ -1,0 +1,269 @@
+"""The decode kernel: a few queries against a long key cache, the keys split across threads.
+
+Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) in PyTorch ops. A decode step has L <= 16
+queries and S >> L keys, so a kernel that parallelizes over queries and heads leaves most cores
+idle and reads the cache from one of them. Here:
+
+1. the query heads of each KV group sit side by side, q (N, H, L, E) -> (N, G, R*L, E) with
+   R = H / G query heads per group, so one matmul reads each K block once for all of them;
+2. the visible key range is split into ``splits`` contiguous chunks of C keys (the last one
+   shorter when C does not divide it); all chunks go through one batched matmul, so PyTorch's
+   intra-op threads each take some chunks;
+3. each chunk keeps its softmax state: the row max m_c, the sum l_c = sum_j exp(s_j - m_c) and
+   the unnormalized output acc_c = sum_j exp(s_j - m_c) v_j;
+4. the chunks merge exactly (the rescaling of `qkv.backends.merge`, done for all chunks at once):
+   M = max(max_c m_c, sink), den = sum_c exp(m_c - M) l_c + exp(sink - M),
+   out = sum_c exp(m_c - M) acc_c / den, lse = M + log(den).
+
+Masks are applied per chunk from key positions (no L x S mask): an interval per query
+(causal, sliding windows) or a key-validity row (key padding). Chunks outside every query's
+interval are never read, so a window reads only its own keys. A row with no visible key gives
+zeros and lse -inf, with a sink too (as the math path). The chunk count depends on S and
+the thread count only, never on timing: two calls at one thread count are bitwise equal.
+
+Low-precision inputs whose products this CPU emulates are widened to the compute dtype
+(`qkv.native.machine.compute_dtype`) one wave of chunks at a time, never the whole cache.
+Gradients flow through the PyTorch ops (autograd keeps the scores and exponentials,
+(N, H, L, S) each in float32: L <= 16 rows, small beside the cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qkv.backends.softmax import accumulation_dtype
+from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
+from qkv.native.machine import compute_dtype
+from qkv.scores import ScoreTerms
+
+__all__ = ["MAX_QUERIES", "MIN_CHUNK", "decode_attention", "decode_extra_bytes", "default_splits", "supports_mask"]
+
+# At most this many queries: beyond it a query-parallel kernel has enough rows to share out,
+# and R * L rows per group make the scores as large as the cache they replace.
+MAX_QUERIES = 16
+# Chunks hold at least this many keys: below it the per-chunk bookkeeping (max, sum, partial
+# output of R * L rows) costs as much as reading the chunk.
+MIN_CHUNK = 256
+# Chunks per intra-op thread: several, so that a thread that starts late still finds work.
+CHUNKS_PER_THREAD = 4
+# Chunks hold at most about this many keys: a float32 chunk of E = 128 is then 512 KiB, which
+# stays in a core's cache between the two products (benchmarks/decode.py: 1,024-key chunks
+# read 1.5x faster than 4,096-key ones at S = 32k on 2 AVX2 threads).
+TARGET_CHUNK = 1024
+# Keys widened to the compute dtype at a time when the inputs are in an emulated dtype
+# (benchmarks/decode.py, S = 32k, bf16 on 2 AVX2 threads, loaded: waves of 4k 546 ms, 16k 321 ms,
+# 64k 347 ms, the whole cache copied to float32 first 380 ms).
+WIDEN_WAVE = 16384
+
+_NEG_INF = float("-inf")
+
+
+def supports_mask(mask: object) -> bool:
+    """Whether the kernel applies ``mask`` itself: none, causal, a sliding window or key padding."""
+    return mask is None or isinstance(mask, (Causal, SlidingWindow, KeyPadding))
+
+
+def default_splits(keys: int, threads: int | None = None) -> int:
+    """Chunks for ``keys`` visible keys: `CHUNKS_PER_THREAD` per intra-op thread, more when
+    chunks would exceed `TARGET_CHUNK` keys, each of at least `MIN_CHUNK` keys, at least one.
+
+    >>> default_splits(32768, threads=2), default_splits(1025, threads=2), default_splits(17, threads=8)
+    (32, 4, 1)
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    wanted = max(CHUNKS_PER_THREAD * threads, math.ceil(keys / TARGET_CHUNK))
+    return max(1, min(wanted, keys // MIN_CHUNK))
+
+
+def decode_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int, Ev: int, splits: int) -> int:
+    """Memory `decode_attention` allocates beyond inputs and output (an estimate): scores and
+    exponentials (N, H, L, S) and the partial outputs (N, H, L, splits, Ev), in the accumulation dtype."""
+    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    return (2 * N * H * L * S + N * H * L * splits * Ev) * acc
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: Mask | None = None,
+    terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + bias, masked) v with the keys split into chunks, merged by lse.
+
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev); ``mask``: None, `qkv.masks.causal`,
+    `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a bias only (no softcap or
+    score_mod); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
+    (`default_splits` when None). Returns (output (N, H, L, Ev) in q's dtype, lse (N, H, L)
+    in the accumulation dtype).
+    """
+    N, H, L, E = q.shape
+    G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    R = H // G
+    acc = accumulation_dtype(q.dtype)
+    work = compute_dtype(q.dtype, q.device)
+    start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    if splits is None:
+        splits = default_splits(stop - start)
+    chunk = max(1, math.ceil((stop - start) / splits))
+    qg = (q.to(work) * scale).reshape(N, G, R * L, E)  # (N, G, R*L, E): rows r*L + l
+    sink_rows = None
+    if sinks is not None:
+        n = sinks.shape[0]
+        sink_rows = sinks.to(acc).reshape(n, G, R, 1).expand(n, G, R, L).reshape(n, G, R * L, 1)  # (N | 1, G, R*L, 1)
+    states = []  # (m, l, acc) per wave of chunks, each (N, G, c, R*L, ...)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    wave = stop - start if work == k.dtype else max(chunk, WIDEN_WAVE // chunk * chunk)
+    # widened waves are copied into one buffer pair: a fresh float32 tensor per wave costs its
+    # page faults (a new 16 MiB allocation is slower than the copy into it); autograd keeps
+    # every wave, so with gradients each wave is its own tensor
+    buffers = None
+    if work != k.dtype and not grad and stop > start:
+        size = min(wave, stop - start)
+        buffers = (k.new_empty(N, G, size, E, dtype=work), v.new_empty(N, G, size, Ev, dtype=work))
+    for first in range(start, stop, max(wave, 1)):
+        last = min(first + wave, stop)
+        keys, values, offset = k, v, 0
+        if buffers is not None:
+            keys = buffers[0][:, :, : last - first].copy_(k[:, :, first:last])  # (N, G, wave, E)
+            values = buffers[1][:, :, : last - first].copy_(v[:, :, first:last])  # (N, G, wave, Ev)
+            offset = first
+        body = (last - first) // chunk * chunk
+        for a, b in ((first, first + body), (first + body, last)):
+            if b > a:
+                count = max(1, (b - a) // chunk)
+                states.append(
+                    _chunk_states(qg, keys, values, a, b, offset, count, work, acc, lo, hi, valid, terms, R, L, grad)
+                )
+    out, lse = _merge(states, sink_rows, N, G, R * L, Ev, q, acc)
+    return (
+        out.reshape(N, G, R, L, Ev).reshape(N, H, L, Ev).to(q.dtype),  # (N, G, R*L, Ev) -> (N, H, L, Ev)
+        lse.reshape(N, H, L),  # (N, G, R*L) -> (N, H, L)
+    )
+
+
+def _key_range(
+    mask: Mask | None, N: int, L: int, S: int, device: torch.device
+) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(start, stop, lo, hi, valid): the keys start <= t < stop that some query sees; per-query
+    bounds lo, hi (B | 1, L) when some query in that range sees fewer keys (else None); the key
+    validity (B | 1, S) bool of a key-padding mask (else None)."""
+    if mask is None:
+        return 0, S, None, None, None
+    if isinstance(mask, KeyPadding):
+        return 0, S, None, None, mask._valid(S, device)
+    assert isinstance(mask, (Causal, SlidingWindow))
+    lo, hi = mask.row_intervals(L, S, device)  # (1, L) each, clamped to [0, S - 1]
+    start, stop = int(lo.min()), int(hi.max()) + 1
+    if stop <= start:
+        return 0, 0, None, None, None
+    if int(lo.max()) <= start and int(hi.min()) >= stop - 1:
+        return start, stop, None, None, None  # every query sees the whole range: no mask to apply
+    return start, stop, lo, hi, None
+
+
+def _chunk_states(
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: int,
+    b: int,
+    offset: int,
+    count: int,
+    work: torch.dtype,
+    acc: torch.dtype,
+    lo: torch.Tensor | None,
+    hi: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    terms: ScoreTerms | None,
+    R: int,
+    L: int,
+    grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax states of keys a..b-1 split into ``count`` equal chunks: row max m (N, G, c, R*L, 1),
+    sum l (N, G, c, R*L, 1) and unnormalized output (N, G, c, R*L, Ev). k and v hold key
+    ``offset`` at their index 0 (a widened wave); ``grad``: keep autograd's history (else the
+    exponentials overwrite the scores in place)."""
+    N, G, _, E = qg.shape
+    C = (b - a) // count
+    kc = k[:, :, a - offset : b - offset].to(work).reshape(N, G, count, C, E)  # (N, G, c, C, E)
+    vc = v[:, :, a - offset : b - offset].to(work).reshape(N, G, count, C, v.shape[3])  # (N, G, c, C, Ev)
+    # keys times queries, not queries times keys: a tall (C, E) x (E, R*L) product per chunk, which
+    # BLAS runs near the read rate, where (R*L, E) x (E, C) is a slow matrix-vector shape
+    scores = torch.matmul(kc, qg.unsqueeze(2).transpose(-1, -2)).to(acc)  # (N, G, c, C, R*L)
+    positions = torch.arange(a, b, device=qg.device)  # (c*C,)
+    if terms is not None and terms.bias is not None:
+        scores = scores + _bias_chunks(terms, positions, N, G, R, L, count, C).to(acc)
+    hidden = None
+    if lo is not None and hi is not None:
+        j = positions.view(1, count, C, 1)  # (1, c, C, 1)
+        lo_rows = lo.repeat(1, R)[:, None, None, :]  # (1, 1, 1, R*L): row r*L + l has query l's bound
+        hi_rows = hi.repeat(1, R)[:, None, None, :]
+        hidden = ((j < lo_rows) | (j > hi_rows)).unsqueeze(1)  # (1, 1, c, C, R*L)
+    if valid is not None:
+        padded = ~valid[:, a:b].reshape(valid.shape[0], 1, count, C, 1)  # (B | 1, 1, c, C, 1)
+        hidden = padded if hidden is None else hidden | padded
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, _NEG_INF)
+    m = scores.amax(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
+    shift = m.masked_fill(m == _NEG_INF, 0.0)  # rows of empty chunks: exp(-inf - 0) = 0
+    p = torch.exp(scores - shift) if grad else scores.sub_(shift).exp_()  # (N, G, c, C, R*L)
+    total = p.sum(dim=-2, keepdim=True)  # (N, G, c, 1, R*L)
+    partial = torch.matmul(p.to(work).transpose(-1, -2), vc).to(acc)  # (N, G, c, R*L, Ev)
+    m, total = m.transpose(-1, -2), total.transpose(-1, -2)  # (N, G, c, R*L, 1) each
+    return m, total, partial
+
+
+def _bias_chunks(terms: ScoreTerms, positions: torch.Tensor, N: int, G: int, R: int, L: int, count: int, C: int) -> torch.Tensor:
+    """The bias of keys ``positions`` laid out as the chunk scores: (N | 1, G, c, C, R*L)."""
+    bias = terms.bias
+    assert bias is not None
+    device = positions.device
+    n = N if terms.batch_varies else 1
+    b = torch.arange(n, device=device).view(n, 1, 1, 1)  # (N | 1, 1, 1, 1)
+    h = torch.arange(G * R, device=device).view(1, G * R, 1, 1)  # (1, H, 1, 1)
+    i = torch.arange(L, device=device).view(1, 1, L, 1)  # (1, 1, L, 1)
+    j = positions.view(1, 1, 1, -1)  # (1, 1, 1, c*C)
+    values = bias.terms(b, h, i, j, terms.q_pos(b, i))  # (N | 1, H | 1, L, c*C)
+    values = values.expand(n, G * R, L, count * C)  # (N | 1, H, L, c*C)
+    values = values.reshape(n, G, R, L, count, C).permute(0, 1, 4, 5, 2, 3)  # (N | 1, G, c, C, R, L)
+    return values.reshape(n, G, count, C, R * L)  # (N | 1, G, c, C, R*L)
+
+
+def _merge(
+    states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    sink_rows: torch.Tensor | None,
+    N: int,
+    G: int,
+    RL: int,
+    Ev: int,
+    q: torch.Tensor,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of every chunk's state, the sink joining the denominator once:
+    (output (N, G, R*L, Ev), lse (N, G, R*L))."""
+    if not states:  # no key visible to any query
+        out = torch.zeros(N, G, RL, Ev, dtype=acc, device=q.device)
+        return out, torch.full((N, G, RL), _NEG_INF, dtype=acc, device=q.device)
+    m = torch.cat([s[0] for s in states], dim=2)  # (N, G, c, R*L, 1)
+    total = torch.cat([s[1] for s in states], dim=2)  # (N, G, c, R*L, 1)
+    partial = torch.cat([s[2] for s in states], dim=2)  # (N, G, c, R*L, Ev)
+    top = m.amax(dim=2)  # (N, G, R*L, 1)
+    unseen = top == _NEG_INF  # rows with no visible key: zeros and lse -inf, sink or not
+    if sink_rows is not None:
+        top = torch.maximum(top, sink_rows)
+    top = top.masked_fill(top == _NEG_INF, 0.0)  # rows with nothing: every weight below is exp(-inf) = 0
+    weight = torch.exp(m - top.unsqueeze(2))  # (N, G, c, R*L, 1)
+    den = (weight * total).sum(dim=2)  # (N, G, R*L, 1)
+    if sink_rows is not None:
+        den = den + torch.exp(sink_rows - top)
+    out = (weight * partial).sum(dim=2)  # (N, G, R*L, Ev)
+    empty = den == 0
+    out = out / den.masked_fill(empty, 1.0)  # rows with no visible key stay zeros
+    lse = (top + torch.log(den)).masked_fill(unseen, _NEG_INF).squeeze(-1)  # (N, G, R*L)
+    return out, lse

@@ -1,0 +1,78 @@
+"""Every compiled kernel of qkv, what this machine says of it, and building them ahead of time.
+
+`kernel_statuses` answers without building anything: whether each kernel may run here (the
+CPU tier, the dtype, ``QKV_NO_COMPILED_KERNELS``, the tools) and whether its build is already
+in the cache. `build_all` builds and self-checks every kernel that may run here, one at a
+time, and says how long each took (`qkv doctor --build`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from qkv.native import (
+    add_norm_bf16,
+    interval_bf16,
+    interval_bf16_backward,
+    magnitude_bf16,
+    short_bf16,
+)
+from qkv.native import build as compiled
+
+__all__ = ["KernelStatus", "build_all", "kernel_statuses"]
+
+# the kernel modules, each with NATIVE (its source and flags), _built and _build
+_MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16)
+# the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
+_NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """One compiled kernel as this machine sees it."""
+
+    name: str
+    stem: str
+    reason: str | None  # why it cannot run here, None when it can
+    built: bool  # its build is in the cache
+    folder: str  # its folder in the build cache
+    seconds: float | None = None  # how long `build_all` took to build or load it
+
+
+def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
+    native: compiled.NativeKernel = module.NATIVE
+    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"), needs_onednn=module in _NEEDS_ONEDNN)
+    outcome = module._built.get("module")
+    if reason is None and isinstance(outcome, str):
+        reason = outcome  # its build or self-check failed in this process
+    return KernelStatus(
+        name=native.name, stem=native.stem, reason=reason, built=native.is_built(), folder=str(native.folder()),
+        seconds=seconds,
+    )  # fmt: skip
+
+
+def kernel_statuses() -> list[KernelStatus]:
+    """Each compiled kernel: may it run here, and is its build cached. Builds nothing.
+
+    >>> sorted(s.stem for s in kernel_statuses())[:2]
+    ['add_norm_bf16', 'interval_bf16']
+    """
+    return [_status(module) for module in _MODULES]
+
+
+def build_all() -> list[KernelStatus]:
+    """Build (or load) and self-check every kernel that may run here, one after another; the
+    others are listed with their reason. A failed build is a reason, never an exception."""
+    statuses = []
+    for module in _MODULES:
+        if _status(module).reason is not None:
+            statuses.append(_status(module))
+            continue
+        started = time.perf_counter()
+        compiled.built_once(module._built, module._build)
+        statuses.append(_status(module, time.perf_counter() - started))
+    return statuses
