@@ -20,3 +20,21 @@ def test_rows_follow_from_their_times() -> None:
     (row,) = decode_steps((1024,), ("float32",), reps=1, probe_bytes=2**20)
     assert row.path == "decode" and row.kv_bytes == 2 * 8 * 1024 * 128 * 4
     assert row.ratio == row.sdpa_seconds / row.qkv_seconds and row.qkv_rate == row.kv_bytes / row.qkv_seconds
+
+
+def test_bench_decode_names_the_decode_benchmark(monkeypatch) -> None:
+    import qkv.cli.bench as bench_cli
+
+    calls: list[tuple[bool, int]] = []
+    monkeypatch.setattr(bench_cli, "_decode", lambda quick, prompt: calls.append((quick, prompt)))
+    result = CliRunner().invoke(app, ["bench", "decode", "--quick", "--generate", "8"])
+    assert result.exit_code == 0, result.output
+    assert calls == [(True, 8)]
+
+
+def test_bench_refuses_an_unknown_benchmark_and_a_stray_generate() -> None:
+    unknown = CliRunner().invoke(app, ["bench", "decoding"])
+    assert unknown.exit_code == 2 and "unknown benchmark 'decoding'" in unknown.output and "decode" in unknown.output
+    stray = CliRunner().invoke(app, ["bench", "--generate", "8"])
+    assert stray.exit_code == 2 and "--generate goes with the decode benchmark" in stray.output
+    assert "Traceback" not in unknown.output + stray.output

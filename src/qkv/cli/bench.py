@@ -3,6 +3,7 @@
     qkv bench --quick              # a smoke run of every comparison on small sizes (seconds)
     qkv bench --json > bench.json  # the full run (minutes), machine-readable
     qkv bench --plot bench.png     # and draw time and peak memory versus sequence length
+    qkv bench decode               # the decode step (same as --decode); --generate N adds generation
 
 Each line compares qkv with its peer in the same process (fastest of rotating rounds) and
 prints the speedup next to its goal. The suite is library code: `qkv.bench` lists the cases.
@@ -30,8 +31,16 @@ __all__ = ["bench_command"]
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
+# the benchmarks that `qkv bench WHAT` names; "suite" is the default run
+WHATS = ("suite", "decode")
+
+
 @app.command("bench")
 def bench_command(
+    what: Annotated[
+        str,
+        typer.Argument(help="suite (the default: block-sparse attention vs SDPA and FlexAttention) or decode.", show_default=False),
+    ] = "suite",
     quick: Annotated[
         bool,
         typer.Option("--quick", help="Small sizes, no FlexAttention: a smoke run in seconds, which judges no goal."),
@@ -57,6 +66,11 @@ def bench_command(
     ] = 0,
 ) -> None:
     """Time qkv's block-sparse attention against SDPA and FlexAttention (ratios from one run)."""
+    if what not in WHATS:
+        fail(f"unknown benchmark {what!r}: choose one of {', '.join(WHATS)}", code=2)
+    decode = decode or what == "decode"
+    if generate and not decode:
+        fail("--generate goes with the decode benchmark: qkv bench decode --generate N", code=2)
     if decode:
         _decode(quick, generate)
         return
