@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import qkv
-import qkv.attention.problem
 import qkv.nn.multihead
+from qkv.attention import problem as attention_problem
 from qkv.attention.bounds import KVBounds
 
 CAUSAL = qkv.masks.causal()
@@ -18,13 +18,13 @@ CAUSAL = qkv.masks.causal()
 def record_scans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Every tensor attention's input checks scan for magnitudes, by shape."""
     scanned: list[tuple[int, ...]] = []
-    original = qkv.attention.problem._largest_magnitudes
+    original = attention_problem._largest_magnitudes
 
     def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
         scanned.extend(tuple(t.shape) for t in tensors)
         return original(tensors)
 
-    monkeypatch.setattr(qkv.attention.problem, "_largest_magnitudes", spy)
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", spy)
     return scanned
 
 

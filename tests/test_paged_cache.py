@@ -101,11 +101,10 @@ def test_errors_change_nothing(call, error, match) -> None:
 
 
 def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import qkv.attention.problem
-
+    from qkv.attention import problem as attention_problem
     scanned: list[tuple[int, ...]] = []
-    original = qkv.attention.problem._largest_magnitudes
-    monkeypatch.setattr(qkv.attention.problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
+    original = attention_problem._largest_magnitudes
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
     cache = qkv.PagedKVCache(8, 16, 1, 4)
     a = cache.allocate()
     cache.append([a], [torch.randn(1, 100, 4)], [torch.randn(1, 100, 4)])
