@@ -134,7 +134,9 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(dtype)
         return {torch.float32: 400.0, torch.bfloat16: 2000.0}[dtype]
 
-    monkeypatch.setattr(qkv.bench, "machine_matmul_gflops", fake_rate)
+    from qkv.native import rates
+
+    monkeypatch.setattr(rates, "machine_matmul_gflops", fake_rate)
     plain = qkv.explain(q, q, q)
     assert plain.matmul_rates == () and calls == [] and "machine:" not in str(plain)
     measured = qkv.explain(q, q, q, measure=True)
