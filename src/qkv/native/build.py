@@ -186,7 +186,7 @@ def _compiler_identity(compiler: str) -> str:
     path = shutil.which(compiler) or compiler
     try:
         done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
-        version = (done.stdout or done.stderr).strip().splitlines()[0] if (done.stdout or done.stderr).strip() else ""
+        version = ((done.stdout or done.stderr).strip().splitlines() or [""])[0]
     except (OSError, subprocess.SubprocessError):
         version = "unknown"
     return f"{os.path.realpath(path)}\n{version}"
