@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.native import build as compiled
 from qkv.native import interval_bf16, interval_bf16_backward, inventory, short_bf16
@@ -206,3 +207,29 @@ def test_the_operators_exist_where_the_kernels_cannot_run(monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="QKV_NO_COMPILED_KERNELS is set"):
         torch.ops.qkv.short_bf16(q, k, v, valid, scale)
     assert short_bf16.forward(q, k, v, valid, scale) is None  # the caller's path: None, then SDPA
+
+
+def test_a_dispatch_mode_sees_the_operator_and_the_same_result() -> None:
+    """Eager calls run the kernel directly (`compiled.direct_call`); under a dispatch mode (a
+    tracer, FlopCounterMode) the wrappers call the operator, which the mode sees; both give
+    the same bits."""
+    q, k, v, valid, scale = _short_args()
+    if _static_reason("short_bf16") is not None:
+        assert short_bf16.forward(q, k, v, valid, scale) is None
+        return
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct = short_bf16.forward(q, k, v, valid, scale)
+    with Seen() as mode:
+        seen = short_bf16.forward(q, k, v, valid, scale)
+    assert "qkv.short_bf16.default" in mode.ops
+    assert direct is not None and seen is not None
+    assert torch.equal(direct.view(torch.int16), seen.view(torch.int16)) and direct.stride() == seen.stride()

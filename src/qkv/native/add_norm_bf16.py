@@ -93,9 +93,13 @@ def _fused(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Ten
     if unavailable_reason(x, y, norm) is not None:
         return None
     assert isinstance(norm, nn.LayerNorm)  # unavailable_reason accepts a plain nn.LayerNorm only
-    if isinstance(compiled.built_once(_built, _build), str):
+    library = compiled.built_once(_built, _build)
+    if isinstance(library, str):
         return None
-    return torch.ops.qkv.add_norm_bf16(x, y, norm.weight.detach(), norm.bias.detach(), float(norm.eps))
+    weight, bias = norm.weight.detach(), norm.bias.detach()
+    if compiled.direct_call(x, y, weight, bias):
+        return _run(library, x, y, weight, bias, float(norm.eps))
+    return torch.ops.qkv.add_norm_bf16(x, y, weight, bias, float(norm.eps))
 
 
 def _build() -> ctypes.CDLL | str:

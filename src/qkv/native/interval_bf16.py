@@ -271,10 +271,14 @@ def forward(
     is unavailable (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    if isinstance(_module(), str):
+    library = _module()
+    if isinstance(library, str):
         return None
     q, k = compiled.padded_heads(q), compiled.padded_heads(k)  # (N, H, *, E rounded up to 32)
     v = v if v.stride(-1) == 1 else v.contiguous()
+    lo, hi = lo.to(torch.long), hi.to(torch.long)
     with torch.no_grad():
-        out, lse = torch.ops.qkv.interval_bf16_forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale), bool(rounded))
+        if compiled.direct_call(q, k, v, lo, hi):
+            return _run(library, q, k, v, lo, hi, float(scale), bool(rounded))
+        out, lse = torch.ops.qkv.interval_bf16_forward(q, k, v, lo, hi, float(scale), bool(rounded))
     return out, lse

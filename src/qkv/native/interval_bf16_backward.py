@@ -239,11 +239,13 @@ def gradients(
     q_, k_, v_ = (compiled.padded_heads(x) for x in (q, k, v))  # (N, H, *, E | Ev rounded up to 32)
     g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
     d_lse = None if grad_lse is None else grad_lse.to(torch.float32)
+    args = (g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long))
+    library = _module() if compiled.direct_call(*(a for a in args if a is not None)) else None
     with torch.no_grad():
-        dq, dk, dv = torch.ops.qkv.interval_bf16_backward(
-            g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long),
-            float(scale),
-        )  # (N, H, *, padded)
+        if isinstance(library, ctypes.CDLL):
+            dq, dk, dv = _run(library, *args, float(scale))  # (N, H, *, padded)
+        else:  # traced, or its build failed (the operator then says why)
+            dq, dk, dv = torch.ops.qkv.interval_bf16_backward(*args, float(scale))  # (N, H, *, padded)
     return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 

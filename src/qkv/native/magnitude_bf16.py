@@ -128,9 +128,12 @@ def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[float | None]:
     taken = [(i, rows) for i, (rows, _) in enumerate(plans) if rows is not None]
     if not taken:
         return found
-    if isinstance(compiled.built_once(_built, _build), str):
+    library = compiled.built_once(_built, _build)
+    if isinstance(library, str):
         return found
-    bits = torch.ops.qkv.magnitude_bf16([tensors[i] for i, _ in taken]).tolist()
+    chosen = [tensors[i] for i, _ in taken]
+    scan = functools.partial(_run, library) if compiled.direct_call(*chosen) else torch.ops.qkv.magnitude_bf16
+    bits = scan(chosen).tolist()
     for (i, _), b in zip(taken, bits, strict=True):
         found[i] = magnitude_of(b)
     return found

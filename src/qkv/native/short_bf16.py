@@ -130,25 +130,26 @@ def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
 
 def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> str | None:
     """What is wrong with the operator's arguments, or None (the kernel reads raw memory: any
-    mismatch must be refused before it runs)."""
+    mismatch must be refused before it runs). Plain comparisons: it runs on every call."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k and v must be 4-D"
-    if any(x.dtype != torch.bfloat16 for x in (q, k, v)):
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "q, k and v must be bfloat16"
-    if any(x.stride(3) != 1 and x.shape[3] > 1 for x in (q, k, v)):
-        return "q, k and v need a contiguous last dim"
     N, H, _, E = q.shape
-    G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    _, G, S, _ = k.shape
+    Ev = v.shape[3]
+    if (q.stride(3) != 1 and E > 1) or (k.stride(3) != 1 and E > 1) or (v.stride(3) != 1 and Ev > 1):
+        return "q, k and v need a contiguous last dim"
     if G <= 0 or H % G:
         return f"the query heads ({H}) must be a multiple of the key/value heads ({G})"
-    if tuple(k.shape) != (N, G, S, E) or tuple(v.shape[:3]) != (N, G, S):
+    if k.shape != (N, G, S, E) or v.shape[:3] != (N, G, S):
         return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if E < 1 or Ev < 1:
         return "E and Ev must be positive"
     masked = key_valid is not None and key_valid.numel() > 0
     if masked and (key_valid.dtype != torch.bool or key_valid.dim() != 2 or key_valid.shape[1] != S or key_valid.shape[0] not in (1, N)):  # type: ignore[union-attr]
         return f"key_valid must be bool (N | 1, S) = ({N} | 1, {S}), not {key_valid.dtype} {tuple(key_valid.shape)}"
-    if any(x.device.type != "cpu" for x in (q, k, v)):
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
         return "every tensor must be on the CPU"
     return None
 
@@ -211,6 +212,9 @@ def forward(
     concatenates them. None when the kernel is unavailable (`unavailable_reason`)."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    if isinstance(_module(), str):
+    library = _module()
+    if isinstance(library, str):
         return None
+    if compiled.direct_call(q, k, v, *(() if key_valid is None else (key_valid,))):
+        return _run(library, q, k, v, key_valid, float(scale))
     return torch.ops.qkv.short_bf16(q, k, v, key_valid, float(scale))
