@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from tests.kernels._compiler import REASON as FAILED_BUILD
+from tests.kernels._compiler import use_failing_compiler
 from typer.testing import CliRunner
 
 from qkv.cli import app
@@ -75,18 +77,30 @@ def test_text_output_is_one_line_per_fact(monkeypatch: pytest.MonkeyPatch) -> No
 def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # as on a machine that could run every kernel, with a compiler that fails: no traceback,
     # each kernel's reason is its build's first error line, and how long the attempt took
-    from torch.utils import cpp_extension
-
-    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError("Error building extension: c++ exited with 1\nmore lines")
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", broken)
+    use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
     report = _report("--build")
     for kernel in report["kernels"]:
-        assert kernel["reason"] == "its build failed (Error building extension: c++ exited with 1)"
+        assert kernel["reason"] == FAILED_BUILD
         assert kernel["seconds"] is not None and not kernel["built"]
-        assert kernel["folder"].startswith(str(tmp_path))
+        assert kernel["folder"].startswith(str(tmp_path / "cache"))
+
+
+def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a cold cache: every kernel that may run here is compiled (side by side), loaded and
+    # self-checked, and its line says how long that took; elsewhere each line says why not
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
+        monkeypatch.setattr(module, "_built", {})
+    result = CliRunner().invoke(app, ["doctor", "--build"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]
+    assert len(lines) == len(KERNEL_STEMS)
+    static = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    for line in lines:
+        if static is None:
+            assert ": runs here, built in " in line and f", {tmp_path}/qkv_" in line, line
+        else:
+            assert line.endswith(f"does not run here: {static}")

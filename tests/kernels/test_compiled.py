@@ -1,39 +1,132 @@
-"""`qkv.native.build`'s build tools: ninja comes with qkv (the ``ninja`` package), so a build
-finds it even when the venv's bin folder is not on PATH; the cache folder's name covers the
-source, flags, torch and the Python ABI."""
+"""`qkv.native.build`, the one builder of qkv's C++ kernels: the compiler directly (no
+torch.utils.cpp_extension, no ninja), a cache folder named by everything the library depends
+on, a note per build with its time, and a failed build as one line naming its cause."""
 
 from __future__ import annotations
 
-import os
+import ctypes
+import dataclasses
+import logging
 import shutil
 import sysconfig
 from pathlib import Path
 
-import ninja
 import pytest
+import torch
 
 from qkv.native import build as compiled
-from qkv.native import interval_bf16
+from qkv.native import interval_bf16, inventory
+from tests.kernels._compiler import ERROR_LINE, REASON, use_failing_compiler
+
+# a kernel of three lines: extern "C", no torch header, the flags every kernel gets
+_TINY = 'extern "C" long qkv_tiny_add(long a, long b) { return a + b; }\n'
 
 
-def test_ninja_from_the_package_is_found_without_it_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = str(ninja.BIN_DIR)
-    compiler = shutil.which("c++") or shutil.which("g++")
-    monkeypatch.setenv("PATH", "" if compiler is None else str(Path(compiler).parent))
-    path = compiled._build_path()
-    assert folder in path.split(os.pathsep)
-    assert shutil.which("ninja", path=path) is not None
-    if compiler is not None and shutil.which("ninja", path=str(Path(compiler).parent)) is None:
-        assert compiled._toolchain_reason("c++", path) is None  # the package's ninja is enough
+def _tiny_kernel(folder: Path, text: str = _TINY) -> compiled.NativeKernel:
+    source = folder / "tiny.cpp"
+    source.write_text(text)
+    return compiled.NativeKernel("tiny", source, "tiny test kernel")
 
 
-def test_a_missing_compiler_is_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert compiled._toolchain_reason("qkv-no-such-compiler", str(tmp_path)) == "no C++ compiler was found (c++ or $CXX)"
+def test_a_missing_compiler_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compiled._toolchain_reason("qkv-no-such-compiler") == (
+        "no C++ compiler was found (qkv-no-such-compiler; set $CXX to choose one)"
+    )
+    monkeypatch.setenv("CXX", "qkv-no-such-compiler")
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
+    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    assert reason is not None  # the tier's reason on a machine without AMX, else the compiler's
+    assert "qkv-no-such-compiler" in reason or "tier is" in reason
 
 
-def test_the_cache_folder_depends_on_the_python_abi(monkeypatch: pytest.MonkeyPatch) -> None:
-    native = interval_bf16.NATIVE
-    here = native.folder()
-    assert here.name.startswith("qkv_interval_bf16_")
-    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "cpython-399-other" if name == "SOABI" else None)
-    assert native.folder() != here and native.folder().parent == here.parent
+def test_a_kernel_builds_loads_and_comes_from_the_cache_the_second_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    kernel = _tiny_kernel(tmp_path)
+    if compiled._toolchain_reason(compiled._compiler_name()) is not None:  # no compiler here: the reason instead
+        assert compiled.build(kernel, lambda library: None) == compiled._toolchain_reason(compiled._compiler_name())
+        return
+    with caplog.at_level(logging.INFO, logger="qkv"):
+        library = compiled.build(kernel, lambda library: None)
+    assert isinstance(library, ctypes.CDLL), library
+    add = compiled.function(library, "qkv_tiny_add", ctypes.c_long, ctypes.c_long, ctypes.c_long)
+    assert add(2**40, 5) == 2**40 + 5  # 64-bit arguments: the declared C types are used
+    assert kernel.is_built() and kernel.library_path().parent == kernel.folder()
+    assert kernel.folder().parent == tmp_path / "cache" and kernel.folder().name.startswith("qkv_tiny_")
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("building tiny ... done in ")]
+    assert len(done) == 1 and done[0].endswith(" s")
+    assert [p.name for p in kernel.folder().iterdir()] == ["qkv_tiny.so"]  # no partial file left
+    monkeypatch.setattr(compiled, "_compile", lambda kernel, target: pytest.fail("compiled again"))
+    assert isinstance(compiled.build(kernel, lambda library: None), ctypes.CDLL)
+
+
+def test_a_failed_build_is_the_compilers_error_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    use_failing_compiler(monkeypatch, tmp_path)
+    kernel = _tiny_kernel(tmp_path)
+    assert compiled.build(kernel, lambda library: None) == REASON
+    assert "error" in ERROR_LINE and not kernel.is_built()
+    assert compiled._first_error_line("a.cpp: In function f:\na.cpp:3:1: error: x\nmore") == "a.cpp:3:1: error: x"
+    assert compiled._first_error_line("ld: cannot find -lfoo\n") == "ld: cannot find -lfoo"
+
+
+def test_a_check_that_fails_or_raises_is_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    kernel = _tiny_kernel(tmp_path)
+    missing = compiled._toolchain_reason(compiled._compiler_name())
+    if missing is not None:  # no compiler here: that is the reason, whatever the check
+        assert compiled.build(kernel, lambda library: "unused") == missing
+        return
+    assert compiled.build(kernel, lambda library: "its self-check failed (x)") == "its self-check failed (x)"
+
+    def raising(library: ctypes.CDLL) -> str | None:
+        raise AttributeError("no such symbol")
+
+    assert compiled.build(kernel, raising) == "its check at load raised AttributeError: no such symbol"
+
+
+def test_the_cache_key_covers_source_compiler_flags_tier_torch_and_python(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("QKV_CPU_TIER", raising=False)
+    kernel = interval_bf16.NATIVE
+    here = kernel.folder()
+    assert here.name.startswith("qkv_interval_bf16_") and kernel.folder() == here  # stable
+    assert dataclasses.replace(kernel, cflags=(*kernel.cflags, "-DQKV_OTHER")).folder() != here
+    copy = tmp_path / "interval_bf16.cpp"
+    copy.write_text(kernel.source.read_text() + "// one more comment\n")
+    assert dataclasses.replace(kernel, source=copy).folder() != here
+    with monkeypatch.context() as patch:
+        patch.setenv("QKV_CPU_TIER", "avx2")
+        assert kernel.folder() != here
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "0.0.0+other")
+        assert kernel.folder() != here
+    with monkeypatch.context() as patch:
+        patch.setattr(sysconfig, "get_config_var", lambda name: "cpython-399-other" if name == "SOABI" else None)
+        other = kernel.folder()
+        assert other != here and other.parent == here.parent
+    with monkeypatch.context() as patch:
+        use_failing_compiler(patch, tmp_path)  # another compiler (and another cache folder)
+        assert kernel.folder().name != here.name
+
+
+def test_the_cache_key_names_the_compiler_version_and_the_torch_build() -> None:
+    key = compiled.cache_key(interval_bf16.NATIVE)
+    compiler = shutil.which(compiled._compiler_name())
+    if compiler is not None:
+        assert str(Path(compiler).resolve()) in key
+    assert f"torch {torch.__version__} {torch.version.git_version}" in key
+    assert f"tier {inventory.compiled.cpu_features().tier}" in key
+    assert " ".join(interval_bf16.NATIVE.cflags) in key
+
+
+def test_only_the_kernels_that_call_aten_link_torch() -> None:
+    """A kernel that includes no torch header builds without torch's include folder, and only
+    the interval pair (oneDNN's micro-kernels, Sleef's log) links libtorch_cpu."""
+    linked = {m.NATIVE.stem for m in inventory._MODULES if "-ltorch_cpu" in compiled.compile_command(m.NATIVE, Path("x.so"))}
+    assert linked == {"interval_bf16", "interval_bf16_backward"}
+    for module in inventory._MODULES:
+        text = module.NATIVE.source.read_text()
+        assert "#include <torch/extension.h>" not in text and "PYBIND11_MODULE" not in text
+        assert ("#include <ATen/" in text) == module.NATIVE.torch_headers

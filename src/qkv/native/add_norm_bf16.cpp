@@ -1,5 +1,6 @@
 // Residual add + LayerNorm for a float32 residual stream fed by bfloat16 sublayers, built at
-// run time by qkv/kernels/add_norm_bf16.py.
+// run time by qkv/native/build.py and called through the operator qkv::add_norm_bf16
+// (qkv/native/add_norm_bf16.py).
 //
 // A post-LN encoder block in mixed precision ends each sublayer with
 //   x = LayerNorm(x + y)      x float32 (the residual stream), y bfloat16 (the sublayer)
@@ -15,27 +16,40 @@
 // Shapes: x (R, D) float32, y (R, D) bfloat16, gamma, beta (D,) float32, all contiguous;
 // out (R, D) float32 and low (R, D) bfloat16, written.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
+// No torch header at all (a cold build in a few seconds): bfloat16 is handled as its bits,
+// the threads are OpenMP's, the entry point is extern "C" on raw pointers.
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 16;      // float32 lanes of one AVX-512 vector
-constexpr int64_t kRowsPerTask = 8;  // at::parallel_for grain: rows of 384-1024 floats each
+constexpr int64_t kRowsPerTask = 8;  // rows per share of a thread, at least: rows of 384-1024 floats each
 
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1u);
 }
 
+// bfloat16 as its 16 bits: the top half of a float32
+using bf16_bits = uint16_t;
+
+// x rounded to the nearest bfloat16, ties to even; a NaN stays a quiet NaN (as
+// _mm512_cvtneps_pbh and c10::BFloat16 round)
+inline bf16_bits round_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return 0x7FC0;
+  return static_cast<bf16_bits>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // 16 bfloat16 values (masked) widened to float32: a bfloat16 is the top half of a float32
-inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {
+inline __m512 load_bf16(const bf16_bits* p, __mmask16 m) {
   __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -44,7 +58,7 @@ inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {
 // overflow (|x - mean| beyond ~1.8e19 squares to inf), which would otherwise come out as the
 // bias alone, finite and wrong. A row holding inf or NaN still comes out NaN, as in eager.
 void normalize_row_in_double(const float* row, int64_t D, const float* g, const float* b, float epsilon, float* orow,
-                             at::BFloat16* lrow) {
+                             bf16_bits* lrow) {
   double sum = 0.0;
   for (int64_t j = 0; j < D; ++j) sum += row[j];
   const double mean = sum / double(D);
@@ -54,27 +68,31 @@ void normalize_row_in_double(const float* row, int64_t D, const float* g, const 
   for (int64_t j = 0; j < D; ++j) {
     const float o = float((row[j] - mean) * rstd * g[j] + b[j]);
     orow[j] = o;
-    lrow[j] = at::BFloat16(o);  // round to nearest even, as _mm512_cvtneps_pbh
+    lrow[j] = round_to_bf16(o);
   }
 }
 
-void add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma, const at::Tensor& beta,
-                    double eps, at::Tensor& out, at::Tensor& low) {
-  const int64_t D = x.size(-1);
-  const int64_t R = D == 0 ? 0 : x.numel() / D;
-  const float* xs = x.data_ptr<float>();
-  const at::BFloat16* ys = y.data_ptr<at::BFloat16>();
-  const float* g = gamma.data_ptr<float>();
-  const float* b = beta.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  at::BFloat16* ls = low.data_ptr<at::BFloat16>();
+}  // namespace
+
+// out = LayerNorm(x + y) (float32) and low = bf16(out) for R rows of D values: x, out float32,
+// y, low bfloat16, gamma, beta (D,) float32, all contiguous (Python checks it). Runs on up to
+// `threads` OpenMP threads, each a contiguous share of rows. Returns 0, or 1 when memory ran out.
+extern "C" int qkv_add_norm_bf16(const float* xs, const bf16_bits* ys, const float* g, const float* b, int64_t R,
+                                 int64_t D, double eps, float* os, bf16_bits* ls, int64_t num_threads) {
+  if (R == 0 || D == 0) return 0;
   const float inv_d = 1.0f / float(D);
   const float epsilon = float(eps);
-  at::parallel_for(0, R, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  // the split of at::parallel_for: at most one share per kRowsPerTask rows, contiguous shares
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, (R + kRowsPerTask - 1) / kRowsPerTask));
+  const int64_t share = (R + threads - 1) / threads;
+  bool failed = false;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static, 1) reduction(|| : failed)
+  for (int64_t worker = 0; worker < threads; ++worker) try {
+    const int64_t begin = worker * share, end = std::min(R, begin + share);
     std::vector<float> row(D);
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xs + r * D;
-      const at::BFloat16* yr = ys + r * D;
+      const bf16_bits* yr = ys + r * D;
       __m512 total = _mm512_setzero_ps();
       for (int64_t j = 0; j < D; j += kLanes) {
         __mmask16 m = tail_mask(D - j);
@@ -99,7 +117,7 @@ void add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& 
       const float mean = rough + shift;
       const float variance = std::max(_mm512_reduce_add_ps(squares) * inv_d - shift * shift, 0.0f);
       float* orow = os + r * D;
-      at::BFloat16* lrow = ls + r * D;
+      bf16_bits* lrow = ls + r * D;
       if (!std::isfinite(mean) || !std::isfinite(variance)) {
         normalize_row_in_double(row.data(), D, g, b, epsilon, orow, lrow);
         continue;
@@ -116,26 +134,8 @@ void add_layer_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& 
         _mm256_mask_storeu_epi16(lrow + j, m, (__m256i)rounded);
       }
     }
-  });
-}
-
-void forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma, const at::Tensor& beta, double eps,
-             at::Tensor out, at::Tensor low) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kBFloat16, "x float32, y bfloat16");
-  TORCH_CHECK(gamma.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat, "gamma, beta float32");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && low.scalar_type() == at::kBFloat16, "out float32, low bfloat16");
-  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && gamma.is_contiguous() && beta.is_contiguous() &&
-                  out.is_contiguous() && low.is_contiguous(),
-              "all tensors contiguous");
-  TORCH_CHECK(x.sizes() == y.sizes() && x.sizes() == out.sizes() && x.sizes() == low.sizes(), "x, y, out, low of one shape");
-  TORCH_CHECK(x.dim() >= 1 && gamma.numel() == x.size(-1) && beta.numel() == x.size(-1), "gamma, beta (D,)");
-  add_layer_norm(x, y, gamma, beta, eps, out, low);
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  // the GIL is released while it runs (an encoder's batches run in several Python threads)
-  module.def("forward", &forward, "out = LayerNorm(x + y) float32 and low = bf16(out), written in place",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
+  } catch (...) {  // nothing may leave an OpenMP region or an extern "C" function
+    failed = true;
+  }
+  return failed ? 1 : 0;
 }

@@ -12,17 +12,19 @@ PyTorch's) and ``low = out`` rounded to bfloat16.
 `add_norm` runs it when `unavailable_reason` is None: x float32 and y bfloat16 on the CPU,
 a plain ``nn.LayerNorm`` over the last dim with float32 weight and bias, no gradient needed,
 the compiled kernels allowed here (`qkv.native.build.static_reason`) and built and
-self-checked against float64 math (once per process, about a minute the first time).
-Otherwise it runs ``norm(x + y)`` and the cast: same signature, same result to float32
-rounding.
+self-checked against float64 math (once per process, seconds the first time). Otherwise it
+runs ``norm(x + y)`` and the cast: same signature, same result to float32 rounding. The
+kernel is the PyTorch operator ``torch.ops.qkv.add_norm_bf16`` (with a fake implementation
+for tracing; no gradient: training keeps the eager ops).
 
 Shape legend: R rows (any leading dims), D the normalized width.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -36,11 +38,11 @@ __all__ = ["ENABLED", "KERNEL_NAME", "add_norm", "unavailable_reason"]
 ENABLED = True
 
 KERNEL_NAME = "residual add + LayerNorm kernel"
-# the kernel's source and build (`qkv.native.build`)
+# the kernel's source and build (`qkv.native.build`): no torch header, no torch library
 NATIVE = compiled.NativeKernel("add_norm_bf16", Path(__file__).with_name("add_norm_bf16.cpp"), KERNEL_NAME)
 
-# the outcome of the one build attempt of this process: the module, or why there is none
-_built: dict[str, ModuleType | str] = {}
+# the outcome of the one build attempt of this process: the loaded library, or why there is none
+_built: dict = {}
 
 
 def unavailable_reason(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> str | None:
@@ -91,24 +93,93 @@ def _fused(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Ten
     if unavailable_reason(x, y, norm) is not None:
         return None
     assert isinstance(norm, nn.LayerNorm)  # unavailable_reason accepts a plain nn.LayerNorm only
-    module = compiled.built_once(_built, _build)
-    if isinstance(module, str):
+    library = compiled.built_once(_built, _build)
+    if isinstance(library, str):
         return None
-    x, y = (t if t.is_contiguous() else t.contiguous() for t in (x, y))
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # (..., D)
-    low = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)  # (..., D)
-    module.forward(x, y, norm.weight.detach(), norm.bias.detach(), float(norm.eps), out, low)
-    return out, low
+    weight, bias = norm.weight.detach(), norm.bias.detach()
+    if compiled.direct_call(x, y, weight, bias):
+        return _run(library, x, y, weight, bias, float(norm.eps))
+    return torch.ops.qkv.add_norm_bf16(x, y, weight, bias, float(norm.eps))
 
 
-def _build() -> ModuleType | str:
+def _build() -> ctypes.CDLL | str:
     return compiled.build(NATIVE, _check)
 
 
-def _check(module: ModuleType) -> str | None:
-    """Run the kernel once on an awkward problem against float64 math: None, or what went
-    wrong. Rows of 45 values (two vectors and a masked tail of 13), a large common offset
-    (the variance is taken about the mean), a row of one repeated value (variance 0)."""
+def _check(library: ctypes.CDLL) -> str | None:
+    return _self_check(functools.partial(_run, library))
+
+
+@functools.cache
+def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    """The kernel's entry point with its C signature (add_norm_bf16.cpp)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return compiled.function(library, "qkv_add_norm_bf16", ctypes.c_int, p, p, p, p, i64, i64, ctypes.c_double, p, p, i64)
+
+
+def _argument_problem(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str | None:
+    """What is wrong with the operator's arguments, or None."""
+    if x.dtype != torch.float32 or y.dtype != torch.bfloat16:
+        return f"x must be float32 and y bfloat16 (they are {x.dtype} and {y.dtype})"
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32:
+        return "weight and bias must be float32"
+    if x.shape != y.shape or x.dim() == 0:
+        return f"x and y must have one shape (..., D), not {tuple(x.shape)} and {tuple(y.shape)}"
+    if tuple(weight.shape) != (x.shape[-1],) or tuple(bias.shape) != (x.shape[-1],):
+        return f"weight and bias must be ({x.shape[-1]},)"
+    if any(t.device.type != "cpu" for t in (x, y, weight, bias)):
+        return "every tensor must be on the CPU"
+    return None
+
+
+def _run(
+    library: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on checked arguments: out (..., D) float32 and low (..., D) bfloat16."""
+    problem = _argument_problem(x, y, weight, bias)
+    if problem is not None:
+        raise ValueError(f"qkv::add_norm_bf16: {problem}")
+    x, y, weight, bias = (t.contiguous() for t in (x, y, weight, bias))
+    out = torch.empty(x.shape, dtype=torch.float32)  # (..., D)
+    low = torch.empty(x.shape, dtype=torch.bfloat16)  # (..., D)
+    D = x.shape[-1]
+    rows = x.numel() // D if D else 0
+    status = _entry(library)(
+        x.data_ptr(), y.data_ptr(), weight.data_ptr(), bias.data_ptr(), rows, D, float(eps), out.data_ptr(),
+        low.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"the {KERNEL_NAME} could not allocate its row buffers")
+    return out, low
+
+
+@torch.library.custom_op("qkv::add_norm_bf16", mutates_args=())
+def _add_norm_op(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out = layer_norm(x + y, weight, bias, eps)`` float32 and ``low = out`` rounded to
+    bfloat16, x (..., D) float32, y (..., D) bfloat16. Builds the kernel on first use; raises
+    RuntimeError when it cannot run here."""
+    reason = compiled.static_reason(torch.bfloat16, x.device)
+    library = reason or compiled.built_once(_built, _build)
+    if isinstance(library, str):
+        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    return _run(library, x, y, weight, bias, eps)
+
+
+@_add_norm_op.register_fake
+def _(x, y, weight, bias, eps):  # type: ignore[no-untyped-def]
+    problem = _argument_problem(x, y, weight, bias)
+    if problem is not None:
+        raise ValueError(f"qkv::add_norm_bf16: {problem}")
+    return x.new_empty(x.shape, dtype=torch.float32), x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
+    """Run the kernel (``run``: `_run` on the loaded library) once on an awkward problem
+    against float64 math: None, or what went wrong. Rows of 45 values (two vectors and a
+    masked tail of 13), a large common offset (the variance is taken about the mean), a row
+    of one repeated value (variance 0)."""
     gen = torch.Generator().manual_seed(0)
     R, D = 37, 45
     x = 50.0 + torch.randn(R, D, generator=gen)  # (R, D)
@@ -117,9 +188,7 @@ def _check(module: ModuleType) -> str | None:
     y[3] = 1.0
     weight, bias = torch.randn(D, generator=gen), torch.randn(D, generator=gen)  # (D,)
     eps = 1e-12
-    out = torch.full((R, D), float("nan"))
-    low = torch.full((R, D), float("nan"), dtype=torch.bfloat16)
-    module.forward(x, y, weight, bias, eps, out, low)
+    out, low = run(x, y, weight, bias, eps)
     s = x.double() + y.double()  # (R, D)
     want = torch.nn.functional.layer_norm(s, (D,), weight.double(), bias.double(), eps)  # (R, D)
     eager = torch.nn.functional.layer_norm(x + y, (D,), weight, bias, eps)  # (R, D) float32

@@ -1,69 +1,88 @@
 """Building qkv's C++ kernels on this machine, once, with a reason whenever one cannot run.
 
-Each compiled kernel of qkv (a ``.cpp`` file next to its Python module) is built the first
-time it is needed with ``torch.utils.cpp_extension`` and cached in PyTorch's folder for
-extensions (``TORCH_EXTENSIONS_DIR`` when set), in a folder named by the hash of the source,
-the compiler flags, the torch version and the Python ABI (`build_folder`): a change of any of
-them builds anew, an unchanged
-build is loaded in a second. Nothing here raises: a kernel that cannot be built is a
-sentence saying why, and its caller falls back to a path that needs no compiler.
+Each compiled kernel of qkv (a ``.cpp`` file next to its Python module) is compiled the
+first time it is needed, by the C++ compiler directly (``$CXX``, else ``c++``), into a
+shared library with ``extern "C"`` entry points on raw pointers, sizes and strides; Python
+loads it with `ctypes` and registers each entry point as a PyTorch operator under the
+namespace ``qkv`` (``torch.ops.qkv.*``, `torch.library.custom_op`, with a fake
+implementation for tracing and, for the interval pair, its autograd formula).
 
-The flags below are those every kernel of qkv needs (AVX-512 with bf16 conversions for the
-softmax and element-wise work, AMX for the products); a kernel adds its own checks after
-loading (`build`'s ``check``).
+Why not ``torch.utils.cpp_extension``: a source that includes ``torch/extension.h`` and
+binds with pybind11 took 30-150 s to compile cold (one core each, load 1-7); the same code
+that includes only the ATen headers it uses (``ATen/cpu/vec``, ``ATen/native/CPUBlas.h``),
+or none, takes 2-17 s at the same load, all five kernels well under 30 s on two cores
+when built side by side (`build_all`). Only the kernels that call into ATen (oneDNN's
+micro-kernels, Sleef's log) link ``libtorch_cpu``; the others need no torch library at all.
+
+The build is cached in PyTorch's folder for extensions (``TORCH_EXTENSIONS_DIR`` when set,
+else ``~/.cache/torch_extensions``) in a folder named by the hash of everything that makes
+the library differ (`cache_key`): the source, the compiler's path and ``--version``, the
+flags, qkv's CPU tier, the torch version and build, and the Python ABI. A change of any of
+them builds anew; an unchanged build loads in milliseconds. A finished library is renamed
+into place, so two processes building at once never load half a file. Nothing here raises:
+a kernel that cannot be built is one sentence saying why (the compiler is missing, or the
+compiler's first error line), and its caller falls back to a path that needs no compiler.
+Each build is noted on the ``qkv`` logger: ``building <stem> ... done in X s``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import functools
 import hashlib
-import logging
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from qkv._log import note_once
+from qkv._private import torch as private_torch
 from qkv.native.machine import cpu_features
 
 __all__ = [
+    "AMX_FLAGS",
     "CFLAGS",
     "HEAD_MULTIPLE",
     "REQUIRED_TIER",
     "NativeKernel",
     "build",
+    "build_failure",
     "build_folder",
     "built_once",
-    "is_built",
+    "cache_key",
+    "compile_command",
+    "direct_call",
+    "first_use_note",
+    "function",
     "onednn_packing_reason",
     "padded_heads",
     "static_reason",
+    "strides",
 ]
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
 REQUIRED_TIER = "amx"
 # -ffp-contract=off: a product and a difference written apart stay apart (GCC would fuse them
 # into one FMA, whose unrounded product makes a softmax's max score differ from itself).
-# -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into each
-# module; without the flag it ran on one thread whatever torch's thread count (the interval
-# kernel, sliding window n = 16,384, 2 threads: 88-97 ms without, 49-79 ms with, load 1.5-3.6)
-CFLAGS = ["-O3", "-fopenmp", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-ffp-contract=off",
+# -fopenmp: the kernels split their work over OpenMP threads, as many as torch.get_num_threads()
+# (PyTorch's own OpenMP runtime: libgomp is loaded once per process, by its soname).
+# CPU_CAPABILITY: at::vec's AVX-512 implementations (its headers choose by this macro).
+CFLAGS = ["-O3", "-fPIC", "-shared", "-std=c++20", "-fopenmp", "-ffp-contract=off",
+          "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
-# a build lock older than this was left by a killed build (a build takes about a minute)
-_STALE_LOCK_SECONDS = 15 * 60
-# one build at a time in this process (encoder batches run in threads): each kernel is built
-# and checked once, and the cpp_extension logger's level is saved and restored by one thread
-_BUILD_LOCK = threading.RLock()
+# for kernels that program the AMX tiles themselves
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+# a compiler that runs longer than this is stuck (a cold build takes seconds)
+_COMPILE_SECONDS = 600
 
 
 # head dims are padded to this multiple for the micro-kernels (their K step)
@@ -82,21 +101,21 @@ def padded_heads(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def onednn_packing_reason(module: ModuleType) -> str | None:
+def onednn_packing_reason(library: ctypes.CDLL, prefix: str) -> str | None:
     """Why a kernel that feeds oneDNN's micro-kernels its own VNNI panels cannot trust them
-    here, or None: the module's ``micro_kernel_available()`` (``cpublas::could_pack``) and
-    ``pack_matches()`` (its panels byte-equal to ``cpublas::pack``'s)."""
-    if not module.micro_kernel_available():
+    here, or None: its ``<prefix>_micro_kernel_available()`` (``cpublas::could_pack``) and
+    ``<prefix>_pack_matches()`` (its panels byte-equal to ``cpublas::pack``'s)."""
+    if not function(library, f"{prefix}_micro_kernel_available", ctypes.c_int)():
         return "PyTorch's oneDNN cannot pack bfloat16 for its micro-kernel here (cpublas::could_pack)"
-    if not module.pack_matches():
+    if not function(library, f"{prefix}_pack_matches", ctypes.c_int)():
         return "oneDNN's packed layout for bfloat16 differs from the kernel's on this machine (pack_matches)"
     return None
 
 
 def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool = False) -> str | None:
     """Why no compiled bf16 kernel of qkv can run for these inputs, from facts that need no
-    build (dtype, device, the CPU tier, the switch, the tools), or None. ``needs_onednn``: the
-    kernel calls oneDNN's micro-kernels (``cpublas::brgemm``), which refuse to run while
+    build (dtype, device, the CPU tier, the switch, the compiler), or None. ``needs_onednn``:
+    the kernel calls oneDNN's micro-kernels (``cpublas::brgemm``), which refuse to run while
     ``torch.backends.mkldnn`` is switched off; that is checked on every call.
 
     >>> static_reason(torch.float32, torch.device("cpu"))
@@ -113,177 +132,232 @@ def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool =
         return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
     if needs_onednn and not torch.backends.mkldnn.enabled:
         return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
-    return _toolchain_reason(os.environ.get("CXX", "c++"), _build_path())
+    return _toolchain_reason(_compiler_name())
 
 
-def built_once(cache: dict[str, ModuleType | str], make: Callable[[], ModuleType | str]) -> ModuleType | str:
-    """``cache["module"]``, made by ``make()`` the first time (one thread at a time): a kernel's
-    one build attempt per process, the module or why there is none."""
+# the outcome of a kernel's one build attempt in a process is kept in a dict of its module
+# (``_built``): "module" -> the loaded library or why there is none; "lock" -> its build lock
+Outcome = ctypes.CDLL | str
+
+
+def built_once(cache: dict, make: Callable[[], Outcome]) -> Outcome:
+    """``cache["module"]``, made by ``make()`` the first time (one thread at a time per kernel:
+    different kernels build side by side): a kernel's one build attempt per process, the
+    loaded library or why there is none."""
     if "module" not in cache:
-        with _BUILD_LOCK:
+        with cache.setdefault("lock", threading.Lock()):  # setdefault is atomic: one lock per cache
             if "module" not in cache:
                 cache["module"] = make()
     return cache["module"]
 
 
-def build_failure(cache: dict[str, ModuleType | str]) -> str | None:
+def build_failure(cache: dict) -> str | None:
     """Why the kernel's one build attempt of this process (`built_once`) failed, or None when
     it built or has not been tried yet."""
     outcome = cache.get("module")
     return outcome if isinstance(outcome, str) else None
 
 
-def first_use_note(cache: dict[str, ModuleType | str]) -> str:
+def first_use_note(cache: dict) -> str:
     """What `qkv.explain` adds to a kernel's name before its first build in this process."""
-    return "" if isinstance(cache.get("module"), ModuleType) else ", built on first use (about a minute, once)"
+    return "" if isinstance(cache.get("module"), ctypes.CDLL) else ", built on first use (seconds, once)"
 
 
-def _build_path() -> str:
-    """PATH for a build: the caller's, with the folder of the ``ninja`` package's binary (a
-    dependency of qkv) appended, so that a venv used without activating it still builds."""
-    search_path = os.environ.get("PATH", "")
-    try:
-        import ninja  # the PyPI package that ships the binary
-    except ImportError:
-        return search_path
-    folder = str(getattr(ninja, "BIN_DIR", ""))
-    return search_path if not folder or folder in search_path.split(os.pathsep) else search_path + os.pathsep + folder
+def _compiler_name() -> str:
+    """The C++ compiler the builds use: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX") or "c++"
 
 
-# (compiler, PATH) -> why the build tools are missing, or None: two PATH scans, once per key
-# (static_reason runs on every bf16 call of the engine); a dict, which torch.compile traces
-_TOOLCHAIN: dict[tuple[str, str], str | None] = {}
+# compiler -> why it is missing, or None: one PATH scan per name (static_reason runs on every
+# bf16 call of the engine); a dict, which torch.compile traces
+_TOOLCHAIN: dict[str, str | None] = {}
 
 
-def _toolchain_reason(compiler: str, search_path: str) -> str | None:
+def _toolchain_reason(compiler: str) -> str | None:
     """Why the build tools are missing, or None."""
-    key = (compiler, search_path)
-    if key not in _TOOLCHAIN:
-        if shutil.which(compiler, path=search_path) is None:
-            _TOOLCHAIN[key] = "no C++ compiler was found (c++ or $CXX)"
-        elif shutil.which("ninja", path=search_path) is None:
-            _TOOLCHAIN[key] = "ninja is not installed (torch.utils.cpp_extension builds with it)"
-        else:
-            _TOOLCHAIN[key] = None
-    return _TOOLCHAIN[key]
+    if compiler not in _TOOLCHAIN:
+        found = shutil.which(compiler) is not None
+        _TOOLCHAIN[compiler] = None if found else f"no C++ compiler was found ({compiler}; set $CXX to choose one)"
+    return _TOOLCHAIN[compiler]
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's resolved path and the first line of its ``--version`` (part of the
+    cache key: an upgraded compiler builds anew)."""
+    path = shutil.which(compiler) or compiler
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = ((done.stdout or done.stderr).strip().splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown"
+    return f"{os.path.realpath(path)}\n{version}"
 
 
 @dataclass(frozen=True)
 class NativeKernel:
     """One compiled kernel of qkv: its C++ source, how it is built, and its name in messages."""
 
-    stem: str  # the module is qkv_<stem>_<hash>
+    stem: str  # the library is qkv_<stem>.so in the folder qkv_<stem>_<hash>
     source: Path
     name: str  # e.g. "fused bf16 interval kernel", as explain and the build messages say it
     cflags: tuple[str, ...] = tuple(CFLAGS)
-    duration: str = "about a minute"  # how long a cold build takes, said when it starts
+    # whether the source includes ATen headers (then compiled against torch's include folder)
+    # and whether it calls into libtorch_cpu (then linked with it and c10)
+    torch_headers: bool = False
+    links_torch: bool = False
 
     def folder(self) -> Path:
         """Its folder in the build cache (`build_folder`)."""
-        return build_folder(self.stem, self.source, list(self.cflags))
+        return build_folder(self)
+
+    def library_path(self) -> Path:
+        """Where its finished library is (or will be)."""
+        return self.folder() / f"qkv_{self.stem}.so"
 
     def is_built(self) -> bool:
         """Whether its finished build is in the cache."""
-        return is_built(self.stem, self.source, list(self.cflags))
+        return self.library_path().is_file()
 
 
-def build(kernel: NativeKernel, check: Callable[[ModuleType], str | None]) -> ModuleType | str:
-    """Compile (or load the cached build of) ``kernel`` as the module ``qkv_<stem>_<hash>`` and
-    run ``check`` on it: the module, or why there is none (the build's first error line, or
-    what ``check`` returned). Its name and build duration are noted when it compiles, and how
-    long it took when done (`qkv._log.note_once`: the ``qkv`` logger, once per build; a build
-    or check that fails is noted once too)."""
-    with _BUILD_LOCK:
-        logger = logging.getLogger("torch.utils.cpp_extension")
-        level = logger.level
-        logger.setLevel(logging.ERROR)  # its CUDA notices (at import, at load) mean nothing on a CPU build
+def _torch_folders() -> tuple[str, str]:
+    """torch's include and library folders."""
+    root = Path(torch.__file__).parent
+    return str(root / "include"), str(root / "lib")
+
+
+def compile_command(kernel: NativeKernel, output: Path) -> list[str]:
+    """The compiler's command line that builds ``kernel`` into ``output``."""
+    command = [_compiler_name(), *kernel.cflags]
+    if kernel.torch_headers:
+        include, _ = _torch_folders()
+        abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))  # as torch itself was built
+        command += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", include]
+    command += [str(kernel.source), "-o", str(output)]
+    if kernel.links_torch:
+        _, lib = _torch_folders()
+        command += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
+    return command
+
+
+def cache_key(kernel: NativeKernel) -> str:
+    """What the cached library depends on, as one text: the source, the compiler (path and
+    version), the command's flags, qkv's CPU tier, the torch version and build, the Python ABI.
+    (The command names the build folder, which is this key's hash: it enters as flags only.)"""
+    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    flags = compile_command(kernel, Path("out.so"))[1:]
+    return "\n".join([
+        kernel.source.read_text(encoding="utf-8"),
+        _compiler_identity(_compiler_name()),
+        " ".join(flags),
+        f"tier {cpu_features().tier}",
+        f"torch {torch.__version__} {torch.version.git_version}",
+        f"python {abi}",
+    ])  # fmt: skip
+
+
+def _cache_root() -> Path:
+    """PyTorch's folder for extensions: ``TORCH_EXTENSIONS_DIR``, else under the user's cache."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+
+
+def build_folder(kernel: NativeKernel) -> Path:
+    """Where the build of ``kernel`` lives: ``qkv_<stem>_<hash of cache_key>`` in the cache
+    folder. Nothing is created."""
+    digest = hashlib.sha256(cache_key(kernel).encode()).hexdigest()[:16]
+    return _cache_root() / f"qkv_{kernel.stem}_{digest}"
+
+
+def function(library: ctypes.CDLL, name: str, restype: object, *argtypes: object) -> Callable[..., int]:
+    """The entry point ``name`` of a loaded kernel with its C types declared (without them
+    ctypes would pass every Python int as a 32-bit int)."""
+    entry = getattr(library, name)
+    entry.restype = restype
+    entry.argtypes = list(argtypes)
+    return entry
+
+
+def direct_call(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may run on these tensors' memory directly, past PyTorch's dispatcher:
+    plain eager tensors, no torch.compile tracing, no torch function or dispatch mode (a
+    tracer, FakeTensorMode, FlopCounterMode). Otherwise the kernel's operator runs, which
+    every mode and tracer sees. The dispatcher's Python layers of a custom operator cost
+    50-100 us a call (short_bf16 on one 8-query head: 125 us through the operator, 75 us
+    direct, 18 us with the former pybind11 module; load 8), as much as a small kernel."""
+    if torch.compiler.is_compiling() or private_torch.mode_active():
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and not private_torch.is_wrapped_tensor(t) for t in tensors)
+
+
+def strides(t: torch.Tensor, dims: int = 3) -> ctypes.Array:
+    """The strides of ``t``'s first ``dims`` dims, as the C array the kernels read."""
+    return (ctypes.c_int64 * dims)(*t.stride()[:dims])
+
+
+def build(kernel: NativeKernel, check: Callable[[ctypes.CDLL], str | None]) -> Outcome:
+    """Compile (or find in the cache) ``kernel``, load it and run ``check`` on it: the loaded
+    library, or why there is none (the compiler's first error line, or what ``check``
+    returned). Its build is noted (``building <stem> ... done in X s``); a build or check
+    that fails is noted once too (`qkv._log.note_once`)."""
+    library = _load(kernel)
+    if not isinstance(library, str):
         try:
-            module = _load(kernel.stem, kernel.source, kernel.name, list(kernel.cflags), kernel.duration)
-        finally:
-            logger.setLevel(level)  # the caller's logging as it was
-        if isinstance(module, str):
-            note_once(f"fallback {kernel.stem}", f"the {kernel.name} is not used, qkv runs its portable path: {module}")
-            return module
-        try:
-            error = check(module)
+            error = check(library)
         except Exception as failure:  # a check that raises is a reason to fall back too
             error = f"its check at load raised {type(failure).__name__}: {str(failure).strip()[:200]}"
-        if error is not None:
-            note_once(f"fallback {kernel.stem}", f"the {kernel.name} is not used, qkv runs its portable path: {error}")
-        return module if error is None else error
+        if error is None:
+            return library
+        library = error
+    note_once(f"fallback {kernel.stem}", f"the {kernel.name} is not used, qkv runs its portable path: {library}")
+    return library
 
 
-def build_folder(stem: str, source: Path, cflags: list[str] | None = None) -> Path:
-    """Where the build of ``source`` with ``cflags`` (default `CFLAGS`) lives: a folder of
-    PyTorch's extension cache (``TORCH_EXTENSIONS_DIR`` when set) named by the hash of the
-    source, the flags, the torch version and the Python ABI (two environments with the same
-    torch but different Pythons never load each other's build). Nothing is created."""
-    cpp_extension = _cpp_extension()
-    text = source.read_text(encoding="utf-8")
-    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
-    key = "\n".join([text, " ".join(CFLAGS if cflags is None else cflags), torch.__version__, str(abi)])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / f"qkv_{stem}_{digest}"
+def _first_error_line(output: str) -> str:
+    """The line of a compiler's output that names the problem: its first ``error`` line, else
+    its first line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower():
+            return line
+    return lines[0] if lines else ""
 
 
-def is_built(stem: str, source: Path, cflags: list[str] | None = None) -> bool:
-    """Whether a finished build of ``source`` is in the cache (`build_folder`): loading it then
-    takes about a second, where building takes up to a minute."""
-    folder = build_folder(stem, source, cflags)
-    return any(folder.glob(f"{folder.name}*.so"))
-
-
-@contextlib.contextmanager
-def _path(search_path: str) -> Iterator[None]:
-    """PATH set to ``search_path`` for a build (torch runs ``ninja`` from PATH), then restored."""
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = search_path
+def _load(kernel: NativeKernel) -> Outcome:
+    """The kernel's library, compiled first when the cache has none; or why not."""
+    target = kernel.library_path()
+    if not target.is_file():
+        failure = _compile(kernel, target)
+        if failure is not None:
+            return failure
     try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
+        return ctypes.CDLL(str(target))
+    except OSError as error:  # e.g. a symbol of this torch that the library expected is missing
+        return f"its library did not load ({str(error).strip()[:200]})"
 
 
-def _cpp_extension() -> ModuleType:
-    """torch.utils.cpp_extension, imported without its CUDA notice (it logs a warning at import
-    when no CUDA runtime is found, which means nothing for qkv's CPU builds)."""
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def _compile(kernel: NativeKernel, target: Path) -> str | None:
+    """Compile ``kernel`` into ``target`` (written under another name, then renamed into
+    place): None, or why it failed."""
+    reason = _toolchain_reason(_compiler_name())
+    if reason is not None:
+        return reason
+    partial = target.with_name(f".{target.stem}.{os.getpid()}.{threading.get_ident()}.so")
+    command = compile_command(kernel, partial)
+    note_once(f"build {target.parent.name}", f"building {kernel.stem} (the {kernel.name}) into {target.parent} ...")
+    started = time.perf_counter()
     try:
-        from torch.utils import cpp_extension
-    finally:
-        logger.setLevel(level)
-    return cpp_extension
-
-
-def _load(stem: str, source: Path, description: str, cflags: list[str], duration: str) -> ModuleType | str:
-    cpp_extension = _cpp_extension()
-
-    folder = build_folder(stem, source, cflags)
-    name = folder.name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = folder / "lock"  # torch's build lock; one left by a build that was killed blocks forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        compiles = not any(folder.glob(f"{name}*.so"))
-        if compiles:
-            note_once(f"build {name}", f"compiling the {description} once ({duration}) into {folder}")
-        started = time.perf_counter()
-        with warnings.catch_warnings(), _path(_build_path()):
-            warnings.simplefilter("ignore")
-            module = cpp_extension.load(
-                name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder),
-                with_cuda=False, verbose=False,
-            )  # fmt: skip
-        if compiles:
-            note_once(f"built {name}", f"built the {description} in {time.perf_counter() - started:.0f} s")
-        return module
-    except Exception as error:  # a failed build is a reason to fall back, never a traceback
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"its build failed ({first[:200]})"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_COMPILE_SECONDS, check=False)
+    except (OSError, subprocess.SubprocessError) as error:  # no such program, not executable, stuck
+        partial.unlink(missing_ok=True)
+        return f"its build failed ({type(error).__name__}: {str(error).strip()[:200]})"
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        line = _first_error_line(done.stderr + done.stdout) or f"{command[0]} exited with {done.returncode}"
+        return f"its build failed ({line[:200]})"
+    os.replace(partial, target)
+    note_once(f"built {target.parent.name}", f"building {kernel.stem} ... done in {time.perf_counter() - started:.1f} s")
+    return None

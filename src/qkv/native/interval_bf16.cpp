@@ -1,5 +1,6 @@
 // The fused bfloat16 forward of the CPU block engine for masks given as one key interval per
-// query row (lo[i] <= key <= hi[i]), built at run time by qkv/kernels/interval_bf16.py.
+// query row (lo[i] <= key <= hi[i]), built at run time by qkv/native/build.py and called
+// through the operator qkv::interval_bf16_forward (qkv/native/interval_bf16.py).
 //
 // Per (batch row, head, block of kBlockQ = 64 queries), over that block's keys only, in the
 // transposed layout (keys as rows, the block's 64 queries as columns):
@@ -36,12 +37,13 @@
 // with bf16_out) and lse (N, H, L) float32. A row with no visible key gets out = 0 and
 // lse = -inf.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
+// Only the headers it needs (a cold build in seconds; torch/extension.h alone took over a
+// minute): at::vec for the transposes and log, CPUBlas.h for oneDNN's micro-kernels. The
+// entry points are extern "C" on raw pointers; Python allocates, checks and dispatches.
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+
+#include <omp.h>
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -79,12 +81,10 @@ constexpr float kFusedArgumentBound = 65536.0f;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // A per-thread scratch array, 64-byte aligned and not initialized (std::vector zeroes its
-// elements: 2 MiB of V^T per thread and call for n = 16,384).
+// elements: 2 MiB of V^T per thread and call for n = 16,384); data() is null when memory ran out.
 template <typename T>
 struct Buffer {
-  explicit Buffer(int64_t n) : ptr(static_cast<T*>(std::aligned_alloc(64, round_up(n * sizeof(T), 64)))) {
-    TORCH_CHECK(ptr != nullptr, "out of memory for the kernel's scratch buffers");
-  }
+  explicit Buffer(int64_t n) : ptr(static_cast<T*>(std::aligned_alloc(64, round_up(n * sizeof(T), 64)))) {}
   ~Buffer() { std::free(ptr); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -276,67 +276,56 @@ class TaskQueue {
 
 // A large output is written once, page by page: ask for transparent huge pages (where the
 // system grants them on request) so that it takes a few faults instead of one per 4 KiB.
-void advise_huge_pages(const at::Tensor& t) {
+void advise_huge_pages(void* data, int64_t bytes) {
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr()), end = begin + t.nbytes();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data), end = begin + bytes;
   const uintptr_t from = (begin + kHuge - 1) / kHuge * kHuge, to = end / kHuge * kHuge;
   if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_HUGEPAGE);
 }
 
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& lo, const at::Tensor& hi, double scale_, bool bf16_out) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be (N, H, T, D)");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "q, k, v must be bfloat16");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k, v need a contiguous last dim");
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
-  const int64_t S = k.size(2), Ev = v.size(3);
-  TORCH_CHECK(k.size(0) == N && v.size(0) == N && k.size(1) == H && v.size(1) == H && v.size(2) == S && k.size(3) == E,
-              "q, k, v shapes do not match");
-  TORCH_CHECK(E % 32 == 0 && E > 0 && Ev > 0, "E must be a positive multiple of 32, Ev positive");
-  TORCH_CHECK(S < (int64_t(1) << 30), "at most 2^30 keys");
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 && hi.sizes() == lo.sizes() &&
-              lo.size(1) == L && (lo.size(0) == 1 || lo.size(0) == N), "lo, hi must be int64 (N | 1, L)");
-  const at::Tensor lo_c = lo.contiguous(), hi_c = hi.contiguous();
-  const int64_t* lo_p = lo_c.data_ptr<int64_t>();
-  const int64_t* hi_p = hi_c.data_ptr<int64_t>();
-  const bool per_batch = lo.size(0) > 1;
-  const float c = static_cast<float>(scale_) * static_cast<float>(M_LOG2E);  // base 2: p = 2^(s c - m)
+}  // namespace
 
-  auto opts = q.options();
-  at::Tensor out = at::empty({N, H, L, Ev}, opts.dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  advise_huge_pages(out);
-  at::Tensor lse = at::empty({N, H, L}, opts.dtype(at::kFloat));
-  if (N * H * L == 0) return {out, lse};
+// out (N, H, L, Ev, contiguous; float32, or bfloat16 with bf16_out) and lse (N, H, L,
+// contiguous) of q, k, v given by their data and the strides of their first three dims (the
+// last is contiguous), lo, hi (lo_rows x L, contiguous, lo_rows 1 or N); E a positive
+// multiple of 32, Ev positive, S < 2^30 (Python checks all of it). Runs on `threads` OpenMP
+// threads. Returns 0, or 1 when a thread's scratch memory could not be allocated.
+extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs, const BFloat16* k_p, const int64_t* ks,
+                                         const BFloat16* v_p, const int64_t* vs, const int64_t* lo_p, const int64_t* hi_p,
+                                         int64_t lo_rows, int64_t N, int64_t H, int64_t L, int64_t E, int64_t S, int64_t Ev,
+                                         double scale_, int bf16_out, void* out, float* lse_p, int64_t num_threads) {
+  const bool per_batch = lo_rows > 1;
+  const float c = static_cast<float>(scale_) * static_cast<float>(M_LOG2E);  // base 2: p = 2^(s c - m)
+  const int64_t out_item = bf16_out ? 2 : 4;  // bytes per output value
+  advise_huge_pages(out, N * H * L * Ev * out_item);
+  if (N * H * L == 0) return 0;
   if (S == 0) {
-    out.zero_();
-    lse.fill_(kNegInf);
-    return {out, lse};
+    std::memset(out, 0, N * H * L * Ev * out_item);  // 0.0 in float32 and bfloat16
+    std::fill(lse_p, lse_p + N * H * L, kNegInf);
+    return 0;
   }
   const int64_t S_pad = round_up(S, kPanel), panels = S_pad / kPanel, Ev16 = round_up(Ev, 16);
-  const BFloat16* q_p = q.const_data_ptr<BFloat16>();
-  const BFloat16* k_p = k.const_data_ptr<BFloat16>();
-  const BFloat16* v_p = v.const_data_ptr<BFloat16>();
-  char* out_p = static_cast<char*>(out.data_ptr());
-  const int64_t out_item = bf16_out ? 2 : 4;  // bytes per output value
-  float* lse_p = lse.data_ptr<float>();
+  char* out_p = static_cast<char*>(out);
   const int64_t q_blocks = (L + kBlockQ - 1) / kBlockQ, tasks = N * H * q_blocks;
   // Tasks (blocks, head by head) go to the threads in chunks of consecutive tasks taken from
   // an atomic counter, not in equal shares fixed up front: on a shared machine a thread that
   // loses its core for a while then holds back one chunk, not half the work. A chunk's first
   // block packs all of its keys' V^T panels, later blocks one new panel each (a window).
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks));
   TaskQueue queue(tasks, std::clamp<int64_t>(tasks / (8 * threads), 1, kChunkTasks));
+  std::atomic<bool> failed{false};
 
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  try {
     // per thread: V^T of the current head, packed panel by panel when first needed (so it is
     // still in cache when used), the block's Q^T, scores, probabilities and O^T
     // (left uninitialized: every entry a product reads is written first)
     Buffer<BFloat16> vt(std::max<int64_t>(Ev, 1) * S_pad), qt(E * kBlockQ), p_t(kOnePassKeys * kBlockQ);
+    Buffer<float> s_t(kOnePassKeys * kBlockQ), acc_t(Ev16 * kBlockQ);
+    if (!vt.data() || !qt.data() || !p_t.data() || !s_t.data() || !acc_t.data()) throw std::bad_alloc();
     for (int64_t e = 0; e < Ev; ++e)  // keys S..S_pad-1 of V^T: a product may read them (times a zero P)
       std::fill(vt.data() + e * S_pad + S, vt.data() + (e + 1) * S_pad, BFloat16(0.0f));
     std::vector<uint8_t> packed(panels);
-    Buffer<float> s_t(kOnePassKeys * kBlockQ), acc_t(Ev16 * kBlockQ);
     int64_t packed_head = -1;
     alignas(64) int32_t a_[kBlockQ], b_[kBlockQ];
     for (int64_t end = 0, task = queue.take(end); task < tasks; task = task + 1 < end ? task + 1 : queue.take(end)) {
@@ -365,14 +354,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
         std::fill(packed.begin(), packed.end(), 0);
         packed_head = nh;
       }
-      const BFloat16* k_head = k_p + n * k.stride(0) + h * k.stride(1);
-      const BFloat16* v_head = v_p + n * v.stride(0) + h * v.stride(1);
+      const BFloat16* k_head = k_p + n * ks[0] + h * ks[1];
+      const BFloat16* v_head = v_p + n * vs[0] + h * vs[1];
       for (int64_t pnl = first / kPanel; pnl <= last / kPanel; ++pnl)
         if (!packed[pnl]) {
-          pack_values_t(v_head, v.stride(2), S, Ev, S_pad, pnl * kPanel, vt.data());
+          pack_values_t(v_head, vs[2], S, Ev, S_pad, pnl * kPanel, vt.data());
           packed[pnl] = 1;
         }
-      pack_queries(q_p + n * q.stride(0) + h * q.stride(1) + r0 * q.stride(2), q.stride(2), rows, E, qt.data());
+      pack_queries(q_p + n * qs[0] + h * qs[1] + r0 * qs[2], qs[2], rows, E, qt.data());
       __m512 m[kBlockQ / 16], l[kBlockQ / 16];
       int64_t fa[4], fb[4], ga[4], gb[4];
       for (int64_t g = 0; g < kBlockQ / 16; ++g) {
@@ -390,8 +379,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       for (int64_t c0 = k0; c0 < k1; c0 += step) {
         const int64_t width = std::min(step, k1 - c0);
         // S^T = K Q^T for the chunk's existing keys (rows past S stay unread: no lane sees them)
-        cpublas::brgemm(std::min(width, S - c0), kBlockQ, E, k.stride(2), kBlockQ, kBlockQ, false,
-                        k_head + c0 * k.stride(2), qt.data(), s_t.data());
+        cpublas::brgemm(std::min(width, S - c0), kBlockQ, E, ks[2], kBlockQ, kBlockQ, false,
+                        k_head + c0 * ks[2], qt.data(), s_t.data());
         for (int64_t g = 0; g < kBlockQ / 16; ++g) {
           const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
           const __m512 alpha = (c < 0 ? group_step<true> : group_step<false>)(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);
@@ -429,20 +418,23 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       }
     }
     cpublas::brgemm_release();
-  });
-  return {out, lse};
+  } catch (...) {  // nothing may leave an OpenMP region or an extern "C" function
+    failed = true;
+  }
+  return failed ? 1 : 0;
 }
 
-bool micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
+extern "C" int qkv_interval_bf16_micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
 
 // Whether this file's VNNI layout of B is what oneDNN packs on this machine: the queries of a
 // random block with a tail (50 of 64 queries), against cpublas::pack of the plain Q^T.
-bool pack_matches() {
+extern "C" int qkv_interval_bf16_pack_matches() {
   const int64_t rows = 50, E = 64;
   // distinct small integers (exact in bf16), not random numbers: drawing from torch's global
   // generator here would shift the seeded stream of the program that loads the kernel
-  const at::Tensor x = at::arange(1, rows * E + 1).reshape({rows, E}).mul(37).remainder(255).sub(127).to(at::kBFloat16);
-  const BFloat16* src = x.const_data_ptr<BFloat16>();
+  std::vector<BFloat16> x(rows * E);
+  for (int64_t i = 0; i < rows * E; ++i) x[i] = BFloat16(static_cast<float>((i + 1) * 37 % 255 - 127));
+  const BFloat16* src = x.data();
   std::vector<BFloat16> ours(E * kBlockQ), theirs(E * kBlockQ), plain(E * kBlockQ, BFloat16(0.0f));
   pack_queries(src, E, rows, E, ours.data());
   for (int64_t j = 0; j < rows; ++j)
@@ -451,14 +443,3 @@ bool pack_matches() {
   return std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(BFloat16)) == 0;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "fused bfloat16 interval attention forward: (out, lse); out in bfloat16 with bf16_out",
-             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lo"), pybind11::arg("hi"),
-             pybind11::arg("scale"), pybind11::arg("bf16_out") = false,
-             // the GIL is released while it runs, as PyTorch's operators do (encoder batches run side by side)
-             pybind11::call_guard<pybind11::gil_scoped_release>());
-  module.def("micro_kernel_available", &micro_kernel_available, "whether oneDNN packs bfloat16 for brgemm here");
-  module.def("pack_matches", &pack_matches, "whether this kernel's VNNI panels equal oneDNN's packing here");
-}

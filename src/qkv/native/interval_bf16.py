@@ -11,15 +11,18 @@ softmax in float32 with 16 queries per vector that keeps each row's own keys (on
 step for a span of up to 1,024 keys, online in chunks of 512 beyond), P in bfloat16, and
 O^T = V^T P^T on the AMX units (FlashAttention-2, algorithm 1). Python cannot
 reach that micro-kernel: PyTorch has no bf16 x bf16 -> float32 product on CPU
-(``mm(out_dtype=)`` is not implemented there), so the source is compiled with
-``torch.utils.cpp_extension`` the first time it is needed (about a minute, one message on
-stderr) and cached under PyTorch's extension directory in a folder named by the source's
-hash, so any change of the source rebuilds it.
+(``mm(out_dtype=)`` is not implemented there), so the source is compiled by
+`qkv.native.build` the first time it is needed (seconds, one note on the ``qkv`` logger)
+and cached in a folder named by the hash of the source, compiler, flags and torch build.
 
-`unavailable_reason` says why it cannot run (not bf16, no AMX, no compiler, the build or
-its self-check failed) without building anything; `forward` builds on first use. The
-engine falls back to its per-tile path whenever the kernel is unavailable; the backward
-always takes the engine's own path from the saved output and lse.
+The kernel is the PyTorch operator ``torch.ops.qkv.interval_bf16_forward`` with a fake
+implementation (output shapes for tracing) and an autograd formula: its backward is the
+operator ``qkv::interval_bf16_backward`` (`qkv.native.interval_bf16_backward`), so
+gradients flow through the pair. `unavailable_reason` says why it cannot run (not bf16, no
+AMX, no compiler, the build or its self-check failed) without building anything; `forward`
+builds on first use. The engine falls back to its per-tile path whenever the kernel is
+unavailable, and calls the backward operator itself (its own autograd.Function picks the
+backward that can run).
 
 Shape legend: N batch rows, H heads (key/value heads expanded), L queries, S keys, E / Ev
 head dims of q, k / v.
@@ -27,12 +30,14 @@ head dims of q, k / v.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from qkv.native import build as compiled
+from qkv.native import interval_bf16_backward
 
 __all__ = ["ENABLED", "KERNEL_NAME", "describe", "forward", "unavailable_reason"]
 
@@ -42,7 +47,9 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval kernel"
 # the kernel's source and build (`qkv.native.build`)
-NATIVE = compiled.NativeKernel("interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME)
+NATIVE = compiled.NativeKernel(
+    "interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME, torch_headers=True, links_torch=True
+)
 # Causal squares run it too. PyTorch's flash kernel computes a causal square in one call that
 # skips the blocks above the diagonal; the first version of this kernel (scores per query row,
 # one product per 64 keys) lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16
@@ -51,8 +58,8 @@ NATIVE = compiled.NativeKernel("interval_bf16", Path(__file__).with_name("interv
 # load 6; kernel / per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents
 # 303 / 408, one causal square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438.
 
-# the outcome of the one build attempt of this process: the module, or why there is none
-_built: dict[str, ModuleType | str] = {}
+# the outcome of the one build attempt of this process: the loaded library, or why there is none
+_built: dict = {}
 
 
 def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -88,19 +95,19 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> s
     return f"PyTorch's CPU flash kernel per tile (the {KERNEL_NAME} does not run: {reason})"
 
 
-def _build() -> ModuleType | str:
-    """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
+def _build() -> ctypes.CDLL | str:
+    """Compile (or load the cached build of) the kernel and check it: the library, or why not."""
     return compiled.build(NATIVE, _check)
 
 
-def _check(module: ModuleType) -> str | None:
-    return compiled.onednn_packing_reason(module) or _self_check(module)
+def _check(library: ctypes.CDLL) -> str | None:
+    return compiled.onednn_packing_reason(library, "qkv_interval_bf16") or _self_check(functools.partial(_run, library))
 
 
-def _self_check(module: ModuleType) -> str | None:
-    """Run the kernel once on a small problem against float64 math: None, or what went wrong.
-    A wrong packed layout on some CPU would give wrong numbers, never an error; this turns it
-    into a reason to fall back."""
+def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
+    """Run the kernel (``run``: `_run` on the loaded library) once on a small problem against
+    float64 math: None, or what went wrong. A wrong packed layout on some CPU would give
+    wrong numbers, never an error; this turns it into a reason to fall back."""
     gen = torch.Generator().manual_seed(0)
     # a window with a row that sees nothing and a tail block (one softmax step per block), with
     # a negative scale (the max pass then takes the lowest score) and the output in bf16; then
@@ -111,19 +118,19 @@ def _self_check(module: ModuleType) -> str | None:
     rows = torch.arange(1500)
     causal = (torch.zeros(1, 1500, dtype=torch.long), rows.view(1, 1500))
     for (lo, hi), S, Ev, scale, rounded in ((window, 150, 40, -0.125, True), (causal, 1500, 64, 0.125, False)):
-        reason = _check_one(module, gen, lo, hi, S, Ev, scale, rounded)
+        reason = _check_one(run, gen, lo, hi, S, Ev, scale, rounded)
         if reason is not None:
             return reason
     return None
 
 
 def _check_one(
-    module: ModuleType, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool
+    run, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool  # type: ignore[no-untyped-def]
 ) -> str | None:
     N, H, L, E = 1, 2, lo.shape[1], 64
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
     v = torch.randn(N, H, S, Ev, generator=gen).to(torch.bfloat16)
-    out, lse = module.forward(q, k, v, lo, hi, scale, rounded)
+    out, lse = run(q, k, v, lo, hi, scale, rounded)
     if out.dtype != (torch.bfloat16 if rounded else torch.float32):
         return f"its self-check failed (the output came in {out.dtype})"
     keys = torch.arange(S).view(1, S)
@@ -139,8 +146,117 @@ def _check_one(
     return None
 
 
-def _module() -> ModuleType | str:
+def _module() -> ctypes.CDLL | str:
     return compiled.built_once(_built, _build)
+
+
+@functools.cache
+def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    """The kernel's entry point with its C signature (interval_bf16.cpp)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return compiled.function(
+        library, "qkv_interval_bf16_forward", ctypes.c_int,
+        p, p, p, p, p, p,  # q, k, v and their strides
+        p, p, i64,  # lo, hi, their rows
+        i64, i64, i64, i64, i64, i64,  # N, H, L, E, S, Ev
+        ctypes.c_double, ctypes.c_int, p, p, i64,  # scale, bf16 output, out, lse, threads
+    )  # fmt: skip
+
+
+def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> str | None:
+    """What is wrong with the operator's arguments, or None (the kernel reads raw memory: any
+    mismatch must be refused before it runs)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k and v must be 4-D (N, H, T, D)"
+    if any(x.dtype != torch.bfloat16 for x in (q, k, v)):
+        return "q, k and v must be bfloat16"
+    if any(x.stride(3) != 1 for x in (q, k, v)):
+        return "q, k and v need a contiguous last dim"
+    N, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    if tuple(k.shape) != (N, H, S, E) or tuple(v.shape[:3]) != (N, H, S):
+        return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if E <= 0 or E % 32 or Ev <= 0:
+        return f"E must be a positive multiple of 32 and Ev positive (they are {E} and {Ev})"
+    if S >= 1 << 30:
+        return "at most 2^30 keys"
+    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or lo.shape != hi.shape:
+        return "lo and hi must be int64 tensors of one shape (N | 1, L)"
+    if lo.shape[1] != L or lo.shape[0] not in (1, N):
+        return f"lo and hi must be (N | 1, L) = ({N} | 1, {L}), not {tuple(lo.shape)}"
+    if any(x.device.type != "cpu" for x in (q, k, v, lo, hi)):
+        return "every tensor must be on the CPU"
+    return None
+
+
+def _run(
+    library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    scale: float, rounded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel on checked arguments: out (N, H, L, Ev) float32 (bfloat16 when rounded) and
+    lse (N, H, L) float32."""
+    problem = _argument_problem(q, k, v, lo, hi)
+    if problem is not None:
+        raise ValueError(f"qkv::interval_bf16_forward: {problem}")
+    N, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    lo, hi = lo.contiguous(), hi.contiguous()
+    out = torch.empty(N, H, L, Ev, dtype=torch.bfloat16 if rounded else torch.float32)
+    lse = torch.empty(N, H, L, dtype=torch.float32)
+    status = _entry(library)(
+        q.data_ptr(), compiled.strides(q), k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
+        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, float(scale), int(bool(rounded)),
+        out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"the {KERNEL_NAME} could not allocate its scratch buffers")
+    return out, lse
+
+
+@torch.library.custom_op("qkv::interval_bf16_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float, rounded: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (N, H, L, Ev) float32 (bfloat16 when ``rounded``) and lse (N, H, L) float32 of
+    interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
+    Builds the kernel on first use; raises RuntimeError when it cannot run here."""
+    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
+    library = reason or _module()
+    if isinstance(library, str):
+        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    return _run(library, q, k, v, lo, hi, scale, rounded)
+
+
+@_forward_op.register_fake
+def _(q, k, v, lo, hi, scale, rounded):  # type: ignore[no-untyped-def]
+    problem = _argument_problem(q, k, v, lo, hi)
+    if problem is not None:
+        raise ValueError(f"qkv::interval_bf16_forward: {problem}")
+    N, H, L, _ = q.shape
+    out = q.new_empty(N, H, L, v.shape[3], dtype=torch.bfloat16 if rounded else torch.float32)
+    return out, q.new_empty(N, H, L, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, lo, hi, scale, rounded = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, lo, hi, out, lse)
+    ctx.scale, ctx.rounded = scale, rounded
+
+
+def _backward(ctx, grad_out, grad_lse):  # type: ignore[no-untyped-def]
+    """dq, dk, dv from the backward operator (FlashAttention-2's backward from the saved
+    float32 output and lse; the lse's gradient enters its row term)."""
+    if ctx.rounded:
+        raise RuntimeError("qkv::interval_bf16_forward with rounded=True keeps no float32 output to differentiate; call it with rounded=False")
+    q, k, v, lo, hi, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = interval_bf16_backward.gradients(grad_out, q, k, v, out, lse, lo, hi, ctx.scale, grad_lse)
+    return dq, dk, dv, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def forward(
@@ -155,11 +271,14 @@ def forward(
     is unavailable (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    module = _module()
-    if isinstance(module, str):
+    library = _module()
+    if isinstance(library, str):
         return None
     q, k = compiled.padded_heads(q), compiled.padded_heads(k)  # (N, H, *, E rounded up to 32)
     v = v if v.stride(-1) == 1 else v.contiguous()
+    lo, hi = lo.to(torch.long), hi.to(torch.long)
     with torch.no_grad():
-        out, lse = module.forward(q, k, v, lo.to(torch.long), hi.to(torch.long), float(scale), bool(rounded))
+        if compiled.direct_call(q, k, v, lo, hi):
+            return _run(library, q, k, v, lo, hi, float(scale), bool(rounded))
+        out, lse = torch.ops.qkv.interval_bf16_forward(q, k, v, lo, hi, float(scale), bool(rounded))
     return out, lse

@@ -1,5 +1,6 @@
 // The fused bfloat16 backward of the CPU block engine for masks given as one key interval per
-// query row (lo[i] <= key <= hi[i]), built at run time by qkv/kernels/interval_bf16_backward.py.
+// query row (lo[i] <= key <= hi[i]), built at run time by qkv/native/build.py and called
+// through the operator qkv::interval_bf16_backward (qkv/native/interval_bf16_backward.py).
 //
 // FlashAttention-2's backward (algorithm 2) from the forward's float32 output O and lse, with
 // every score computed transposed (keys as rows), so that P^T and dS^T, the left operands of
@@ -13,7 +14,7 @@
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         float32 accumulators of the key block
 //     dQ_i^T += K_j^T dS^T                        float32 accumulator of the head (E x L)
 // dK_j, dV_j are rounded to bfloat16 when their key block is done, dQ when the head is done.
-// One task per (batch row, head), in at::parallel_for: every gradient element is written by one
+// One task per (batch row, head), on OpenMP threads: every gradient element is written by one
 // thread in a fixed order, so two runs give bitwise equal gradients.
 //
 // Shapes: q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev), grad_out (N, H, L, Ev) bfloat16 with a
@@ -22,12 +23,13 @@
 // grad_lse empty or (N, H, L) float32; lo, hi (N | 1, L) int64. Returns dq (N, H, L, E),
 // dk (N, H, S, E), dv (N, H, S, Ev) bfloat16.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+// Only the headers it needs (see interval_bf16.cpp): at::vec for exp and the bf16 rounding,
+// CPUBlas.h for oneDNN's micro-kernels; extern "C" entry points on raw pointers.
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+
+#include <omp.h>
 
 #include <immintrin.h>
 
@@ -178,60 +180,50 @@ void gradient_of_scores(const float* st, const float* dpt, int64_t keys, int64_t
   }
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& grad_lse, const at::Tensor& lo, const at::Tensor& hi, double scale_) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && grad_out.dim() == 4 && out.dim() == 4,
-              "q, k, v, grad_out, out must be (N, H, T, D)");
-  for (const at::Tensor* x : {&q, &k, &v, &grad_out}) {
-    TORCH_CHECK(x->scalar_type() == at::kBFloat16, "q, k, v, grad_out must be bfloat16");
-    TORCH_CHECK(x->stride(3) == 1, "q, k, v, grad_out need a contiguous last dim");
+// The same split of tasks over threads as at::parallel_for with grain 1: contiguous shares
+// of ceil(tasks / threads), one per thread.
+template <typename F>
+bool parallel_tasks(int64_t tasks, int64_t num_threads, const F& body) {
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, tasks)), share = (tasks + threads - 1) / threads;
+  bool failed = false;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static, 1) reduction(|| : failed)
+  for (int64_t t = 0; t < threads; ++t) {
+    try {
+      if (t * share < tasks) body(t * share, std::min(tasks, (t + 1) * share));
+    } catch (...) {  // nothing may leave an OpenMP region or an extern "C" function
+      failed = true;
+    }
   }
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
-  const int64_t S = k.size(2), Ev = v.size(3), Eo = out.size(3);
-  TORCH_CHECK(k.size(0) == N && v.size(0) == N && k.size(1) == H && v.size(1) == H && v.size(2) == S && k.size(3) == E,
-              "q, k, v shapes do not match");
-  TORCH_CHECK(grad_out.size(0) == N && grad_out.size(1) == H && grad_out.size(2) == L && grad_out.size(3) == Ev,
-              "grad_out must be (N, H, L, Ev)");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.size(0) == N && out.size(1) == H && out.size(2) == L && Eo <= Ev,
-              "out must be float32 (N, H, L, Eo <= Ev)");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == N && lse.size(1) == H && lse.size(2) == L,
-              "lse must be float32 (N, H, L)");
-  const bool has_grad_lse = grad_lse.numel() > 0;
-  TORCH_CHECK(!has_grad_lse || (grad_lse.scalar_type() == at::kFloat && grad_lse.sizes() == lse.sizes()),
-              "grad_lse must be empty or float32 (N, H, L)");
-  TORCH_CHECK(E % 32 == 0 && E > 0 && Ev % 32 == 0 && Ev > 0, "E and Ev must be positive multiples of 32");
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 && hi.sizes() == lo.sizes() &&
-              lo.size(1) == L && (lo.size(0) == 1 || lo.size(0) == N), "lo, hi must be int64 (N | 1, L)");
-  auto opts = q.options();
-  at::Tensor dq = at::empty({N, H, L, E}, opts), dk = at::empty({N, H, S, E}, opts), dv = at::empty({N, H, S, Ev}, opts);
+  return !failed;
+}
+
+}  // namespace
+
+// dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16, contiguous, from q, k, v,
+// grad_out given by their data and the strides of their first three dims (last dim
+// contiguous), out (N, H, L, Eo) float32 with its three strides, lse (N, H, L) float32
+// contiguous, grad_lse null or like lse, lo, hi (lo_rows x L) int64 contiguous; E, Ev positive
+// multiples of 32, Eo <= Ev (Python checks all of it). Returns 0, or 1 when memory ran out.
+extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs, const BFloat16* q_p, const int64_t* qs,
+                                          const BFloat16* k_p, const int64_t* ks, const BFloat16* v_p, const int64_t* vs,
+                                          const float* o_p, const int64_t* os, const float* lse_p, const float* dlse_p,
+                                          const int64_t* lo_p, const int64_t* hi_p, int64_t lo_rows, int64_t N, int64_t H,
+                                          int64_t L, int64_t E, int64_t S, int64_t Ev, int64_t Eo, double scale_,
+                                          BFloat16* dq_p, BFloat16* dk_p, BFloat16* dv_p, int64_t num_threads) {
   if (N * H == 0 || S == 0 || L == 0) {
-    dq.zero_(), dk.zero_(), dv.zero_();
-    return {dq, dk, dv};
+    std::fill(dq_p, dq_p + N * H * L * E, BFloat16(0.0f));
+    std::fill(dk_p, dk_p + N * H * S * E, BFloat16(0.0f));
+    std::fill(dv_p, dv_p + N * H * S * Ev, BFloat16(0.0f));
+    return 0;
   }
-  const at::Tensor lo_c = lo.contiguous(), hi_c = hi.contiguous(), lse_c = lse.contiguous();
-  const at::Tensor dlse_c = has_grad_lse ? grad_lse.contiguous() : grad_lse;
-  const int64_t* lo_p = lo_c.data_ptr<int64_t>();
-  const int64_t* hi_p = hi_c.data_ptr<int64_t>();
-  const float* lse_p = lse_c.data_ptr<float>();
-  const float* dlse_p = has_grad_lse ? dlse_c.data_ptr<float>() : nullptr;
-  const bool per_batch = lo.size(0) > 1;
+  const bool per_batch = lo_rows > 1;
   const float scale = static_cast<float>(scale_);
 
   const int64_t L_pad = round_up(L, kBlock), S_pad = round_up(S, kBlock);
   const int64_t E64 = round_up(E, kBlock), Ev64 = round_up(Ev, kBlock);
   const int64_t q_blocks = L_pad / kBlock, k_blocks = S_pad / kBlock;
-  const BFloat16* q_p = q.const_data_ptr<BFloat16>();
-  const BFloat16* k_p = k.const_data_ptr<BFloat16>();
-  const BFloat16* v_p = v.const_data_ptr<BFloat16>();
-  const BFloat16* g_p = grad_out.const_data_ptr<BFloat16>();
-  const at::Tensor out_c = out.contiguous();
-  const float* o_p = out_c.const_data_ptr<float>();
-  BFloat16* dq_p = dq.data_ptr<BFloat16>();
-  BFloat16* dk_p = dk.data_ptr<BFloat16>();
-  BFloat16* dv_p = dv.data_ptr<BFloat16>();
 
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+  const bool done = parallel_tasks(N * H, num_threads, [&](int64_t begin, int64_t end) {
     // this thread's buffers, reused from head to head
     std::vector<BFloat16> q_t(L_pad * E), q_rows(E64 * L_pad), g_t(L_pad * Ev), g_rows(Ev64 * L_pad), k_t(E * S_pad);
     std::vector<float> dq_t(E * L_pad), row_lse(L_pad), delta(L_pad), st(kBlock * kRun), dpt(kBlock * kRun);
@@ -240,12 +232,12 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
     std::vector<int32_t> row_lo(L_pad), row_hi(L_pad), block_first(q_blocks), block_last(q_blocks);
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / H, h = nh % H;
-      const BFloat16* q_h = q_p + n * q.stride(0) + h * q.stride(1);
-      const BFloat16* k_h = k_p + n * k.stride(0) + h * k.stride(1);
-      const BFloat16* v_h = v_p + n * v.stride(0) + h * v.stride(1);
-      const BFloat16* g_h = g_p + n * grad_out.stride(0) + h * grad_out.stride(1);
-      const float* o_h = o_p + n * out_c.stride(0) + h * out_c.stride(1);
-      const int64_t k_ld = k.stride(2), v_ld = v.stride(2);
+      const BFloat16* q_h = q_p + n * qs[0] + h * qs[1];
+      const BFloat16* k_h = k_p + n * ks[0] + h * ks[1];
+      const BFloat16* v_h = v_p + n * vs[0] + h * vs[1];
+      const BFloat16* g_h = g_p + n * gs[0] + h * gs[1];
+      const float* o_h = o_p + n * os[0] + h * os[1];
+      const int64_t k_ld = ks[2], v_ld = vs[2];
       // the rows' intervals (clamped to the keys; padded rows see nothing) and each query
       // block's union of them
       const int64_t* lo_n = lo_p + (per_batch ? n * L : 0);
@@ -267,14 +259,14 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       for (int64_t i = 0; i < L_pad; ++i) {
         const bool real = i < L && row_lo[i] <= row_hi[i] && lse_h[i] != -kInf;
         row_lse[i] = real ? lse_h[i] : kInf;
-        delta[i] = real ? row_dot(g_h + i * grad_out.stride(2), o_h + i * out_c.stride(2), Eo) -
+        delta[i] = real ? row_dot(g_h + i * gs[2], o_h + i * os[2], Eo) -
                               (dlse_p != nullptr ? dlse_p[nh * L + i] : 0.0f)
                         : 0.0f;
       }
-      pack_transposed(q_h, q.stride(2), L, L_pad, E, q_t.data());
-      pack_rows(q_h, q.stride(2), L, E, L_pad, q_rows.data());
-      pack_transposed(g_h, grad_out.stride(2), L, L_pad, Ev, g_t.data());
-      pack_rows(g_h, grad_out.stride(2), L, Ev, L_pad, g_rows.data());
+      pack_transposed(q_h, qs[2], L, L_pad, E, q_t.data());
+      pack_rows(q_h, qs[2], L, E, L_pad, q_rows.data());
+      pack_transposed(g_h, gs[2], L, L_pad, Ev, g_t.data());
+      pack_rows(g_h, gs[2], L, Ev, L_pad, g_rows.data());
       transpose(k_h, k_ld, S, S_pad, E, k_t.data());
       std::fill(dq_t.begin(), dq_t.end(), 0.0f);
 
@@ -331,19 +323,20 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
     }
     cpublas::brgemm_release();
   });
-  return {dq, dk, dv};
+  return done ? 0 : 1;
 }
 
-bool micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
+extern "C" int qkv_interval_bf16_backward_micro_kernel_available() { return cpublas::could_pack(at::kBFloat16); }
 
 // Whether this file's VNNI layouts are what oneDNN packs on this machine, on a random (100, 64)
 // matrix (a tail panel too), transposed panels and row panels.
-bool pack_matches() {
+extern "C" int qkv_interval_bf16_backward_pack_matches() {
   const int64_t T = 100, D = 64, T_pad = 128;
   // distinct small integers (exact in bf16), not random numbers: drawing from torch's global
   // generator here would shift the seeded stream of the program that loads the kernel
-  const at::Tensor x = at::arange(1, T * D + 1).reshape({T, D}).mul(37).remainder(255).sub(127).to(at::kBFloat16);
-  const BFloat16* src = x.const_data_ptr<BFloat16>();
+  std::vector<BFloat16> x(T * D);
+  for (int64_t i = 0; i < T * D; ++i) x[i] = BFloat16(static_cast<float>((i + 1) * 37 % 255 - 127));
+  const BFloat16* src = x.data();
   std::vector<BFloat16> ours(T_pad * D), theirs(T_pad * D), panel(T_pad * D, BFloat16(0.0f));
   auto same = [&]() { return std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(BFloat16)) == 0; };
   pack_transposed(src, D, T, T_pad, D, ours.data());
@@ -361,12 +354,3 @@ bool pack_matches() {
   return same();
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("backward", &backward, "fused bfloat16 interval attention backward: (dq, dk, dv)",
-             // the GIL is released while it runs, as PyTorch's operators do (encoder batches run side by side)
-             pybind11::call_guard<pybind11::gil_scoped_release>());
-  module.def("micro_kernel_available", &micro_kernel_available, "whether oneDNN packs bfloat16 for brgemm here");
-  module.def("pack_matches", &pack_matches, "whether this kernel's VNNI panels equal oneDNN's packing here");
-}

@@ -13,9 +13,14 @@ each gradient element is written by one thread in a fixed order, so two runs are
 
 The gradient of the returned lse enters the row term: D_i = rowsum(dO_i * O_i) - dlse_i
 (`qkv.backends.lse_grad` explains why that is exact). Built like the forward
-(`qkv.native.build.build`: cached by the source's hash, one line on stderr while it
-compiles) and checked at load against float64 math; `unavailable_reason` says why it cannot
-run without building, and the engine then takes its other backward.
+(`qkv.native.build.build`: cached by the source's hash, one note while it compiles, seconds)
+and checked at load against float64 math; `unavailable_reason` says why it cannot run
+without building, and the engine then takes its other backward.
+
+The kernel is the PyTorch operator ``torch.ops.qkv.interval_bf16_backward`` (a fake
+implementation gives the gradients' shapes for tracing); it is the backward formula of
+``qkv::interval_bf16_forward`` (`qkv.native.interval_bf16`), and the engine calls it through
+`backward`.
 
 Shape legend: N batch rows, H heads (key/value heads expanded by the engine, whose autograd
 sums dk, dv over each group), L queries, S keys, E / Ev head dims of q, k / v.
@@ -23,14 +28,15 @@ sums dk, dv over each group), L queries, S keys, E / Ev head dims of q, k / v.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from qkv.native import build as compiled
 
-__all__ = ["ENABLED", "KERNEL_NAME", "backward", "describe", "unavailable_reason"]
+__all__ = ["ENABLED", "KERNEL_NAME", "backward", "describe", "gradients", "unavailable_reason"]
 
 # Switch for comparisons (benchmarks/bf16_engine.py times the engine's other backwards with it
 # off); QKV_NO_COMPILED_KERNELS=1 switches it off too, without a build.
@@ -38,9 +44,12 @@ ENABLED = True
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
 # the kernel's source and build (`qkv.native.build`)
-NATIVE = compiled.NativeKernel("interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME)
-# the outcome of the one build attempt of this process: the module, or why there is none
-_built: dict[str, ModuleType | str] = {}
+NATIVE = compiled.NativeKernel(
+    "interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME,
+    torch_headers=True, links_torch=True,
+)  # fmt: skip
+# the outcome of the one build attempt of this process: the loaded library, or why there is none
+_built: dict = {}
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -74,19 +83,22 @@ def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> s
     )
 
 
-def _build() -> ModuleType | str:
-    """Compile (or load the cached build of) the kernel and check it: the module, or why not."""
+def _build() -> ctypes.CDLL | str:
+    """Compile (or load the cached build of) the kernel and check it: the library, or why not."""
     return compiled.build(NATIVE, _check)
 
 
-def _check(module: ModuleType) -> str | None:
-    return compiled.onednn_packing_reason(module) or _self_check(module)
+def _check(library: ctypes.CDLL) -> str | None:
+    return compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") or _self_check(
+        functools.partial(_run, library)
+    )
 
 
-def _self_check(module: ModuleType) -> str | None:
-    """Run the kernel once on a small problem (L != S, a row with no key, an lse gradient)
-    against float64 autograd: None, or what went wrong. A wrong packed layout on some CPU
-    would give wrong numbers, never an error; this turns it into a reason to fall back."""
+def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
+    """Run the kernel (``run``: `_run` on the loaded library) once on a small problem (L != S,
+    a row with no key, an lse gradient) against float64 autograd: None, or what went wrong.
+    A wrong packed layout on some CPU would give wrong numbers, never an error; this turns
+    it into a reason to fall back."""
     gen = torch.Generator().manual_seed(0)
     N, H, L, S, E, Ev = 1, 2, 70, 150, 64, 32
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
@@ -98,25 +110,143 @@ def _self_check(module: ModuleType) -> str | None:
     hi[0, 3] = -1  # one row that sees nothing
     keys = torch.arange(S).view(1, S)
     visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
-    with torch.enable_grad():  # the engine calls this inside autograd's backward, where grad mode is off
-        q64, k64, v64 = (x.double().requires_grad_(True) for x in (q, k, v))
-        s = (q64 @ k64.transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
-        lse64 = torch.logsumexp(s, dim=-1)  # (N, H, L)
-        out64 = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v64  # (N, H, L, Ev)
-        finite = torch.isfinite(lse64)
-        loss = (out64 * d_out.double()).sum() + (lse64[finite] * d_lse.double()[finite]).sum()
-        want = torch.autograd.grad(loss, (q64, k64, v64))
-    got = module.backward(
-        d_out, q, k, v, out64.detach().float(), lse64.detach().float(), d_lse, lo, hi, 0.125
-    )  # dq, dk, dv bf16
+    # the float64 gradients written out (no autograd: a first build may run inside an
+    # operator, below autograd's dispatch): P the probabilities, dS = P (dP - rowsum(dO O) + dlse)
+    q64, k64, v64, g64 = (x.double() for x in (q, k, v, d_out))
+    s = (q64 @ k64.transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
+    lse64 = torch.logsumexp(s, dim=-1)  # (N, H, L)
+    p = torch.nan_to_num(torch.softmax(s, dim=-1))  # (N, H, L, S), rows that see nothing: 0
+    out64 = p @ v64  # (N, H, L, Ev)
+    d_lse64 = torch.where(torch.isfinite(lse64), d_lse.double(), 0.0)  # (N, H, L)
+    row = (g64 * out64).sum(-1, keepdim=True) - d_lse64.unsqueeze(-1)  # (N, H, L, 1)
+    d_s = p * (g64 @ v64.transpose(-1, -2) - row) * 0.125  # (N, H, L, S)
+    want = (d_s @ k64, d_s.transpose(-1, -2) @ q64, p.transpose(-1, -2) @ g64)  # dq, dk, dv
+    got = run(d_out, q, k, v, out64.detach().float(), lse64.detach().float(), d_lse, lo, hi, 0.125)  # dq, dk, dv bf16
     errors = [(g.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30) for g, w in zip(got, want, strict=True)]
     if not (max(errors) < 2e-2 and bool((got[0][:, :, 3] == 0).all())):
         return f"its self-check failed (relative errors of dq, dk, dv {', '.join(f'{e:.3g}' for e in errors)})"
     return None
 
 
-def _module() -> ModuleType | str:
+def _module() -> ctypes.CDLL | str:
     return compiled.built_once(_built, _build)
+
+
+@functools.cache
+def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    """The kernel's entry point with its C signature (interval_bf16_backward.cpp)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return compiled.function(
+        library, "qkv_interval_bf16_backward", ctypes.c_int,
+        p, p, p, p, p, p, p, p,  # grad_out, q, k, v and their strides
+        p, p, p, p,  # out and its strides, lse, grad_lse (or null)
+        p, p, i64,  # lo, hi, their rows
+        i64, i64, i64, i64, i64, i64, i64,  # N, H, L, E, S, Ev, Eo
+        ctypes.c_double, p, p, p, i64,  # scale, dq, dk, dv, threads
+    )  # fmt: skip
+
+
+def _argument_problem(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+) -> str | None:  # fmt: skip
+    """What is wrong with the operator's arguments, or None (the kernel reads raw memory: any
+    mismatch must be refused before it runs)."""
+    if any(x.dim() != 4 for x in (grad_out, q, k, v, out)):
+        return "grad_out, q, k, v and out must be 4-D (N, H, T, D)"
+    if any(x.dtype != torch.bfloat16 for x in (grad_out, q, k, v)):
+        return "grad_out, q, k and v must be bfloat16"
+    if any(x.stride(3) != 1 for x in (grad_out, q, k, v, out)):
+        return "grad_out, q, k, v and out need a contiguous last dim"
+    N, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    if tuple(k.shape) != (N, H, S, E) or tuple(v.shape[:3]) != (N, H, S) or tuple(grad_out.shape) != (N, H, L, Ev):
+        return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, grad_out {tuple(grad_out.shape)}"
+    if out.dtype != torch.float32 or tuple(out.shape[:3]) != (N, H, L) or out.shape[3] > Ev:
+        return "out must be float32 (N, H, L, at most Ev)"
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (N, H, L):
+        return "lse must be float32 (N, H, L)"
+    if grad_lse is not None and (grad_lse.dtype != torch.float32 or tuple(grad_lse.shape) != (N, H, L)):
+        return "grad_lse must be None or float32 (N, H, L)"
+    if E <= 0 or Ev <= 0 or E % 32 or Ev % 32:
+        return f"E and Ev must be positive multiples of 32 (they are {E} and {Ev})"
+    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or lo.shape != hi.shape:
+        return "lo and hi must be int64 tensors of one shape (N | 1, L)"
+    if lo.shape[1] != L or lo.shape[0] not in (1, N):
+        return f"lo and hi must be (N | 1, L) = ({N} | 1, {L}), not {tuple(lo.shape)}"
+    if any(x.device.type != "cpu" for x in (grad_out, q, k, v, out, lse, lo, hi)):
+        return "every tensor must be on the CPU"
+    return None
+
+
+def _run(
+    library: ctypes.CDLL, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel on checked arguments: dq, dk, dv (N, H, *, E | Ev) bfloat16."""
+    problem = _argument_problem(grad_out, q, k, v, out, lse, grad_lse, lo, hi)
+    if problem is not None:
+        raise ValueError(f"qkv::interval_bf16_backward: {problem}")
+    N, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    lse, lo, hi = lse.contiguous(), lo.contiguous(), hi.contiguous()
+    d_lse = None if grad_lse is None or grad_lse.numel() == 0 else grad_lse.contiguous()
+    dq = torch.empty(N, H, L, E, dtype=torch.bfloat16)
+    dk = torch.empty(N, H, S, E, dtype=torch.bfloat16)
+    dv = torch.empty(N, H, S, Ev, dtype=torch.bfloat16)
+    status = _entry(library)(
+        grad_out.data_ptr(), compiled.strides(grad_out), q.data_ptr(), compiled.strides(q),
+        k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
+        out.data_ptr(), compiled.strides(out), lse.data_ptr(), None if d_lse is None else d_lse.data_ptr(),
+        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, out.shape[3], float(scale),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"the {KERNEL_NAME} could not allocate its scratch buffers")
+    return dq, dk, dv
+
+
+@torch.library.custom_op("qkv::interval_bf16_backward", mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16 of interval attention (E, Ev
+    multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
+    use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
+    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
+    library = reason or _module()
+    if isinstance(library, str):
+        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
+
+
+@_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale):  # type: ignore[no-untyped-def]
+    problem = _argument_problem(grad_out, q, k, v, out, lse, grad_lse, lo, hi)
+    if problem is not None:
+        raise ValueError(f"qkv::interval_bf16_backward: {problem}")
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def gradients(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    lo: torch.Tensor, hi: torch.Tensor, scale: float, grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The operator on inputs of any head dims: q, k, v and grad_out padded to multiples of 32
+    (zero columns change no gradient of the others), the gradients cut back to E and Ev."""
+    E, Ev = q.shape[3], v.shape[3]
+    q_, k_, v_ = (compiled.padded_heads(x) for x in (q, k, v))  # (N, H, *, E | Ev rounded up to 32)
+    g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
+    d_lse = None if grad_lse is None else grad_lse.to(torch.float32)
+    args = (g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long))
+    library = _module() if compiled.direct_call(*(a for a in args if a is not None)) else None
+    with torch.no_grad():
+        if isinstance(library, ctypes.CDLL):
+            dq, dk, dv = _run(library, *args, float(scale))  # (N, H, *, padded)
+        else:  # traced, or its build failed (the operator then says why)
+            dq, dk, dv = torch.ops.qkv.interval_bf16_backward(*args, float(scale))  # (N, H, *, padded)
+    return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
 def backward(
@@ -139,16 +269,6 @@ def backward(
     (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    module = _module()
-    if isinstance(module, str):
+    if isinstance(_module(), str):
         return None
-    E, Ev = q.shape[3], v.shape[3]
-    q_, k_, v_ = (compiled.padded_heads(x) for x in (q, k, v))  # (N, H, *, E | Ev rounded up to 32)
-    g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
-    d_lse = torch.empty(0) if grad_lse is None else grad_lse.to(torch.float32)
-    with torch.no_grad():
-        dq, dk, dv = module.backward(
-            g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long),
-            float(scale),
-        )  # (N, H, *, padded)
-    return dq[..., :E], dk[..., :E], dv[..., :Ev]
+    return gradients(grad_out, q, k, v, out, lse, lo, hi, scale, grad_lse)

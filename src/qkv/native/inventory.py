@@ -2,13 +2,18 @@
 
 `kernel_statuses` answers without building anything: whether each kernel may run here (the
 CPU tier, the dtype, ``QKV_NO_COMPILED_KERNELS``, the tools) and whether its build is already
-in the cache. `build_all` builds and self-checks every kernel that may run here, one at a
-time, and says how long each took (`qkv doctor --build`).
+in the cache. `build_all` builds and self-checks every kernel that may run here, side by
+side (one compiler per core), and says how long each took (`qkv doctor --build`). Every
+kernel is a PyTorch operator ``torch.ops.qkv.<stem>`` (the interval pair:
+``interval_bf16_forward`` and ``interval_bf16_backward``), registered when its module is
+imported, whether or not it can run here (`OPERATORS`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,12 +28,20 @@ from qkv.native import (
 )
 from qkv.native import build as compiled
 
-__all__ = ["KernelStatus", "build_all", "kernel_statuses"]
+__all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 
 # the kernel modules, each with NATIVE (its source and flags), _built and _build
 _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16)
 # the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
 _NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
+# each kernel's operator, by its stem: torch.ops.qkv.<name>
+OPERATORS: dict[str, str] = {
+    "interval_bf16": "interval_bf16_forward",
+    "interval_bf16_backward": "interval_bf16_backward",
+    "short_bf16": "short_bf16",
+    "add_norm_bf16": "add_norm_bf16",
+    "magnitude_bf16": "magnitude_bf16",
+}
 
 
 @dataclass(frozen=True)
@@ -65,14 +78,16 @@ def kernel_statuses() -> list[KernelStatus]:
 
 
 def build_all() -> list[KernelStatus]:
-    """Build (or load) and self-check every kernel that may run here, one after another; the
-    others are listed with their reason. A failed build is a reason, never an exception."""
-    statuses = []
-    for module in _MODULES:
+    """Build (or load) and self-check every kernel that may run here, side by side on the
+    machine's cores; the others are listed with their reason. A failed build is a reason,
+    never an exception."""
+
+    def attempt(module: ModuleType) -> KernelStatus:
         if _status(module).reason is not None:
-            statuses.append(_status(module))
-            continue
+            return _status(module)
         started = time.perf_counter()
         compiled.built_once(module._built, module._build)
-        statuses.append(_status(module, time.perf_counter() - started))
-    return statuses
+        return _status(module, time.perf_counter() - started)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES), os.cpu_count() or 1))) as pool:
+        return list(pool.map(attempt, _MODULES))

@@ -1,6 +1,7 @@
 // The largest magnitude of bfloat16 tensors in one pass, built at run time by
-// qkv/kernels/magnitude_bf16.py for the input check of every attention call
-// (qkv/_problem.py, _check_magnitudes).
+// qkv/native/build.py and called through the operator qkv::magnitude_bf16
+// (qkv/native/magnitude_bf16.py) for the input check of every attention call
+// (qkv/attention/problem.py, _check_magnitudes).
 //
 // A bfloat16 value is a sign bit and 15 bits of magnitude, and those 15 bits, read as an
 // unsigned integer, are ordered as the magnitudes are: 0 is zero, 0x7F80 infinity, anything
@@ -13,15 +14,12 @@
 // A tensor arrives as its data pointer, the sizes and strides (in values) of its rows, and
 // the length of a row: its contiguous innermost dims, merged by the caller.
 
-#include <ATen/Parallel.h>
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
+// No torch header at all (a cold build in a few seconds); the threads are OpenMP's.
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -53,20 +51,22 @@ uint16_t lanes_max(__m512i acc) {
   return *std::max_element(lanes, lanes + 32);
 }
 
-// One tensor: rows of `inner` contiguous values, one at every index of `sizes`, the row at
-// index (i_0, i_1, ...) starting at sum_d i_d * strides[d] values from `data`.
+// One tensor: rows of `inner` contiguous values, one at every index of `sizes` (`dims` of
+// them), the row at index (i_0, i_1, ...) starting at sum_d i_d * strides[d] values from `base`.
 struct Strided {
-  uintptr_t data;
-  std::vector<int64_t> sizes, strides;
+  const uint16_t* base;
+  int64_t dims;
+  const int64_t* sizes;
+  const int64_t* strides;
   int64_t inner;
 };
 
-uint16_t largest_bits(const Strided& t) {
-  const int64_t dims = static_cast<int64_t>(t.sizes.size());
+uint16_t largest_bits(const Strided& t, int64_t num_threads) {
+  const int64_t dims = t.dims;
   int64_t rows = 1;
-  for (int64_t n : t.sizes) rows *= n;
+  for (int64_t d = 0; d < dims; ++d) rows *= t.sizes[d];
   if (rows == 0 || t.inner == 0) return 0;
-  const auto* base = reinterpret_cast<const uint16_t*>(t.data);
+  const uint16_t* base = t.base;
   // row r's index (last dim fastest) into idx, its offset returned
   auto locate = [&](int64_t r, int64_t* idx) {
     int64_t offset = 0;
@@ -82,18 +82,22 @@ uint16_t largest_bits(const Strided& t) {
   const int64_t pieces = (t.inner + kGrainValues - 1) / kGrainValues;  // per row
   const int64_t shares = grain > 1 ? (rows + grain - 1) / grain : rows * pieces;
   std::vector<uint16_t> best(shares, 0);
-  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<int64_t> idx(std::max<int64_t>(dims, 1));
+  // the split of at::parallel_for with grain 1: contiguous runs of ceil(shares / threads)
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, shares)), run = (shares + threads - 1) / threads;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static, 1)
+  for (int64_t worker = 0; worker < threads; ++worker) {
+    const int64_t s0 = worker * run, s1 = std::min(shares, s0 + run);
+    int64_t idx[64];  // the caller merges dims; a tensor has at most 64 (PyTorch's limit too)
     for (int64_t s = s0; s < s1; ++s) {
       __m512i acc = _mm512_setzero_si512();
       if (grain == 1) {
         const int64_t from = s % pieces * kGrainValues;
-        row_max(base + locate(s / pieces, idx.data()) + from, std::min(kGrainValues, t.inner - from), acc);
+        row_max(base + locate(s / pieces, idx) + from, std::min(kGrainValues, t.inner - from), acc);
         best[s] = lanes_max(acc);
         continue;
       }
       const int64_t first = s * grain, last = std::min(rows, first + grain);
-      int64_t offset = locate(first, idx.data());
+      int64_t offset = locate(first, idx);
       for (int64_t r = first; r < last; ++r) {
         row_max(base + offset, t.inner, acc);
         for (int64_t d = dims - 1; d >= 0; --d) {  // the next row's index, like an odometer
@@ -105,29 +109,27 @@ uint16_t largest_bits(const Strided& t) {
       }
       best[s] = lanes_max(acc);
     }
-  });
+  }
   return *std::max_element(best.begin(), best.end());
-}
-
-// per tensor, the largest 15-bit magnitude field of its bfloat16 values
-std::vector<int> largest_magnitude_bits(const std::vector<Strided>& tensors) {
-  std::vector<int> out;
-  for (const Strided& t : tensors) out.push_back(largest_bits(t));
-  return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  pybind11::class_<Strided>(module, "Strided")
-      .def(pybind11::init([](uintptr_t data, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t inner) {
-             if (sizes.size() != strides.size()) throw std::invalid_argument("sizes and strides differ in length");
-             return Strided{data, std::move(sizes), std::move(strides), inner};
-           }),
-           pybind11::arg("data"), pybind11::arg("sizes"), pybind11::arg("strides"), pybind11::arg("inner"));
-  module.def("largest_magnitude_bits", &largest_magnitude_bits,
-             "per bfloat16 tensor, the largest (bits & 0x7FFF): its largest |x|, 0x7F80 for inf, above for NaN",
-             pybind11::arg("tensors"),
-             // the GIL is released while it runs, as PyTorch's own reductions do
-             pybind11::call_guard<pybind11::gil_scoped_release>());
+// bits[i] = the largest 15-bit magnitude field of tensor i's bfloat16 values, for `count`
+// tensors: data[i], dims[i] row dims whose sizes and strides (in values) follow one another
+// in `layout` (sizes, then strides, per tensor), rows of inner[i] contiguous values. Python
+// checks that each tensor's values lie in readable memory. Returns 0, or 1 when memory ran out
+// (or a tensor came with more than 64 row dims).
+extern "C" int qkv_magnitude_bf16(int64_t count, const uint16_t* const* data, const int64_t* dims, const int64_t* layout,
+                                  const int64_t* inner, int32_t* bits, int64_t num_threads) {
+  try {
+    for (int64_t i = 0; i < count; ++i) {
+      if (dims[i] > 64) return 1;
+      bits[i] = largest_bits(Strided{data[i], dims[i], layout, layout + dims[i], inner[i]}, num_threads);
+      layout += 2 * dims[i];
+    }
+  } catch (...) {  // nothing may leave an extern "C" function
+    return 1;
+  }
+  return 0;
 }

@@ -13,15 +13,18 @@ the largest: 1.1 ms for the three, the same answer to the bit.
 values, a contiguous last dim, any strides elsewhere, the compiled
 kernels allowed here: `qkv.native.build.static_reason`) and leaves None for the others,
 which the caller reduces with ``torch.aminmax``. Small tensors never build it: the first
-large bfloat16 input does (about 10 seconds, once per machine, one line on stderr).
+large bfloat16 input does (a few seconds, once per machine, one note on the ``qkv`` logger).
+The scan is the PyTorch operator ``torch.ops.qkv.magnitude_bf16`` (a list of tensors in, one
+int32 magnitude field per tensor out; a fake implementation gives its shape for tracing).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -35,15 +38,13 @@ ENABLED = True
 
 KERNEL_NAME = "bfloat16 magnitude scan"
 # the kernel's source and build (`qkv.native.build`)
-NATIVE = compiled.NativeKernel(
-    "magnitude_bf16", Path(__file__).with_name("magnitude_bf16.cpp"), KERNEL_NAME, duration="about 10 seconds"
-)
+NATIVE = compiled.NativeKernel("magnitude_bf16", Path(__file__).with_name("magnitude_bf16.cpp"), KERNEL_NAME)
 # below this many values torch.aminmax costs microseconds, and no input should build a kernel
 MIN_VALUES = 1 << 20
 _INFINITY_BITS = 0x7F80  # bfloat16 +inf with the sign bit cleared; more is a NaN
 
-# the outcome of the one build attempt of this process: the module, or why there is none
-_built: dict[str, ModuleType | str] = {}
+# the outcome of the one build attempt of this process: the loaded library, or why there is none
+_built: dict = {}
 
 
 def unavailable_reason(x: torch.Tensor) -> str | None:
@@ -127,13 +128,62 @@ def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[float | None]:
     taken = [(i, rows) for i, (rows, _) in enumerate(plans) if rows is not None]
     if not taken:
         return found
-    module = compiled.built_once(_built, _build)
-    if isinstance(module, str):
+    library = compiled.built_once(_built, _build)
+    if isinstance(library, str):
         return found
-    bits = module.largest_magnitude_bits([module.Strided(tensors[i].data_ptr(), *rows) for i, rows in taken])
+    chosen = [tensors[i] for i, _ in taken]
+    scan = functools.partial(_run, library) if compiled.direct_call(*chosen) else torch.ops.qkv.magnitude_bf16
+    bits = scan(chosen).tolist()
     for (i, _), b in zip(taken, bits, strict=True):
         found[i] = magnitude_of(b)
     return found
+
+
+@functools.cache
+def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    """The kernel's entry point with its C signature (magnitude_bf16.cpp)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return compiled.function(library, "qkv_magnitude_bf16", ctypes.c_int, i64, p, p, p, p, p, i64)
+
+
+def _run(library: ctypes.CDLL, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The scan of bfloat16 CPU tensors whose last dim is contiguous and whose values lie in
+    readable memory (checked here: the kernel reads raw memory): (len(tensors),) int32."""
+    layouts = []
+    for i, x in enumerate(tensors):
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"qkv::magnitude_bf16: tensor {i} is not bfloat16 on the CPU ({x.dtype}, {x.device})")
+        rows = strided_rows(x)
+        if rows is None or not _readable(x):
+            raise ValueError(f"qkv::magnitude_bf16: tensor {i} has no contiguous last dim or no readable values")
+        layouts.append(rows)
+    count = len(tensors)
+    data = (ctypes.c_void_p * max(count, 1))(*(x.data_ptr() for x in tensors))
+    dims = (ctypes.c_int64 * max(count, 1))(*(len(sizes) for sizes, _, _ in layouts))
+    flat = [n for sizes, steps, _ in layouts for n in (*sizes, *steps)]  # per tensor: its sizes, then its strides
+    layout = (ctypes.c_int64 * max(len(flat), 1))(*flat)
+    inner = (ctypes.c_int64 * max(count, 1))(*(n for _, _, n in layouts))
+    bits = torch.zeros(count, dtype=torch.int32)
+    if count and _entry(library)(count, data, dims, layout, inner, bits.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError(f"the {KERNEL_NAME} could not allocate its buffers")
+    return bits
+
+
+@torch.library.custom_op("qkv::magnitude_bf16", mutates_args=())
+def _magnitude_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per bfloat16 tensor the largest (bits & 0x7FFF) of its values, (len(tensors),) int32:
+    its largest |x| (`magnitude_of`), 0x7F80 for inf, above for NaN. Builds the scan on
+    first use; raises RuntimeError when it cannot run here."""
+    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    library = reason or compiled.built_once(_built, _build)
+    if isinstance(library, str):
+        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    return _run(library, tensors)
+
+
+@_magnitude_op.register_fake
+def _(tensors):  # type: ignore[no-untyped-def]
+    return torch.empty(len(tensors), dtype=torch.int32)
 
 
 def magnitude_of(bits: int) -> float:
@@ -147,16 +197,20 @@ def magnitude_of(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bfloat16 is float32's upper half
 
 
-def _build() -> ModuleType | str:
+def _build() -> ctypes.CDLL | str:
     return compiled.build(NATIVE, _check)
 
 
-def _check(module: ModuleType) -> str | None:
-    """Scan awkward tensors once against torch's own reduction: None, or what went wrong. The
-    largest magnitude is negative each time: in a masked tail, in strided layouts, in the
-    fourth piece of one long row (rows past 65,536 values are split between threads), in the
-    third share of many short rows (each share finds its first row by division, then steps);
-    then an inf and a NaN."""
+def _check(library: ctypes.CDLL) -> str | None:
+    return _self_check(functools.partial(_run, library))
+
+
+def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
+    """Scan awkward tensors once (``run``: `_run` on the loaded library) against torch's own
+    reduction: None, or what went wrong. The largest magnitude is negative each time: in a
+    masked tail, in strided layouts, in the fourth piece of one long row (rows past 65,536
+    values are split between threads), in the third share of many short rows (each share
+    finds its first row by division, then steps); then an inf and a NaN."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, 45, generator=gen).bfloat16()  # rows of 45: one vector and a tail of 13
     x[3, 6, 44] = -300.0
@@ -166,17 +220,14 @@ def _check(module: ModuleType) -> str | None:
     many[20, 45, 7] = -300.0  # row 45 * 64 + 20 = 2,900 of the transposed view
     cases = [x, x.transpose(0, 1), x[:, 1:, 3:], long, many.transpose(0, 1)]
     for case in cases:
-        layout = strided_rows(case)
-        if layout is None:
-            return "its self-check could not lay out a test tensor"
-        (bits,) = module.largest_magnitude_bits([module.Strided(case.data_ptr(), *layout)])
+        (bits,) = run([case]).tolist()
         want = float(case.float().abs().max())
         if magnitude_of(bits) != want:
             return f"its self-check failed (largest magnitude {magnitude_of(bits)!r}, want {want!r})"
     for special in (float("-inf"), float("nan")):
         y = x.clone()
         y[1, 2, 3] = special
-        (bits,) = module.largest_magnitude_bits([module.Strided(y.data_ptr(), *strided_rows(y))])  # type: ignore[misc]
+        (bits,) = run([y]).tolist()
         if magnitude_of(bits) != float("inf"):
             return f"its self-check failed ({special} was not seen)"
     return None

@@ -1,5 +1,5 @@
 // Exact bfloat16 attention for short sequences on the CPU, built at run time by
-// qkv/kernels/short_bf16.py.
+// qkv/native/build.py and called through the operator qkv::short_bf16 (qkv/native/short_bf16.py).
 //
 // PyTorch's CPU flash kernel spends most of its time on a short sequence (a sentence of
 // 20-110 tokens, head dim 32) in per-(batch row, head) set-up, not in products: 15-50 GFLOP/s.
@@ -19,10 +19,11 @@
 // Shapes: q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) bfloat16, H % G == 0; key_valid
 // (N | 1, S) bool or an empty tensor (all keys visible); out (N, H, L, Ev) bfloat16.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+// Only at::vec (for exp; header-only, no link to libtorch): a cold build in seconds, where
+// torch/extension.h took over a minute. extern "C" entry points on raw pointers.
 #include <ATen/cpu/vec/vec.h>
+
+#include <omp.h>
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -176,29 +177,19 @@ void attend_block(const uint16_t* q, int64_t E_pad, int64_t rows, int64_t panels
   }
 }
 
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_valid, double scale_,
-             at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4, "q, k, v, out must be 4-D");
-  for (const at::Tensor* x : {&q, &k, &v, static_cast<const at::Tensor*>(&out)}) {
-    TORCH_CHECK(x->scalar_type() == at::kBFloat16, "q, k, v, out must be bfloat16");
-    TORCH_CHECK(x->stride(3) == 1 || x->size(3) <= 1, "q, k, v, out need a contiguous last dim");
-  }
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
-  const int64_t G = k.size(1), S = k.size(2), Ev = v.size(3);
-  TORCH_CHECK(G > 0 && H % G == 0, "H must be a multiple of G");
-  TORCH_CHECK(k.size(0) == N && v.size(0) == N && v.size(1) == G && v.size(2) == S && k.size(3) == E,
-              "q, k, v shapes do not match");
-  TORCH_CHECK(out.size(0) == N && out.size(1) == H && out.size(2) == L && out.size(3) == Ev, "out must be (N, H, L, Ev)");
-  TORCH_CHECK(E >= 1 && Ev >= 1, "E and Ev must be positive");
-  const bool masked = key_valid.numel() > 0;
-  if (masked)
-    TORCH_CHECK(key_valid.scalar_type() == at::kBool && key_valid.dim() == 2 && key_valid.size(1) == S &&
-                (key_valid.size(0) == 1 || key_valid.size(0) == N), "key_valid must be bool (N | 1, S)");
-  TORCH_CHECK(tiles_permitted(), "the kernel may not use AMX tiles here (arch_prctl refused)");
-  if (N * H * L == 0) return;
-  const at::Tensor valid_c = masked ? key_valid.contiguous() : key_valid;
-  const bool* valid_p = masked ? valid_c.const_data_ptr<bool>() : nullptr;
-  const int64_t valid_rows = masked ? key_valid.size(0) : 0;
+}  // namespace
+
+// out (N, H, L, Ev) bfloat16 of q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) bfloat16, each
+// given by its data and the strides of its first three dims (last dim contiguous); key_valid
+// (valid_rows x S, contiguous, valid_rows 1 or N) or null for all keys; H a multiple of G,
+// E, Ev >= 1 (Python checks all of it, and that the tiles are permitted). Returns 0, or 1
+// when memory ran out.
+extern "C" int qkv_short_bf16_forward(const uint16_t* q_p, const int64_t* qs, const uint16_t* k_p, const int64_t* ks,
+                                      const uint16_t* v_p, const int64_t* vs, const bool* valid_p, int64_t valid_rows,
+                                      int64_t N, int64_t H, int64_t G, int64_t L, int64_t E, int64_t S, int64_t Ev,
+                                      double scale_, BFloat16* out_p, const int64_t* outs, int64_t num_threads) {
+  if (N * H * L == 0) return 0;
+  const bool masked = valid_p != nullptr;
   const float scale = static_cast<float>(scale_);
   // head dims padded to the tiles' 32, keys to 32 (the products' K step; an even number of
   // panels), value columns to 32 (an even number of 16-column vectors)
@@ -206,12 +197,14 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const int64_t panels = round_up(std::max<int64_t>(S, 1), 32) / kLanes, width = panels * kLanes;
   const int64_t T = width / 2, C = round_up(Ev, 2 * kLanes) / kLanes, group = H / G;  // C even: pairs of tiles
 
-  const uint16_t* q_p = reinterpret_cast<const uint16_t*>(q.const_data_ptr<BFloat16>());
-  const uint16_t* k_p = reinterpret_cast<const uint16_t*>(k.const_data_ptr<BFloat16>());
-  const uint16_t* v_p = reinterpret_cast<const uint16_t*>(v.const_data_ptr<BFloat16>());
-  BFloat16* out_p = out.data_ptr<BFloat16>();
-
-  at::parallel_for(0, N * G, 1, [&](int64_t begin, int64_t end) {
+  // the split of at::parallel_for with grain 1: contiguous shares of ceil(tasks / threads)
+  const int64_t tasks = N * G, threads = std::max<int64_t>(1, std::min(num_threads, tasks));
+  const int64_t share = (tasks + threads - 1) / threads;
+  bool failed = false;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static, 1) reduction(|| : failed)
+  for (int64_t worker = 0; worker < threads; ++worker) try {
+    const int64_t begin = worker * share, end = std::min(tasks, begin + share);
+    if (begin >= end) continue;
     configure_tiles();  // tile state is per thread
     std::vector<uint32_t> keys(panels * E2 * kLanes), values(T * C * kLanes);
     std::vector<uint16_t> q_block(kTile * E_pad, 0), p(kTile * width);
@@ -233,37 +226,32 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
       if (seen == 0) {  // no visible key: every query row of this batch row is zero
         for (int64_t h = g * group; h < (g + 1) * group; ++h)
           for (int64_t i = 0; i < L; ++i) {
-            BFloat16* dst = out_p + n * out.stride(0) + h * out.stride(1) + i * out.stride(2);
+            BFloat16* dst = out_p + n * outs[0] + h * outs[1] + i * outs[2];
             std::fill(dst, dst + Ev, BFloat16(0.0f));
           }
         continue;
       }
-      pack_keys(k_p + n * k.stride(0) + g * k.stride(1), k.stride(2), S, E, E2, panels, keys.data());
-      pack_values(v_p + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, T, C, values.data());
+      pack_keys(k_p + n * ks[0] + g * ks[1], ks[2], S, E, E2, panels, keys.data());
+      pack_values(v_p + n * vs[0] + g * vs[1], vs[2], S, Ev, T, C, values.data());
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t i0 = 0; i0 < L; i0 += kTile) {
           const int64_t rows = std::min(kTile, L - i0);
-          const uint16_t* q_rows = q_p + n * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
+          const uint16_t* q_rows = q_p + n * qs[0] + h * qs[1] + i0 * qs[2];
           for (int64_t r = 0; r < kTile; ++r) {  // the block's rows, zero-padded to E_pad and 16 rows
             uint16_t* dst = q_block.data() + r * E_pad;
-            if (r < rows) std::memcpy(dst, q_rows + r * q.stride(2), E * 2);
+            if (r < rows) std::memcpy(dst, q_rows + r * qs[2], E * 2);
             else std::memset(dst, 0, E * 2);
           }
           attend_block(q_block.data(), E_pad, rows, panels, C, keys.data(), values.data(), visible.data(), scale, s.data(),
-                       p.data(), o.data(), out_p + n * out.stride(0) + h * out.stride(1) + i0 * out.stride(2), out.stride(2), Ev);
+                       p.data(), o.data(), out_p + n * outs[0] + h * outs[1] + i0 * outs[2], outs[2], Ev);
         }
       }
     }
     _tile_release();
-  });
+  } catch (...) {  // nothing may leave an OpenMP region or an extern "C" function
+    failed = true;
+  }
+  return failed ? 1 : 0;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  // the GIL is released while it runs, as PyTorch's own operators do: other Python threads
-  // (an encoder's batches on several cores) keep running
-  module.def("forward", &forward, "exact short-sequence bfloat16 attention into out (N, H, L, Ev)",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
-  module.def("tiles_permitted", &tiles_permitted, "whether Linux lets this process use the AMX tiles");
-}
+extern "C" int qkv_short_bf16_tiles_permitted() { return tiles_permitted(); }
