@@ -22,7 +22,7 @@ attention goes through that interface then run on qkv:
   probabilities of the path that ran, for every layer; transformers refuses
   ``config.output_attentions=True`` for any implementation but eager, so pass it per call;
 - Gemma 2's soft-capping and T5's relative position bias reach qkv as ``softcap=`` and
-  ``bias=``; attention sinks (gpt-oss) are refused;
+  ``bias=``, gpt-oss's attention sinks as ``sinks=``;
 - `recording` lists every call with its `qkv.explain`;
 - `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
   `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).
