@@ -247,8 +247,11 @@ def test_block_engine_matches_the_reference(case: tuple) -> None:
     grads = []
     for backend in ("blocks", "math"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
-        o, row_lse = qkv.attention(*leaves[:3], mask, sinks=leaves[3], backend=backend, return_lse=True, **terms)
+        o, w, row_lse = qkv.attention(*leaves[:3], mask, sinks=leaves[3], backend=backend, return_weights=True, return_lse=True, **terms)
+        if backend == "blocks":  # weights a loss differentiates come from the dense formula, sinks included
+            np.testing.assert_allclose(w.detach().numpy(), trace.weights, rtol=1e-10, atol=1e-12)
         loss = (o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).sum() + torch.where(torch.isfinite(row_lse), row_lse, 0).sum()
+        loss = loss + (w * w.detach()).sum()
         grads.append(torch.autograd.grad(loss, leaves))
     for engine, formula in zip(*grads, strict=True):
         torch.testing.assert_close(engine, formula, rtol=1e-9, atol=1e-11)
