@@ -304,6 +304,37 @@ def test_gpt_oss_greedy_generate_equals_eager() -> None:
     assert tokens[NAME].shape == (2, 15) and torch.equal(tokens[NAME], tokens["eager"])
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """track_bounds: every decoding step's input checks scan the new query only (the keys and
+    values come with their bounds), and greedy generation equals eager's with its own cache."""
+    from qkv.attention import problem
+    from qkv.integrations.transformers import track_bounds
+
+    models = _gpt_oss_models(window=4)
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    eager = models["eager"].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    config = models[NAME].config
+    cache = transformers.DynamicCache(config=config) if kind == "dynamic" else transformers.StaticCache(config=config, max_cache_len=16)
+    scanned: list[tuple[int, ...]] = []
+    original = problem._largest_magnitudes
+    monkeypatch.setattr(problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
+    ours = models[NAME].generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache=track_bounds(cache)
+    )
+    assert torch.equal(ours, eager)
+    steps = [shape for shape in scanned if shape[-2] == 1 and shape[1] == 4]  # the query (B, H, 1, E) of a decoding step
+    assert len(steps) == 2 * 5  # two layers, five steps after the prompt
+    assert all(shape[1] == 4 for shape in scanned)  # queries (H = 4) only: no key or value (G = 2) is scanned
+
+
+def test_track_bounds_refuses_what_is_not_a_cache() -> None:
+    from qkv.integrations.transformers import track_bounds
+
+    with pytest.raises(TypeError, match="track_bounds takes a transformers Cache"):
+        track_bounds(object())
+
+
 def test_gpt_oss_long_sequence_runs_the_block_engine_with_sinks() -> None:
     """At 320 tokens the sliding layer runs on the CPU block engine with the sinks folded into
     its lse, the full layer too (causal); logits and gradients equal eager's."""

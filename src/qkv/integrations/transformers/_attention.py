@@ -16,6 +16,9 @@ gpt-oss's attention sinks (``s_aux``, one logit per head in every row's denomina
 qkv as ``sinks=``, in float32 when the model's are narrower (qkv keeps sinks float32 or
 wider); their gradient reaches the model's parameter.
 
+A cache wrapped by `track_bounds` notes running bounds on what it returns; those tensors then
+reach `qkv.attention` with ``kv_bounds``, and a decoding step's input checks skip the cache.
+
 What is refused, with a message, before any work: masks of a type qkv does not take.
 """
 
@@ -32,6 +35,7 @@ import torch
 from qkv import masks
 from qkv._private.transformers import attentions_collected
 from qkv.attention.functional import attention, explain
+from qkv.integrations.transformers._bounds import noted_bounds
 from qkv.integrations.transformers._masks import StructuredMask
 from qkv.masks import Mask
 
@@ -234,7 +238,7 @@ def attention_forward(
         calls.append(AttentionCall(getattr(module, "layer_idx", None), type(module).__name__, source, recognised, explanation))
     result = attention(
         query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
-        return_weights=want_weights, sinks=sinks,
+        return_weights=want_weights, sinks=sinks, kv_bounds=noted_bounds(key, value),
     )
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev), (B, H, L, S) | None
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Ev)
