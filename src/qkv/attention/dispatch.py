@@ -7,7 +7,8 @@ score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.a
 executes a Plan (`qkv.attention.execute`), `qkv.explain` describes one (`qkv.attention.explain`) and runs no
 kernel; both read the Plan only.
 
-`choose_path` reads top to bottom: an explicit backend first, then the score terms, dropout,
+`choose_path` reads top to bottom: an explicit backend first, then attention sinks (which SDPA
+cannot apply: the decode kernel, the tile paths or the math path take them), the score terms, dropout,
 a wide float mask under autograd, and finally whether the structured engines pay off for a
 structured mask. A `predicate` mask beyond `POINTWISE_BUDGET` points is not evaluated to
 decide: it goes to the structured engine with a deferred Plan, which `complete` fills in when

@@ -224,7 +224,8 @@ def block_attention(
     if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
         out, lse = _BlockAttention.apply(*inputs, run, sinks)
     else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)
-        out_acc, lse = _forward(*inputs, run, rounded=True)
+        # ... unless a sink rescales it first: then it is rounded once, after the fold
+        out_acc, lse = _forward(*inputs, run, rounded=sinks is None)
         if sinks is not None:
             out_acc, lse, _ = sink_fold(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
