@@ -43,6 +43,16 @@ def gemma2(window: int = 5, softcap: float | None = 1.0) -> transformers.PreTrai
     )
 
 
+def gpt_oss(window: int = 5, layers: int = 2) -> transformers.PreTrainedConfig:
+    """Attention sinks, sliding-window and full layers alternating (gpt-oss's pattern), a
+    mixture of 4 experts choosing 2."""
+    return transformers.GptOssConfig(
+        **{**_COMMON, "num_hidden_layers": layers}, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        num_local_experts=4, num_experts_per_tok=2,
+    )
+
+
 def gpt2() -> transformers.PreTrainedConfig:
     return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512)
 

@@ -251,14 +251,104 @@ def test_gemma2_softcap_matches_eager_and_matters() -> None:
     assert (ours - uncapped(input_ids=ids, attention_mask=mask).logits)[real].abs().max() > 1e-3
 
 
-def test_attention_sinks_are_refused() -> None:
-    config = transformers.GptOssConfig(
-        vocab_size=tiny.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"],
+def _gpt_oss_models(**config: int) -> dict[str, torch.nn.Module]:
+    """eager and qkv gpt-oss with the same random weights; sinks drawn away from 0 (the model
+    initializes them to N(0, initializer_range)) so that they matter."""
+    models = tiny.trio(tiny.gpt_oss(**config))
+    with torch.no_grad():
+        for layer in models["eager"].model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
+    for impl, model in models.items():
+        if impl != "eager":
+            model.load_state_dict(models["eager"].state_dict())
+    return models
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_gpt_oss_sinks_match_eager(side: str) -> None:
+    """gpt-oss (sinks, a sliding-window layer then a full one, experts): logits, hidden states and
+    every parameter's gradient, the sinks' included, equal eager's at the real positions."""
+    models = _gpt_oss_models()
+    ids, mask = tiny.padded_batch(11, (0, 3), side)
+    real = mask.bool()
+    with recording() as calls:
+        ours = _run(models[NAME], ids, mask)
+    assert [c.layer_idx for c in calls] == [0, 1] and all(c.recognised for c in calls)
+    assert "sliding window" in calls[0].mask_source
+    eager = _run(models["eager"], ids, mask)
+    torch.testing.assert_close(ours.logits[real], eager.logits[real], **TOL)
+    for a, b in zip(ours.hidden_states, eager.hidden_states, strict=True):
+        torch.testing.assert_close(a[real], b[real], **TOL)
+    weights = torch.randn_like(eager.logits)
+    grads = {impl: _grads(models[impl], ids, mask, weights) for impl in ("eager", NAME)}
+    assert grads[NAME].keys() == grads["eager"].keys()
+    sink_grads = [name for name in grads[NAME] if name.endswith("sinks")]
+    assert len(sink_grads) == 2 and all(bool(grads[NAME][name].abs().sum() > 0) for name in sink_grads)
+    for name, grad in grads[NAME].items():
+        torch.testing.assert_close(grad, grads["eager"][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    # the sinks matter: without them the logits differ
+    with torch.no_grad():
+        for layer in models[NAME].model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    assert (_run(models[NAME], ids, mask).logits - eager.logits)[real].abs().max() > 1e-3
+
+
+def test_gpt_oss_greedy_generate_equals_eager() -> None:
+    """Left-padded prompts, more tokens than the window (the sliding layer's cache rolls over)."""
+    models = _gpt_oss_models(window=4)
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    tokens = {
+        impl: models[impl].generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for impl in ("eager", NAME)
+    }
+    assert tokens[NAME].shape == (2, 15) and torch.equal(tokens[NAME], tokens["eager"])
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """track_bounds: every decoding step's input checks scan the new query only (the keys and
+    values come with their bounds), and greedy generation equals eager's with its own cache."""
+    from qkv.attention import problem
+    from qkv.integrations.transformers import track_bounds
+
+    models = _gpt_oss_models(window=4)
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    eager = models["eager"].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    config = models[NAME].config
+    cache = transformers.DynamicCache(config=config) if kind == "dynamic" else transformers.StaticCache(config=config, max_cache_len=16)
+    scanned: list[tuple[int, ...]] = []
+    original = problem._largest_magnitudes
+    monkeypatch.setattr(problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
+    ours = models[NAME].generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache=track_bounds(cache)
     )
-    model = tiny.build(config, NAME)
-    with pytest.raises(ValueError, match="attention sinks"):
-        model(input_ids=torch.randint(3, tiny.VOCAB, (1, 6)))
+    assert torch.equal(ours, eager)
+    steps = [shape for shape in scanned if shape[-2] == 1 and shape[1] == 4]  # the query (B, H, 1, E) of a decoding step
+    assert len(steps) == 2 * 5  # two layers, five steps after the prompt
+    assert all(shape[1] == 4 for shape in scanned)  # queries (H = 4) only: no key or value (G = 2) is scanned
+
+
+def test_track_bounds_refuses_what_is_not_a_cache() -> None:
+    from qkv.integrations.transformers import track_bounds
+
+    with pytest.raises(TypeError, match="track_bounds takes a transformers Cache"):
+        track_bounds(object())
+
+
+def test_gpt_oss_long_sequence_runs_the_block_engine_with_sinks() -> None:
+    """At 320 tokens the sliding layer runs on the CPU block engine with the sinks folded into
+    its lse, the full layer too (causal); logits and gradients equal eager's."""
+    models = _gpt_oss_models(window=16)
+    ids, mask = tiny.padded_batch(320, (0, 0), "right")
+    with recording() as calls:
+        ours = models[NAME](input_ids=ids, attention_mask=mask).logits
+    assert [c.explanation.path for c in calls] == ["blocks", "blocks"]
+    assert all("sink" in c.explanation.reason for c in calls)
+    torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=mask).logits, **TOL)
+    weights = torch.randn_like(ours)
+    grads = {impl: _grads(models[impl], ids, mask, weights) for impl in ("eager", NAME)}
+    for name, grad in grads[NAME].items():
+        torch.testing.assert_close(grad, grads["eager"][name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_register_refuses_transformers_own_names() -> None:

@@ -7,7 +7,8 @@ score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.a
 executes a Plan (`qkv.attention.execute`), `qkv.explain` describes one (`qkv.attention.explain`) and runs no
 kernel; both read the Plan only.
 
-`choose_path` reads top to bottom: an explicit backend first, then the score terms, dropout,
+`choose_path` reads top to bottom: an explicit backend first, then attention sinks (which SDPA
+cannot apply: the decode kernel, the tile paths or the math path take them), the score terms, dropout,
 a wide float mask under autograd, and finally whether the structured engines pay off for a
 structured mask. A `predicate` mask beyond `POINTWISE_BUDGET` points is not evaluated to
 decide: it goes to the structured engine with a deferred Plan, which `complete` fills in when
@@ -162,10 +163,8 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         decode = decode_plan(problem, backend, return_weights)
         if decode is not None:
             return decode
-    if problem.sinks is not None:  # the block engine does not take sinks yet
-        if backend != "auto":
-            raise ValueError(f"sinks: backend={backend!r} does not apply attention sinks; backend='math' or 'auto' does")
-        return _math_plan(problem, "sinks: the math path applies them", return_weights, return_lse)
+    if problem.sinks is not None and backend in ("auto", "fused"):
+        return _sinks_plan(problem, backend, return_weights, return_lse)
     if backend in ("blocks", "flex"):
         return _sparse_plan(problem, backend, f"backend={backend!r} was requested", return_weights, return_lse)  # type: ignore[arg-type]  # mypy does not narrow a Literal through `in`
     if scored and backend == "fused":
@@ -206,6 +205,44 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
         if kernel is not None:
             return kernel
     return _fused_plan(problem, backend, return_weights, return_lse)
+
+
+def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
+    """Attention sinks with 'auto' (or 'fused', which raises). SDPA has no sink logit and returns
+    no differentiable lse to fold one into; the tile paths fold it into each row's merged lse
+    (`qkv.backends.sinks`), the math path adds it to the softmax denominator."""
+    if backend == "fused":
+        raise ValueError(
+            "sinks: backend='fused' (PyTorch's SDPA) has no attention-sink logit; use 'auto', 'math', 'blocks' or 'flex'"
+        )
+    why = "sinks: SDPA has no attention-sink logit"
+    mask, terms = problem.mask, problem.terms
+    if isinstance(mask, torch.Tensor):
+        return _math_plan(problem, f"{why} and the tile paths take no tensor mask; the math path applies them", return_weights, return_lse)
+    if problem.dropout > 0.0:
+        return _math_plan(problem, f"{why} and the tile paths have no dropout; the math path applies them", return_weights, return_lse)
+    if terms.score_mod is not None and needs_grad(problem) and closes_over_grad(terms.score_mod):
+        return _math_plan(problem, f"{why}; the score_mod reads tensors that require grad, which only the math path differentiates", return_weights, return_lse)
+    if problem.L * problem.S < _SPARSE_MIN_PAIRS:
+        return _math_plan(problem, f"{why}; below {_SPARSE_MIN_PAIRS:,} pairs per head the math path applies them faster than tiles", return_weights, return_lse)
+    device = problem.q.device
+    what = "no mask" if mask is None else mask.describe()
+    if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+        reason = f"{why}; FlexAttention with qkv's BlockMask runs {what} and the sink is folded into its lse"
+        return _sparse_plan(problem, "flex", reason, return_weights, return_lse)
+    if device.type != "cpu" or not flash_kernel_available():
+        return _math_plan(problem, f"{why}; the math path applies them", return_weights, return_lse)
+    engine = "the CPU block engine"
+    if _too_large_to_evaluate(problem):
+        return _sparse_plan(problem, "blocks", f"{why}; {_deferred_reason(problem, engine)}", return_weights, return_lse, deferred=True)
+    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+    tiles = _block_plan(problem, BLOCKS, layout)
+    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    reason = (
+        f"{why}; {engine} computes {visited:.1%} of the score matrix ({what}) and folds each row's "
+        "sink into its merged lse, never an L x S tensor"
+    )
+    return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
 
 
 def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -> Plan | None:
@@ -431,6 +468,8 @@ def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
 def needs_grad(problem: AttentionProblem) -> bool:
     """Whether autograd will ask for a backward pass through this call."""
     inputs = (problem.q, problem.k, problem.v, *problem.terms.tensors())
+    if problem.sinks is not None:
+        inputs = (*inputs, problem.sinks)
     return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
@@ -559,8 +598,10 @@ def _sparse_plan(
         lse: Source = "kernel"  # the engine always returns it
         scores: ScoreRoute = "tiles" if terms.active else "none"
     else:
-        # compiled FlexAttention returns an lse off CPU only; on CPU the tiles recompute it when needed
-        lse = "kernel" if device.type != "cpu" else "tiles" if return_lse or weights == "tiles" else "none"
+        # compiled FlexAttention returns an lse off CPU only; on CPU the tiles recompute it when
+        # needed, and sinks always need it (qkv.backends.sinks folds them into it)
+        wanted = return_lse or weights == "tiles" or problem.sinks is not None
+        lse = "kernel" if device.type != "cpu" else "tiles" if wanted else "none"
         scores = "score_mod" if terms.active else "none"
     plan = Plan(
         path, reason, mask="tiles", scores=scores, weights=weights, lse=lse,

@@ -16,6 +16,7 @@ from qkv.backends.blocks.scored import scored_block_attention
 from qkv.backends.decode import decode_attention
 from qkv.backends.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.backends.flex import flex_attention_layout
+from qkv.backends.sinks import SinkFold, key_share
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Mask
 from qkv.native import short_bf16
@@ -136,32 +137,51 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
     plan = complete(problem, plan)  # a deferred plan's tiles are found now
     mask = _structured(problem)
-    q, k, v, scale, terms = problem.q, problem.k, problem.v, problem.scale, problem.terms
+    q, k, v, scale, terms, sinks = problem.q, problem.k, problem.v, problem.scale, problem.terms, problem.sinks
     lse: torch.Tensor | None  # None where compiled FlexAttention gives none (qkv.backends.flex)
     if plan.path == "blocks":
         assert plan.tiles is not None
         if plan.scores == "tiles":
-            out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms)
+            out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms, sinks)
         else:
-            out, lse = block_attention(q, k, v, mask, plan.tiles, scale)
+            out, lse = block_attention(q, k, v, mask, plan.tiles, scale, sinks)
     else:
         assert plan.layout is not None
         _try_score_terms_eagerly(terms, q)
         out, lse = flex_attention_layout(q, k, v, mask, plan.layout, scale, need_lse=plan.lse == "kernel", terms=terms)
+        if sinks is not None:
+            out, lse = _flex_sinks(problem, plan, out, lse)
     weights = None
     if plan.weights == "dense":
         # weights that a loss will differentiate: the dense formula, causal by offset, other masks dense
         dense = None if plan.causal_offset is not None else _mask_tensor(problem, "dense")
-        weights, _ = attention_weights_dense(q, k, dense, scale, plan.causal_offset, terms=terms)
-    if plan.lse == "tiles" or plan.weights == "tiles":
+        weights, _ = attention_weights_dense(q, k, dense, scale, plan.causal_offset, terms=terms, sinks=sinks)
+    if plan.lse == "tiles" and sinks is None:  # with sinks, _flex_sinks has folded it already
         assert plan.tiles is not None
-        if plan.lse == "tiles":
-            lse = block_lse(q, k, mask, plan.tiles, scale, terms)
-        if plan.weights == "tiles":
-            heads = torch.arange(problem.H, device=q.device)
-            rows = torch.arange(problem.L, device=q.device)
+        lse = block_lse(q, k, mask, plan.tiles, scale, terms)
+    if plan.weights == "tiles":
+        assert plan.tiles is not None
+        heads = torch.arange(problem.H, device=q.device)
+        rows = torch.arange(problem.L, device=q.device)
+        if sinks is None:
             weights = block_weights(q, k, mask, plan.tiles, scale, heads, rows, lse, terms)
+        else:
+            # weights over the keys sum to 1 there, their share of the row (1 - the sink's) scales them
+            keys_lse = block_lse(q, k, mask, plan.tiles, scale, terms)
+            weights = block_weights(q, k, mask, plan.tiles, scale, heads, rows, keys_lse, terms)
+            weights = weights * key_share(keys_lse, sinks).unsqueeze(-1)
     return out, weights, lse
+
+
+def _flex_sinks(problem: AttentionProblem, plan: Plan, out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's output and lse with the sinks folded in (`qkv.backends.sinks`): its lse
+    carries gradient (CUDA); on CPU, where compiled FlexAttention gives none and has no backward,
+    the tiles recompute the keys' lse."""
+    assert problem.sinks is not None
+    if lse is None:
+        assert plan.tiles is not None  # dispatch plans the tiles for a flex call with sinks on CPU
+        lse = block_lse(problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, problem.terms)
+    return SinkFold.apply(out, lse, problem.sinks)
 
 
 def run_weights(problem: AttentionProblem, plan: Plan, heads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

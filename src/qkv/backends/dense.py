@@ -102,12 +102,15 @@ def attention_weights_dense(
     terms: ScoreTerms | None = None,
     heads: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact probabilities (N, H, L, S) and lse (N, H, L), in the accumulation dtype."""
+    """Exact probabilities (N, H, L, S) and lse (N, H, L), in the accumulation dtype; with
+    ``sinks`` (N | 1, H), one attention-sink logit per head in every row's denominator."""
     N, H, L, _ = q.shape
-    S = k.shape[2]
+    G, S = k.shape[1], k.shape[2]
     scores = _scores_with_mask(q, k, mask, scale, causal_offset, terms, heads, rows)  # (N, G, r, L, S)
-    weights, lse = masked_softmax(scores)
+    sink = None if sinks is None else sinks.to(scores.dtype).reshape(sinks.shape[0], G, H // G, 1, 1)  # (N | 1, G, r, 1, 1)
+    weights, lse = masked_softmax(scores, sink)
     return weights.reshape(N, H, L, S), lse.reshape(N, H, L)  # (N, H, L, S), (N, H, L)
 
 

@@ -57,6 +57,8 @@ from qkv.backends.blocks.calls import (
 from qkv.backends.blocks.matmul_backward import call_gradients, suits
 from qkv.backends.blocks.planner import BlockPlan, Call, Piece
 from qkv.backends.lse_grad import with_lse_gradient
+from qkv.backends.sinks import fold as sink_fold
+from qkv.backends.sinks import sink_gradient
 from qkv.backends.softmax import accumulation_dtype, causal_kernel_scale
 from qkv.masks import Mask
 from qkv.native import interval_bf16, interval_bf16_backward
@@ -167,26 +169,36 @@ def _backward(
 
 
 class _BlockAttention(torch.autograd.Function):
-    """Forward and backward of the block engine; both the output and lse are differentiable."""
+    """Forward and backward of the block engine; both the output and lse are differentiable,
+    and so are the attention sinks (N | 1, H) when given (`qkv.backends.sinks`)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun):  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, sinks: torch.Tensor | None = None):  # type: ignore[override]
         out_acc, lse = _forward(q, k, v, run)
+        p_sink = None
+        if sinks is not None:
+            # the backward reads the sink-inclusive output and lse: its formulas hold unchanged
+            out_acc, lse, p_sink = sink_fold(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
         # the backward's row term rowsum(dO * O) reads the unrounded output
-        ctx.save_for_backward(q, k, v, out_acc, lse)
+        ctx.save_for_backward(q, k, v, out_acc, lse, *(() if sinks is None else (p_sink, sinks)))
         ctx.run = run
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sink_state = ctx.saved_tensors
+        d_sinks = None
+        if sink_state and ctx.needs_input_grad[4]:
+            d_sinks = sink_gradient(grad_out, out, grad_lse, *sink_state)
+        if not any(ctx.needs_input_grad[:3]):
+            return None, None, None, None, d_sinks
         if grad_out is None:
             grad_out = torch.zeros((), dtype=out.dtype).expand(out.shape)  # only lse is used: no full-size zeros
         with torch.autocast(q.device.type, enabled=False):  # float32 accumulators stay float32
             dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, d_sinks
 
 
 def block_attention(
@@ -196,19 +208,26 @@ def block_attention(
     mask: Mask | None,
     plan: BlockPlan,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the tiles of ``plan``: (output (N, H, L, Ev) in q's dtype, lse (N, H, L)).
 
-    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU. Both results are differentiable
-    in q, k, v; lse is float32 (float64 for float64 inputs).
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; ``sinks`` (N | 1, H), float32 or
+    wider: one attention-sink logit per head in every row's denominator (`qkv.backends.sinks`),
+    and lse includes it. Both results are differentiable in q, k, v and the sinks; lse is
+    float32 (float64 for float64 inputs).
     """
     # causal squares run on the kernel's is_causal, which needs a positive scale
     kernel_q, kernel_scale = causal_kernel_scale(q, scale)
     inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        out, lse = _BlockAttention.apply(*inputs, run)
+    grads = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
+        out, lse = _BlockAttention.apply(*inputs, run, sinks)
     else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)
-        out_acc, lse = _forward(*inputs, run, rounded=True)
+        # ... unless a sink rescales it first: then it is rounded once, after the fold
+        out_acc, lse = _forward(*inputs, run, rounded=sinks is None)
+        if sinks is not None:
+            out_acc, lse, _ = sink_fold(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
     return out[..., : v.shape[3]], lse
 

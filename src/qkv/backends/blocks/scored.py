@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkv._private import torch as private_torch
+from qkv.backends import sinks as sinks_module
 from qkv.backends.blocks import calls
 from qkv.backends.blocks.planner import BlockPlan, Call
 from qkv.backends.softmax import accumulation_dtype
@@ -333,22 +334,32 @@ class _ScoredBlockAttention(torch.autograd.Function):
     """Forward and backward of the engine with score terms; lse is differentiable."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, *bias_tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _ScoredRun, sinks: torch.Tensor | None, *bias_tensors: torch.Tensor):  # type: ignore[override]
         # the backward's row term rowsum(dO * O) reads the unrounded output (where any is), as the block engine's
         out_acc, shift, rest = _forward(q, k, v, run)
-        ctx.save_for_backward(q, k, v, out_acc, shift, rest, *bias_tensors)
+        sink_state: tuple[torch.Tensor, ...] = ()
+        if sinks is not None:
+            # the sink-inclusive output and lse: the backward's formulas hold unchanged (qkv.backends.sinks)
+            out_acc, rest, p_sink = sinks_module.fold(out_acc, rest, sinks, shift)
+            sink_state = (p_sink, sinks)
+        ctx.save_for_backward(q, k, v, out_acc, shift, rest, *sink_state, *bias_tensors)
         ctx.run = run
+        ctx.sinks = len(sink_state)
         return out_acc.to(q.dtype), shift + rest
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        q, k, v, out, shift, rest, *bias_tensors = ctx.saved_tensors
+        q, k, v, out, shift, rest, *saved = ctx.saved_tensors
+        sink_state, bias_tensors = saved[: ctx.sinks], saved[ctx.sinks :]
+        d_sinks = None
+        if sink_state and ctx.needs_input_grad[4]:
+            d_sinks = sinks_module.sink_gradient(grad_out, out, grad_lse, *sink_state)
         if grad_lse is not None and not bool(grad_lse.any()):
             grad_lse = None
-        needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[5:]
         grads = _backward(grad_out, grad_lse, q, k, v, out, shift, rest, ctx.run, tuple(bias_tensors), any(needs))
         dq, dk, dv, *d_bias = grads
-        return (dq, dk, dv, None, *(g if need else None for g, need in zip(d_bias, needs, strict=True)))
+        return (dq, dk, dv, None, d_sinks, *(g if need else None for g, need in zip(d_bias, needs, strict=True)))
 
 
 def scored_block_attention(
@@ -359,14 +370,16 @@ def scored_block_attention(
     plan: BlockPlan,
     scale: float,
     terms: ScoreTerms,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with score terms over the tiles of ``plan``: (output (N, H, L, Ev) in q's
     dtype, lse (N, H, L) float32 or wider, differentiable).
 
-    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; gradients reach q, k, v and the
-    tensors of ``terms.bias``.
+    q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; ``sinks`` (N | 1, H) float32 or
+    wider, one attention-sink logit per head (`qkv.backends.sinks`), included in lse; gradients
+    reach q, k, v, the sinks and the tensors of ``terms.bias``.
     """
     bias_tensors = terms.tensors()
     run = _ScoredRun(calls.BlockRun(plan, mask, scale), terms, _tile_bias(terms.bias, accumulation_dtype(q.dtype)))
-    out, lse = _ScoredBlockAttention.apply(*calls.kernel_inputs(q, k, v), run, *bias_tensors)
+    out, lse = _ScoredBlockAttention.apply(*calls.kernel_inputs(q, k, v), run, sinks, *bias_tensors)
     return out[..., : v.shape[3]], lse

@@ -22,8 +22,10 @@ attention goes through that interface then run on qkv:
   probabilities of the path that ran, for every layer; transformers refuses
   ``config.output_attentions=True`` for any implementation but eager, so pass it per call;
 - Gemma 2's soft-capping and T5's relative position bias reach qkv as ``softcap=`` and
-  ``bias=``; attention sinks (gpt-oss) are refused;
+  ``bias=``, gpt-oss's attention sinks as ``sinks=``;
 - `recording` lists every call with its `qkv.explain`;
+- `track_bounds(cache)` makes a transformers cache keep running bounds on its keys and values,
+  so that a decoding step's input checks read the new tokens only (``kv_bounds``);
 - `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
   `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).
 
@@ -33,6 +35,7 @@ Requires the ``qkv[transformers]`` extra; ``import qkv`` never imports transform
 from __future__ import annotations
 
 from qkv.integrations.transformers._attention import AttentionCall, attention_forward, recording
+from qkv.integrations.transformers._bounds import track_bounds
 from qkv.integrations.transformers._inspect import TransformersModel, inspect, load_model
 from qkv.integrations.transformers._masks import StructuredMask, structured_mask
 from qkv.integrations.transformers._register import register
@@ -47,4 +50,5 @@ __all__ = [
     "recording",
     "register",
     "structured_mask",
+    "track_bounds",
 ]

@@ -12,8 +12,14 @@ Score terms go to qkv as they are: Gemma 2's ``softcap`` (logit soft-capping) as
 ``softcap=``, T5's ``position_bias`` (its relative attention bias, (B | 1, H, L, S), added to
 the scaled scores) as ``bias=``, differentiable; the mask stays structured.
 
-What is refused, with a message, before any work: attention sinks (``s_aux``, gpt-oss), and
-masks of a type qkv does not take.
+gpt-oss's attention sinks (``s_aux``, one logit per head in every row's denominator) go to
+qkv as ``sinks=``, in float32 when the model's are narrower (qkv keeps sinks float32 or
+wider); their gradient reaches the model's parameter.
+
+A cache wrapped by `track_bounds` notes running bounds on what it returns; those tensors then
+reach `qkv.attention` with ``kv_bounds``, and a decoding step's input checks skip the cache.
+
+What is refused, with a message, before any work: masks of a type qkv does not take.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from qkv import masks
 from qkv._private.transformers import attentions_collected
 from qkv.attention.functional import attention, explain
+from qkv.integrations.transformers._bounds import noted_bounds
 from qkv.integrations.transformers._masks import StructuredMask
 from qkv.masks import Mask
 
@@ -121,6 +128,7 @@ def _visible_pairs(mask: Mask | torch.Tensor | None, L: int, S: int) -> tuple[to
 def _capture(
     kept: list[HeadInputs], module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask: Mask | torch.Tensor | None, scaling: float | None, softcap: float | None, position_bias: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     allowed, terms = _visible_pairs(mask, L, S)
@@ -128,6 +136,8 @@ def _capture(
         terms = (*terms, f"soft-capping of the scores at {float(softcap):g}")
     if position_bias is not None:
         terms = (*terms, "a position bias added to the scores")
+    if sinks is not None:
+        terms = (*terms, "an attention sink per head in every row's denominator")
     as_kept = lambda x: x.detach()[0].to("cpu", torch.float32).clone()  # noqa: E731  batch row 0
     kept.append(HeadInputs(
         getattr(module, "layer_idx", None), as_kept(query), as_kept(key), as_kept(value),
@@ -142,12 +152,14 @@ def _attentions_requested(kwargs: dict[str, object]) -> bool:
     return bool(kwargs.get("output_attentions")) or attentions_collected()
 
 
-def _refuse_unsupported(s_aux: object) -> None:
-    if s_aux is not None:
-        raise ValueError(
-            "qkv cannot run attention sinks (s_aux, as in gpt-oss): an extra logit per head joins every "
-            "softmax and qkv has no such term; use attn_implementation='eager' or 'sdpa' for this model"
-        )
+def _sinks(s_aux: object) -> torch.Tensor | None:
+    """gpt-oss's sinks (H,) for qkv.attention: float32 or wider (a bf16 model's are widened,
+    differentiably)."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor):
+        raise TypeError(f"s_aux (attention sinks) must be a tensor (H,), got {type(s_aux).__name__}")
+    return s_aux if s_aux.dtype in (torch.float32, torch.float64) else s_aux.float()
 
 
 def _qkv_mask(
@@ -202,7 +214,7 @@ def attention_forward(
         is_causal: sdpa's flag, used only when no mask is given.
         softcap: cap the scores at +-softcap (Gemma 2's attn_logit_softcapping), or None.
         position_bias: an additive bias (B | 1, H, L, S) such as T5's, or None.
-        s_aux: attention sinks, refused when set.
+        s_aux: attention sinks (H,) (gpt-oss), or None.
         kwargs: the model's other keywords (``sliding_window``, ``position_ids``,
             ``output_attentions`` ...): the mask already carries what they say.
 
@@ -210,23 +222,23 @@ def attention_forward(
         output (B, L, H, Ev) in query's dtype, and the exact probabilities (B, H, L, S) in
         query's dtype when the model returns attentions, else None.
     """
-    _refuse_unsupported(s_aux)
+    sinks = _sinks(s_aux)
     L, S = query.shape[-2], key.shape[-2]
     mask, source, recognised = _qkv_mask(attention_mask, module, is_causal, L, S)
     want_weights = _attentions_requested(kwargs)
     kept = _captured.get()
     if kept is not None:
-        _capture(kept, module, query, key, value, mask, scaling, softcap, position_bias)
+        _capture(kept, module, query, key, value, mask, scaling, softcap, position_bias, sinks)
     calls = _recorder.get()
     if calls is not None:
         explanation = explain(
             query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
-            return_weights=want_weights,
+            return_weights=want_weights, sinks=sinks,
         )
         calls.append(AttentionCall(getattr(module, "layer_idx", None), type(module).__name__, source, recognised, explanation))
     result = attention(
         query, key, value, mask, bias=position_bias, softcap=softcap, scale=scaling, dropout=dropout,
-        return_weights=want_weights,
+        return_weights=want_weights, sinks=sinks, kv_bounds=noted_bounds(key, value),
     )
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev), (B, H, L, S) | None
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Ev)

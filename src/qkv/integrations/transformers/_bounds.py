@@ -1,0 +1,85 @@
+"""Running bounds on a transformers cache, so that a decoding step's input checks read only its new tokens.
+
+`qkv.attention` scans k and v before any kernel runs (the overflow rule and the NaN rule,
+`qkv.attention.bounds`); on a decoding step that scan reads the whole cache. transformers'
+attention interface hands the backend the cache's key and value tensors, but neither the
+cache nor the positions written (its keywords are ``dropout``, ``scaling``, ``position_ids``,
+``use_cache`` and the model's own): the backend alone cannot tell which rows are new.
+
+`track_bounds(cache)` wraps one cache's ``update``: every write of new key / value rows raises
+that layer's running max |k| and max |v| (one pass over the new rows, as the cache stores them),
+and the tensors ``update`` returns are noted with those bounds (`KVBounds`). Every row a layer
+returns was written through ``update`` (appended, kept by a window, reordered by a beam search,
+cropped) or is a static cache's zeros, so the running max bounds it. The backend passes the
+noted bounds as ``kv_bounds`` when it is handed exactly those tensors, unchanged since
+(`KVBounds.describes`); a tensor written by other means gets a new version and is scanned.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TypeVar
+
+import torch
+
+from qkv.attention.bounds import KVBounds, largest_magnitude
+
+__all__ = ["noted_bounds", "track_bounds"]
+
+# id of the keys tensor a cache returned -> (a weak reference to it, the bounds of it and its
+# values); an entry goes with its tensor. Keyed by id, not by the tensor: a WeakKeyDictionary
+# compares live tensors with ==, which is elementwise.
+_noted: dict[int, tuple[weakref.ref[torch.Tensor], KVBounds]] = {}
+
+
+def _note(keys: torch.Tensor, bounds: KVBounds) -> None:
+    key_id = id(keys)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _noted.get(key_id)
+        if entry is not None and entry[0] is ref:
+            del _noted[key_id]
+
+    _noted[key_id] = (weakref.ref(keys, forget), bounds)
+
+CacheT = TypeVar("CacheT")
+
+
+def track_bounds(cache: CacheT) -> CacheT:
+    """``cache`` (a transformers ``Cache``: dynamic, static, sliding, hybrid) with running bounds
+    on what each layer holds; pass it to ``generate`` or the model as ``cache`` (``past_key_values`` in older transformers).
+    Returns the same object.
+
+    >>> import transformers
+    >>> from qkv.integrations.transformers import track_bounds
+    >>> cache = track_bounds(transformers.DynamicCache())
+    >>> model_inputs = {"cache": cache}  # model.generate(ids, **model_inputs)
+    """
+    update = getattr(cache, "update", None)
+    if not callable(update):
+        raise TypeError(f"track_bounds takes a transformers Cache (with an update method), got {type(cache).__name__}")
+    if getattr(cache, "_qkv_tracks_bounds", False):
+        return cache  # tracked already: wrapping twice would count every write twice (harmless) and cost twice
+    running: dict[int, tuple[float, float]] = {}
+
+    def tracked(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):
+        keys, values = update(key_states, value_states, layer_idx, *args, **kwargs)
+        k_max, v_max = running.get(layer_idx, (0.0, 0.0))
+        # the rows as stored: a cache in another dtype rounds them, which may raise |x|
+        k_max = max(k_max, largest_magnitude(key_states.to(keys.dtype)))
+        v_max = max(v_max, largest_magnitude(value_states.to(values.dtype)))
+        running[layer_idx] = (k_max, v_max)
+        _note(keys, KVBounds.of(keys, values, k_max, v_max))
+        return keys, values
+
+    cache.update = tracked  # type: ignore[attr-defined]
+    cache._qkv_tracks_bounds = True  # type: ignore[attr-defined]
+    return cache
+
+
+def noted_bounds(key: torch.Tensor, value: torch.Tensor) -> KVBounds | None:
+    """The bounds a tracked cache noted for exactly these key and value tensors, unchanged since; else None."""
+    entry = _noted.get(id(key))
+    if entry is None or entry[0]() is not key:
+        return None
+    return entry[1] if entry[1].describes(key, value) else None
