@@ -151,22 +151,21 @@ def _tolerance(dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_kernel_that_runs_is_the_one_the_plan_names(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     (q, k, v), mask, kwargs = _case(name)
-    plan = qkv.explain(q, k, v, mask, **kwargs).plan
-    assert plan is not None
+    planned_forward, planned_backward = qkv.explain(q, k, v, mask, **kwargs).kernels
     forward, backward = EXPECTED[name]
     if not _amx_kernels():
         forward, backward = PORTABLE.get(forward, forward), PORTABLE.get(backward, backward)
-    assert (plan.forward_kernel, plan.backward_kernel) == (forward, backward)
+    assert (planned_forward, planned_backward) == (forward, backward)
     spy = Recorder(monkeypatch)
     out = qkv.attention(q, k, v, mask, **kwargs)
-    assert spy.forward_kernels() == {plan.forward_kernel}
+    assert spy.forward_kernels() == {planned_forward}
     assert (out.double() - _reference(q, k, v, mask, kwargs)).abs().max().item() < _tolerance(q.dtype)
     if not out.requires_grad:
-        assert plan.backward_kernel == "none"
+        assert planned_backward == "none"
         return
     spy.events.clear()
     out.backward(torch.ones_like(out))
-    assert spy.backward_kernels() == {plan.backward_kernel}
+    assert spy.backward_kernels() == {planned_backward}
 
 
 def test_the_backward_runs_the_kernel_planned_with_its_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,9 +215,9 @@ def test_a_disabled_kernel_gives_way_and_the_result_holds(
     (q, k, v), mask, kwargs = _case(name)
     spy = Recorder(monkeypatch)
     with qkv.backends.disabled(*switch):
-        plan = qkv.explain(q, k, v, mask, **kwargs).plan
+        planned = qkv.explain(q, k, v, mask, **kwargs).kernels[0]
         out = qkv.attention(q, k, v, mask, **kwargs)
-    assert plan is not None and plan.forward_kernel == forward
+    assert planned == forward
     assert spy.forward_kernels() == {forward}
     assert (out.double() - _reference(q, k, v, mask, kwargs)).abs().max().item() < _tolerance(q.dtype)
 

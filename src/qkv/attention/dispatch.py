@@ -3,7 +3,9 @@
 A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
 ``math``: the explicit formula; ``blocks``: the CPU block engine; ``flex``: FlexAttention with
 qkv's BlockMask; ``decode``: the split-key decode kernel), how the mask reaches that kernel, how the score terms (softcap, bias,
-score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
+score_mod) reach it, where the weights and the log-sum-exp come from, and the kernels that run
+forward and backward inside the path (`Plan.forward_kernel`, `Plan.backward_kernel`, chosen from
+the compiled kernels' ``unavailable_reason`` and `qkv.backends.disabled`). `qkv.attention`
 executes a Plan (`qkv.attention.execute`), `qkv.explain` describes one (`qkv.attention.explain`) and runs no
 kernel; both read the Plan only.
 

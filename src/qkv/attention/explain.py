@@ -8,7 +8,7 @@ a rendered bias, returned weights).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,10 +53,12 @@ class Explanation:
     upper_bound: bool = False
     # the Plan's forward kernel in words where it is a compiled one or the Plan says why a
     # compiled one does not run (low-precision inputs on the fused path and on the block engine
-    # without score terms); '' otherwise. `plan.forward_kernel` is its short name.
+    # without score terms); '' otherwise.
     forward_kernel: str = ""
     backward_kernel: str = ""  # the same for the backward
-    plan: Plan | None = field(default=None, repr=False, compare=False)  # the Plan described
+    # (forward, backward): the Plan's kernels by their short names (`Plan.forward_kernel`,
+    # `qkv.backends.protocol.FORWARD_KERNELS`), whether or not a line above describes them
+    kernels: tuple[str, str] = ("", "")
     notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
@@ -198,7 +200,7 @@ def explanation(
         upper_bound=plan.deferred,
         forward_kernel=forward_kernel,
         backward_kernel=backward_kernel,
-        plan=plan,
+        kernels=(plan.forward_kernel, plan.backward_kernel),
         notes=() if note is None else (note,),
         matmul_rates=rates,
         matmul_threads=threads,
