@@ -163,12 +163,12 @@ def test_explain_names_the_math_path_and_other_backends_refuse() -> None:
     ],
 )
 def test_bad_sinks_are_refused_before_any_work(monkeypatch: pytest.MonkeyPatch, sinks, error, match) -> None:
-    import qkv.attention.problem
+    from qkv.attention import problem as problem_module
 
     def no_scan(tensors: object) -> None:
         raise AssertionError("the data checks ran before sinks were validated")
 
-    monkeypatch.setattr(qkv.attention.problem, "_largest_magnitudes", no_scan)
+    monkeypatch.setattr(problem_module, "_largest_magnitudes", no_scan)
     q = k = v = torch.randn(3, 2, 4, 8)
     with pytest.raises(error, match=match):
         qkv.attention(q, k, v, sinks=sinks)
