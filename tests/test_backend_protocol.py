@@ -26,6 +26,7 @@ from qkv.backends import protocol
 from qkv.backends.blocks import engine, scored
 from qkv.native import build as compiled
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
+from qkv.native.machine import compute_dtype
 
 BF16 = torch.bfloat16
 
@@ -114,9 +115,9 @@ CASES: dict[str, tuple[tuple[int, ...], Any, dict[str, Any], torch.dtype, bool]]
     "short bf16": ((4, 4, 4, 64, 64, 32), None, {}, BF16, False),
     "math": ((1, 2, 2, 64, 64, 16), M.causal(), {"backend": "math"}, torch.float32, True),
 }
-# the kernels each case must plan on this machine, independently of the Plan: where a
-# compiled kernel cannot run (no AMX) the portable kernel of its path
-PORTABLE = {"interval_bf16": "cpu_flash_tiles", "interval_bf16_backward": "engine_per_call", "short_bf16": "sdpa"}
+# the kernels each case must plan, independently of the Plan; where the compiled kernels cannot
+# run (no AMX, QKV_CPU_TIER below amx, QKV_NO_COMPILED_KERNELS) those of `PORTABLE`
+PORTABLE = {"bf16 block engine": ("cpu_flash_tiles", "engine_per_call"), "short bf16": ("sdpa", "sdpa")}
 EXPECTED = {
     "no mask": ("sdpa", "sdpa"),
     "causal": ("sdpa", "sdpa"),
@@ -152,17 +153,14 @@ def _tolerance(dtype: torch.dtype) -> float:
 def test_the_kernel_that_runs_is_the_one_the_plan_names(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     (q, k, v), mask, kwargs = _case(name)
     planned_forward, planned_backward = qkv.explain(q, k, v, mask, **kwargs).kernels
-    forward, backward = EXPECTED[name]
-    if not _amx_kernels():
-        forward, backward = PORTABLE.get(forward, forward), PORTABLE.get(backward, backward)
-    assert (planned_forward, planned_backward) == (forward, backward)
+    expected = EXPECTED[name] if _amx_kernels() else PORTABLE.get(name, EXPECTED[name])
+    assert (planned_forward, planned_backward) == expected
     spy = Recorder(monkeypatch)
     out = qkv.attention(q, k, v, mask, **kwargs)
     assert spy.forward_kernels() == {planned_forward}
     assert (out.double() - _reference(q, k, v, mask, kwargs)).abs().max().item() < _tolerance(q.dtype)
     if not out.requires_grad:
-        assert planned_backward == "none"
-        return
+        return  # no backward runs
     spy.events.clear()
     out.backward(torch.ones_like(out))
     assert spy.backward_kernels() == {planned_backward}
@@ -194,6 +192,8 @@ def test_disabled_changes_the_plan_and_nesting_restores_it() -> None:
             assert kernels() == ("cpu_flash_tiles", "engine_per_call", off_forward, off_backward)
         assert kernels()[0] == "cpu_flash_tiles" and kernels()[1::2] == before[1::2]
     assert kernels() == before
+    if compute_dtype(BF16, q.device) != BF16:
+        return  # qkv.explain describes the float32 problem this CPU computes instead: no kernel lines
     said = str(qkv.explain(q, k, v, mask))
     with qkv.backends.disabled("interval_bf16", "interval_bf16_backward"):
         off = str(qkv.explain(q, k, v, mask))
