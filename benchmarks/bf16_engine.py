@@ -34,7 +34,6 @@ import torch
 import qkv
 from qkv.backends.blocks import matmul_backward
 from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, matmul_words
-from qkv.native import interval_bf16, interval_bf16_backward
 
 B, H, E, WINDOW = 1, 8, 64, 256
 
@@ -62,24 +61,19 @@ def main() -> None:
     before = {d: matmul_gflops(d) for d in inputs}
 
     def forward(d: torch.dtype, fused: bool = True) -> None:
-        interval_bf16.ENABLED = fused
-        try:
-            with torch.no_grad():
-                qkv.attention(*inputs[d], mask)
-        finally:
-            interval_bf16.ENABLED = True
+        with qkv.backends.disabled(*(() if fused else ("interval_bf16",))), torch.no_grad():
+            qkv.attention(*inputs[d], mask)
 
     default_bound = matmul_backward.MAX_THREADS
 
     def both(d: torch.dtype, route: str = "default") -> None:
         """Forward + backward; ``route``: "default", "products" or "flash" (the fused backward off)."""
-        interval_bf16_backward.ENABLED = route == "default"
         matmul_backward.MAX_THREADS = {"products": 1 << 20, "flash": 0}.get(route, default_bound)
         try:
-            qkv.attention(*inputs[d], mask).backward(grads[d])
+            with qkv.backends.disabled(*(() if route == "default" else ("interval_bf16_backward",))):
+                qkv.attention(*inputs[d], mask).backward(grads[d])
         finally:
             matmul_backward.MAX_THREADS = default_bound
-            interval_bf16_backward.ENABLED = True
 
     both(torch.bfloat16)  # builds the fused kernels (once per machine) outside the timing
     said = qkv.explain(*inputs[torch.bfloat16], mask)  # which kernels, or why not

@@ -16,7 +16,7 @@ by side on its threads, `qkv.models.batches`), then encodes group i of every pat
 order that rotates from group to group, and sums each path's times: one run over the 2,000
 sentences per path, interleaved so that the load of a shared machine falls on all paths
 alike. "qkv bfloat16 one by one" is qkv bf16 padded with its batches one after another
-(``qkv.models.batches.ENABLED = False``), each on all threads, as sentence-transformers runs them;
+(``qkv.backends.disabled("batch_workers")``), each on all threads, as sentence-transformers runs them;
 "qkv bfloat16 unfused" is qkv bf16 padded on eager ops where it fuses (``F.linear`` + bias,
 GELU, residual add + LayerNorm + cast: `qkv.native.onednn_linear`, `qkv.native.add_norm_bf16`
 switched off). Compare the ratios, not the
@@ -51,9 +51,9 @@ import numpy as np
 import qkv_minilm
 import torch
 
+import qkv
 from qkv.bench import matmul_gflops, matmul_words
-from qkv.models import Encoder, batches, load_encoder
-from qkv.native import add_norm_bf16, onednn_linear
+from qkv.models import Encoder, load_encoder
 
 MIN_TOKENS, MAX_TOKENS = 5, 120  # per sentence, [CLS] and [SEP] included
 BATCH = 32
@@ -169,22 +169,16 @@ def main() -> None:
 
 def _one_by_one(encoder: Encoder, texts: list[str]) -> torch.Tensor:
     """qkv's encode with its batches one after another, each on all threads."""
-    batches.ENABLED = False
-    try:
+    with qkv.backends.disabled("batch_workers"):
         return encoder.encode(texts, batch_size=BATCH)
-    finally:
-        batches.ENABLED = True
 
 
 def _unfused(encoder: Encoder, texts: list[str]) -> torch.Tensor:
     """qkv's padded encode on eager PyTorch ops for the products and the residual add +
     LayerNorm (``F.linear``, ``F.gelu``, ``norm(x + y)``, the cast) instead of oneDNN's fused
     linear and the compiled add + norm kernel."""
-    onednn_linear.ENABLED = add_norm_bf16.ENABLED = False
-    try:
+    with qkv.backends.disabled("onednn_linear", "add_norm_bf16"):
         return encoder.encode(texts, batch_size=BATCH)
-    finally:
-        onednn_linear.ENABLED = add_norm_bf16.ENABLED = True
 
 
 def _load(load: tuple[float, float, float]) -> str:

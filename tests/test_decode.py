@@ -10,7 +10,6 @@ import torch
 
 import qkv
 import qkv.reference as ref
-from qkv.attention import execute as attention_execute
 from qkv.backends.decode import decode_attention, default_splits
 from qkv.native.machine import compute_dtype
 
@@ -173,7 +172,9 @@ def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.M
         seen.append(k.dtype)
         return real(q, k, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attention_execute, "decode_attention", spy)
+    from qkv.attention import execute as execute_module
+
+    monkeypatch.setattr(execute_module, "decode_attention", spy)
     monkeypatch.setattr(decode, "WIDEN_WAVE", 700)  # several waves, a partial last one
     q, k, v = (t.bfloat16() for t in _inputs(1, 6, 2, 2, 2049, 16, 16, dtype=torch.float32))
     out = qkv.attention(q, k, v, CAUSAL)

@@ -12,8 +12,8 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.attention import execute as attention_execute
-from qkv.attention import functional as attention_functional
+from qkv.attention import execute as execute_module
+from qkv.attention import functional as functional_module
 from qkv.attention.dispatch import choose_path, ring_block_path, weights_plan
 from qkv.attention.problem import describe_problem
 from qkv.native import interval_bf16
@@ -133,7 +133,7 @@ def test_explain_runs_no_kernel(monkeypatch: pytest.MonkeyPatch, kwargs: dict) -
         raise AssertionError("explain ran a kernel")
 
     for name in _KERNELS:
-        monkeypatch.setattr(attention_execute, name, no_kernel)
+        monkeypatch.setattr(execute_module, name, no_kernel)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_kernel)
     e = qkv.explain(q, q, q, **kwargs)
     assert e.flops > 0 and e.peak_extra_bytes > 0
@@ -162,7 +162,7 @@ def test_attention_varlen_goes_through_the_dispatcher(monkeypatch: pytest.Monkey
         chosen.append(plan)
         return plan
 
-    monkeypatch.setattr(attention_functional, "choose_path", recording)
+    monkeypatch.setattr(functional_module, "choose_path", recording)
     q = torch.randn(600, 2, 8)
     cu = torch.tensor([0, 200, 600], dtype=torch.int32)
     qkv.attention_varlen(q, q, q, cu, causal=True)

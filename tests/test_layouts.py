@@ -68,9 +68,9 @@ def _batched(mask: object, batch: tuple[int, ...]) -> object:
 def _run_flex_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     """backend="flex" with FlexAttention's eager reference: the compiled CPU kernel takes a
     minute to build and returns no lse; the layout handling around it is the same."""
-    from qkv.attention import execute
+    from qkv.attention import execute as execute_module
 
-    monkeypatch.setattr(execute, "flex_attention_layout", functools.partial(flex_attention_layout, compiled=False))
+    monkeypatch.setattr(execute_module, "flex_attention_layout", functools.partial(flex_attention_layout, compiled=False))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")

@@ -10,7 +10,7 @@ import torch
 import qkv
 import qkv.masks
 from qkv import reference
-from qkv.attention import dispatch as attention_dispatch
+from qkv.attention import dispatch
 
 
 def _counting_window(calls: list[int], width: int = 40):
@@ -59,7 +59,7 @@ def test_draw_within_the_budget_still_evaluates_every_point():
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_a_deferred_plan_equals_the_reference(monkeypatch, backend, softcap):
     # a small budget makes a 300 x 290 predicate "huge": the engine then finds its tiles at run time
-    monkeypatch.setattr(attention_dispatch, "POINTWISE_BUDGET", 1000)
+    monkeypatch.setattr(dispatch, "POINTWISE_BUDGET", 1000)
     torch.manual_seed(0)
     L, S, E = 300, 290, 8
     q = torch.randn(1, 2, L, E, dtype=torch.float64, requires_grad=True)

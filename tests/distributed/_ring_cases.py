@@ -79,13 +79,13 @@ def cases(world_size: int) -> list[RingCase]:
 @contextmanager
 def block_settings(case: RingCase) -> Iterator[None]:
     """Apply the case's QUERY_TILE and path choice to qkv.distributed.blockwise, then restore them."""
-    saved = blockwise_module.QUERY_TILE, blockwise_module.USE_CPU_FLASH
-    blockwise_module.QUERY_TILE = case.tile or saved[0]
-    blockwise_module.USE_CPU_FLASH = not case.tiles
+    saved = blockwise_module.QUERY_TILE
+    blockwise_module.QUERY_TILE = case.tile or saved
     try:
-        yield
+        with qkv.backends.disabled(*(("ring_cpu_flash",) if case.tiles else ())):
+            yield
     finally:
-        blockwise_module.QUERY_TILE, blockwise_module.USE_CPU_FLASH = saved
+        blockwise_module.QUERY_TILE = saved
 
 
 def run_case(me: Rank, case: RingCase, arrays: dict[str, np.ndarray], group: dist.ProcessGroup | None = None,

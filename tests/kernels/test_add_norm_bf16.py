@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.native import add_norm_bf16
+import qkv
+from qkv.native import add_norm_bf16, switches
 from qkv.native import build as compiled
 from tests.kernels._compiler import REASON as FAILED_BUILD
 from tests.kernels._compiler import use_failing_compiler
@@ -28,7 +29,7 @@ FLOOR = 1e-5
 
 
 def _can_run() -> bool:
-    return compiled.static_reason(BF16, CPU) is None and add_norm_bf16.ENABLED
+    return compiled.static_reason(BF16, CPU) is None and not switches.is_off("add_norm_bf16")
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> CallSpy:
@@ -149,10 +150,10 @@ def test_reasons_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
         assert reason(x, y, norm) == "QKV_NO_COMPILED_KERNELS is set"
         monkeypatch.delenv("QKV_NO_COMPILED_KERNELS")
-        monkeypatch.setattr(add_norm_bf16, "ENABLED", False)
-        assert reason(x, y, norm) == "it is switched off (qkv.native.add_norm_bf16.ENABLED = False)"
         spy = _spy(monkeypatch)
-        out, low = add_norm_bf16.add_norm(x, y, norm, BF16)  # the eager ops
+        with qkv.backends.disabled("add_norm_bf16"):
+            assert reason(x, y, norm) == 'it is switched off (qkv.backends.disabled("add_norm_bf16"))'
+            out, low = add_norm_bf16.add_norm(x, y, norm, BF16)  # the eager ops
         assert spy.calls == 0
         assert torch.equal(out, norm(x + y)) and torch.equal(low, out.to(BF16))
         same, also = add_norm_bf16.add_norm(x, y.float(), norm, torch.float32)  # float32 throughout

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.attention import dispatch as attention_dispatch
+from qkv.attention import dispatch
 from qkv.backends.blocks.engine import block_attention, block_weights
 from qkv.backends.blocks.planner import (
     BlockConfig,
@@ -269,14 +269,14 @@ def test_dispatch_and_explain() -> None:
     assert e.path == "blocks" and "sliding_window(left=256, right=0)" in e.reason
     # rows 0..256 see keys 0..r: one causal square (its lower triangle); then row groups of
     # block_q (< 256) rows [r0, r1), each the keys r0 - 256 .. r0 - 1 (masked) and a causal square
-    bq = attention_dispatch.BLOCKS.block_q
+    bq = dispatch.BLOCKS.block_q
     pairs = 257 * 258 // 2 + sum((r1 - r0) * 256 + (r1 - r0) * (r1 - r0 + 1) // 2
                                  for r0, r1 in ((r, min(1024, r + bq)) for r in range(257, 1024, bq)))
     assert e.flops == 2 * (16 + 16) * pairs * 2
     assert e.visited_fraction == pytest.approx(pairs / 1024**2)
-    tiles = states_from_dense(window.to_dense(1024, 1024), bq, attention_dispatch.BLOCKS.block_k)
+    tiles = states_from_dense(window.to_dense(1024, 1024), bq, dispatch.BLOCKS.block_k)
     assert e.blocks_visited == pytest.approx(float((tiles != 0).double().mean()))
-    assert f"tiles: {bq}x{attention_dispatch.BLOCKS.block_k}" in str(e)
+    assert f"tiles: {bq}x{dispatch.BLOCKS.block_k}" in str(e)
     # what SDPA does best stays with SDPA
     assert qkv.explain(q, k, v, M.causal()).path == "fused"
     assert qkv.explain(q, k, v, M.sliding_window(900, 900)).path == "fused"  # most tiles visible

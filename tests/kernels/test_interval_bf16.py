@@ -206,11 +206,12 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
     mask = M.sliding_window(256, 256)
     trace = _reference(q.double(), k.double(), v.double(), mask, torch.zeros(1, 2, n, 64, dtype=torch.float64), 0.125)[0]
     fused, fused_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
-    monkeypatch.setattr(interval_bf16, "ENABLED", False)
     spy = _spy(monkeypatch)
-    tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
+    with qkv.backends.disabled("interval_bf16"):
+        tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
+        explained = qkv.explain(q, k, v, mask)
     assert spy.calls == 0
-    assert "switched off" in qkv.explain(q, k, v, mask).forward_kernel
+    assert 'switched off (qkv.backends.disabled("interval_bf16"))' in explained.forward_kernel
     # both paths see the same bf16 inputs: each within the rounding of its bf16 output
     for out in (fused, tiles):
         assert _err(out, trace.output) < 1e-2

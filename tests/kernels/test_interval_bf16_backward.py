@@ -165,14 +165,17 @@ def test_fallback_gives_gradients_by_the_same_rule(monkeypatch: pytest.MonkeyPat
     naive_grads = torch.autograd.grad(naive, naive_in, d_out.to(DTYPE))
     grads = {}
     for enabled in (True, False):
-        monkeypatch.setattr(interval_bf16_backward, "ENABLED", enabled)
         spy = _spy(monkeypatch)
         ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
-        out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
+        with qkv.backends.disabled(*(() if enabled else ("interval_bf16_backward",))):
+            out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
+        # the Plan made inside the block decides the backward, wherever it runs
         grads[enabled] = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
         assert spy.calls == (1 if enabled and _can_run() else 0)
         assert_by_the_rule(out, grads[enabled], naive, naive_grads, trace.output, ref_grads)
-    assert "switched off" in qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask).backward_kernel
+    with qkv.backends.disabled("interval_bf16_backward"):
+        explained = qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask)
+    assert 'switched off (qkv.backends.disabled("interval_bf16_backward"))' in explained.backward_kernel
     for fused, other in zip(grads[True], grads[False], strict=True):  # two bf16 answers of one problem
         assert _err(fused, other.double().numpy()) < 4 * FLOOR + 0.05
 

@@ -9,7 +9,7 @@ import torch
 
 import qkv
 import qkv.bench
-from qkv.native import machine
+from qkv.native import machine, rates
 
 CPU = torch.device("cpu")
 
@@ -134,9 +134,7 @@ def test_rates_are_measured_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append(dtype)
         return {torch.float32: 400.0, torch.bfloat16: 2000.0}[dtype]
 
-    from qkv.native import rates
-
-    monkeypatch.setattr(rates, "machine_matmul_gflops", fake_rate)
+    monkeypatch.setattr(rates, "machine_matmul_gflops", fake_rate)  # explain reads it from there
     plain = qkv.explain(q, q, q)
     assert plain.matmul_rates == () and calls == [] and "machine:" not in str(plain)
     measured = qkv.explain(q, q, q, measure=True)

@@ -17,7 +17,7 @@ import torch
 import qkv
 from qkv.attention import problem as _problem
 from qkv.native import build as compiled
-from qkv.native import magnitude_bf16
+from qkv.native import magnitude_bf16, switches
 from tests.kernels._spy import CallSpy
 
 BF16 = torch.bfloat16
@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def _can_run() -> bool:
-    return compiled.static_reason(BF16, CPU) is None and magnitude_bf16.ENABLED
+    return compiled.static_reason(BF16, CPU) is None and not switches.is_off("magnitude_bf16")
 
 
 def _want(x: torch.Tensor) -> float:
@@ -107,9 +107,9 @@ def test_reasons_it_does_not_run() -> None:
 
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(magnitude_bf16, "ENABLED", False)
-    assert "switched off" in magnitude_bf16.unavailable_reason(_base())
-    monkeypatch.setattr(magnitude_bf16, "ENABLED", True)
+    with qkv.backends.disabled("magnitude_bf16"):
+        assert magnitude_bf16.unavailable_reason(_base()) == 'it is switched off (qkv.backends.disabled("magnitude_bf16"))'
+        assert magnitude_bf16.largest_magnitudes([_base()]) == [None]
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
     assert magnitude_bf16.largest_magnitudes([_base()]) == [None]
     # the reason names the variable where nothing else stops the kernels (AVX-512, AMX, tools)

@@ -8,6 +8,8 @@ entirely in bfloat16, plus a floor of 1e-3.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,7 +18,6 @@ from qkv import masks as M
 from qkv import reference as R
 from qkv.backends.blocks import matmul_backward
 from qkv.backends.blocks.matmul_backward import call_gradients, suits
-from qkv.native import interval_bf16_backward
 from tests.kernels.test_blocks import MASKS, _problem, _reference
 from tests.kernels.test_blocks_bf16 import _err, _naive, assert_by_the_rule
 
@@ -31,12 +32,13 @@ def _grads(fn, q, k, v, d_out, dtype):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(autouse=True)
-def _any_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def _any_thread_count(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The suite may run on several threads; these tests are about the products, not that bound,
     nor the fused bf16 backward kernel that interval plans take where it builds
     (tests/kernels/test_interval_bf16_backward.py)."""
     monkeypatch.setattr(matmul_backward, "MAX_THREADS", 1 << 20)
-    monkeypatch.setattr(interval_bf16_backward, "ENABLED", False)
+    with qkv.backends.disabled("interval_bf16_backward"):
+        yield
 
 
 class _Spy:

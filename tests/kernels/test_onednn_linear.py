@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import qkv
 from qkv.native import onednn_linear
 from qkv.native.machine import cpu_features
 from tests.kernels._spy import CallSpy
@@ -183,10 +184,10 @@ def test_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
     assert reason(x, weight, b) == "QKV_NO_COMPILED_KERNELS is set"
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "0")
-    monkeypatch.setattr(onednn_linear, "ENABLED", False)
-    assert reason(x, weight, b) == "it is switched off (qkv.native.onednn_linear.ENABLED = False)"
     spy = _spy(monkeypatch)
-    out = onednn_linear.linear(x, weight, b)  # the fallback: F.linear itself
+    with qkv.backends.disabled("onednn_linear"):
+        assert reason(x, weight, b) == 'it is switched off (qkv.backends.disabled("onednn_linear"))'
+        out = onednn_linear.linear(x, weight, b)  # the fallback: F.linear itself
     assert spy.calls == 0 and torch.equal(out, F.linear(x, weight, b))
 
 

@@ -188,11 +188,12 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
     valid = _valid(3, 40, [40, 25, 9])
     want = _reference(q, k, v, valid, 32**-0.5)
     fast = qkv.attention(q, k, v, valid[:, None, None, :])
-    monkeypatch.setattr(short_bf16, "ENABLED", False)
     spy = _spy(monkeypatch)
-    sdpa = qkv.attention(q, k, v, valid[:, None, None, :])
+    with qkv.backends.disabled("short_bf16"):
+        sdpa = qkv.attention(q, k, v, valid[:, None, None, :])
+        explained = qkv.explain(q, k, v, valid[:, None, None, :])
     assert spy.calls == 0
-    assert "switched off" in qkv.explain(q, k, v, valid[:, None, None, :]).forward_kernel
+    assert 'switched off (qkv.backends.disabled("short_bf16"))' in explained.forward_kernel
     for out in (fast, sdpa):  # both within the rounding of a bf16 output
         assert _err(out, want) < 1e-2
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+import qkv
 from qkv.models import Encoder, batches
 
 TEXTS = [f"sentence number {i} " + "with more words " * (i % 7) for i in range(70)]
@@ -27,9 +28,9 @@ def test_side_by_side_gives_the_sequential_embeddings(encoder: Encoder, two_thre
     side_by_side = encoder.encode(TEXTS, batch_size=16, progress=lambda done, total: seen.append((done, total)))
     assert seen == [(16, 70), (32, 70), (48, 70), (64, 70), (70, 70)]
     assert torch.get_num_threads() == 2
-    monkeypatch.setattr(batches, "ENABLED", False)
-    assert batches.workers(3, torch.device("cpu")) == 1
-    sequential = encoder.encode(TEXTS, batch_size=16)
+    with qkv.backends.disabled("batch_workers"):
+        assert batches.workers(3, torch.device("cpu")) == 1
+        sequential = encoder.encode(TEXTS, batch_size=16)
     # float32 throughout; one thread or two per product sums in another order, no more
     torch.testing.assert_close(side_by_side, sequential, atol=1e-5, rtol=0)
     assert not side_by_side.requires_grad

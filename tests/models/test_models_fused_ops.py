@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tests.kernels._spy import CallSpy
 
+import qkv
 from qkv.models import Encoder, load_encoder
 from qkv.native import add_norm_bf16, onednn_linear
 from qkv.native import build as compiled
@@ -65,9 +66,8 @@ def test_bf16_encode_runs_the_fused_ops_and_matches_float32(
             assert linear.calls == 0
         assert norm.calls == (2 * layers * 2 if _norm_runs() else 0)  # two add + norms per layer and batch
         assert F.cosine_similarity(got, want, dim=1).min().item() >= MIN_COSINE
-    monkeypatch.setattr(onednn_linear, "ENABLED", False)
-    monkeypatch.setattr(add_norm_bf16, "ENABLED", False)
-    eager = bf16_encoder.encode(texts)  # the same model on the eager ops
+    with qkv.backends.disabled("onednn_linear", "add_norm_bf16"):
+        eager = bf16_encoder.encode(texts)  # the same model on the eager ops
     assert F.cosine_similarity(eager, want, dim=1).min().item() >= MIN_COSINE
 
 

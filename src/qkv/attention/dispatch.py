@@ -3,7 +3,9 @@
 A `Plan` holds every decision of one attention call: the path (``fused``: PyTorch's SDPA;
 ``math``: the explicit formula; ``blocks``: the CPU block engine; ``flex``: FlexAttention with
 qkv's BlockMask; ``decode``: the split-key decode kernel), how the mask reaches that kernel, how the score terms (softcap, bias,
-score_mod) reach it, and where the weights and the log-sum-exp come from. `qkv.attention`
+score_mod) reach it, where the weights and the log-sum-exp come from, and the kernels that run
+forward and backward inside the path (`Plan.forward_kernel`, `Plan.backward_kernel`, chosen from
+the compiled kernels' ``unavailable_reason`` and `qkv.backends.disabled`). `qkv.attention`
 executes a Plan (`qkv.attention.execute`), `qkv.explain` describes one (`qkv.attention.explain`) and runs no
 kernel; both read the Plan only.
 
@@ -35,8 +37,9 @@ from qkv.backends.blocks.planner import (
 from qkv.backends.blocks.scored import closes_over_grad
 from qkv.backends.dense import flash_kernel_available, fused_lse_available
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
+from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_reason
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, KeyPadding, Mask
-from qkv.native import interval_bf16, short_bf16
+from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
 
 __all__ = [
     "BACKENDS",
@@ -132,10 +135,22 @@ class Plan:
     # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
     # large to evaluate for a decision or an explanation); layout and tiles are None until then
     deferred: bool = False
-    # fused: the compiled short-sequence bf16 kernel (`qkv.native.short_bf16`) runs instead of
-    # SDPA (SDPA still runs if its build or self-check fails when attention runs)
-    short_kernel: bool = False
-    short_kernel_absent: str | None = None  # fused bf16 on CPU: why that kernel does not run
+    # the kernel that runs forward and the one autograd runs backward, by their names in
+    # `qkv.backends.protocol.FORWARD_KERNELS` / `BACKWARD_KERNELS` ("none": no backward; such a
+    # kernel is chosen only without a gradient). Decided here once; execution runs these. A
+    # compiled kernel whose build or self-check fails at its first use falls back to its path's
+    # portable kernel for that call (`qkv.backends.protocol`).
+    forward_kernel: str = ""
+    backward_kernel: str = ""
+    # why the faster compiled kernel of this path does not run forward / backward: low-precision
+    # inputs on the fused path (the short-sequence kernel) and the block engine without score
+    # terms (the interval kernels); None where it runs or does not apply. `qkv.explain` prints it.
+    forward_absent: str | None = None
+    backward_absent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.forward_kernel not in FORWARD_KERNELS or self.backward_kernel not in BACKWARD_KERNELS:
+            raise AssertionError(f"a Plan names unknown kernels: {self.forward_kernel!r}, {self.backward_kernel!r}")
 
 
 def _check_backend(backend: str) -> None:
@@ -251,22 +266,15 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
     returns None unless the problem is a decode step on CPU (L <= `decode.MAX_QUERIES`,
     S >= `DECODE_MIN_KEYS`)."""
     L, S, terms = problem.L, problem.S, problem.terms
-    refusal = None
-    if L > decode.MAX_QUERIES:
-        refusal = f"it takes at most {decode.MAX_QUERIES} queries, got L={L}"
-    elif not decode.supports_mask(problem.mask):
-        refusal = f"it applies no mask, causal(), sliding_window() or key_padding() only, got {problem.mask_kind}"
-    elif terms.softcap is not None or terms.score_mod is not None:
-        refusal = f"it applies a bias only, got {terms.describe()}"
-    elif problem.dropout > 0.0:
-        refusal = f"it has no dropout (got dropout={problem.dropout})"
-    elif return_weights:
+    refusal = decode_reason(problem)
+    if refusal is None and return_weights:
         refusal = "it returns no weights (return_weights=True)"
     if backend == "decode":
         if refusal is not None:
             raise ValueError(f"backend='decode': {refusal}; use 'auto'")
         return Plan("decode", "backend='decode' was requested", mask="chunks" if problem.mask is not None else "none",
-                    scores="chunks" if terms.active else "none", lse="kernel")
+                    scores="chunks" if terms.active else "none", lse="kernel", forward_kernel="decode",
+                    backward_kernel="decode")
     if refusal is not None or problem.q.device.type != "cpu" or S < DECODE_MIN_KEYS:
         return None
     reason = (
@@ -275,7 +283,8 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
         "all query heads of its group and merges the chunks by lse"
     )
     return Plan("decode", reason, mask="chunks" if problem.mask is not None else "none",
-                scores="chunks" if terms.active else "none", lse="kernel")
+                scores="chunks" if terms.active else "none", lse="kernel", forward_kernel="decode",
+                backward_kernel="decode")
 
 
 def decode_widens_itself(
@@ -286,6 +295,8 @@ def decode_widens_itself(
     copy the whole cache to float32 first. The shape-level conditions of `decode_plan` (``scored``:
     a softcap or score_mod is given); the checks that need the validated problem stay there."""
     if backend not in ("auto", "decode") or q.device.type != "cpu" or q.dim() < 2 or k.dim() < 2:
+        return False
+    if switches.is_off("decode"):
         return False
     if backend == "auto" and k.shape[-2] < DECODE_MIN_KEYS:
         return False
@@ -305,7 +316,7 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
         return None
     if problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
         return None  # the short-sequence kernel's problems (`short_kernel_reason`)
-    if not flash_kernel_available() or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
+    if not flash_kernel_available() or switches.is_off("blocks") or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
         return None
     what = "no mask" if problem.mask is None else "causal (L == S)"
     reason = (
@@ -341,6 +352,7 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
     elif isinstance(mask, Mask):
         reason += f"; {mask.describe()} is passed as a dense bool mask"
     short_reason = short_kernel_reason(problem, backend, route, return_weights, return_lse)
+    q = problem.q
     if short_reason is None:
         what = "no mask" if route == "none" else "a key-padding mask"
         reason = (
@@ -362,8 +374,10 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         weights="dense" if return_weights else "none",
         lse=lse,
         causal_offset=0 if route == "is_causal" else None,
-        short_kernel=short_reason is None,
-        short_kernel_absent=short_reason,
+        forward_kernel="short_bf16" if short_reason is None else "sdpa",
+        backward_kernel="none" if short_reason is None else "sdpa",
+        # said for bf16 on CPU, where that kernel is a candidate
+        forward_absent=short_reason if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
     )
 
 
@@ -416,7 +430,7 @@ def _key_padding(mask: torch.Tensor | Mask | None, S: int) -> torch.Tensor | Non
 
 
 def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
-    """The key-padding mask (N | 1, S) of a plan with ``short_kernel``, None without a mask."""
+    """The key-padding mask (N | 1, S) of a plan whose forward kernel is "short_bf16", None without a mask."""
     return _key_padding(problem.mask, problem.S)
 
 
@@ -432,6 +446,8 @@ def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, ret
         weights="kernel" if return_weights else "none",
         lse="kernel",
         causal_offset=causal_offset,
+        forward_kernel="math",
+        backward_kernel="math",
     )
 
 
@@ -578,6 +594,8 @@ def _sparse_plan(
             "reads tensors that require grad; use backend='math', or pass them as a qkv.bias"
         )
     device = problem.q.device
+    if switches.is_off(path):
+        raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
     if path == "blocks":
         if device.type != "cpu":
             raise ValueError(f"backend='blocks' is the CPU block engine, the inputs are on {device}; use 'flex' or 'auto'")
@@ -607,9 +625,36 @@ def _sparse_plan(
         path, reason, mask="tiles", scores=scores, weights=weights, lse=lse,
         causal_offset=_causal_offset(problem) if weights == "dense" else None,
         layout=layout, tiles=tiles, deferred=True,
+        # the engine's kernels are chosen below, once its tiles are known
+        forward_kernel="flex" if path == "flex" else "cpu_flash_tiles",
+        backward_kernel="flex" if path == "flex" else "engine_per_call",
     )
     # the layout and tiles not given are found now, unless the mask is too large to evaluate
-    return plan if deferred else complete(problem, plan)
+    plan = plan if deferred else complete(problem, plan)
+    return plan if path == "flex" else _engine_kernels(problem, plan)
+
+
+def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
+    """A blocks plan with its forward and backward kernels: with score terms the engine's
+    scored kernels; without, the fused bf16 interval kernels where they can run (the plan
+    knows one key interval per query: a deferred plan's tiles are not known, so it does not),
+    else PyTorch's CPU flash kernel per tile and the engine's backward per call."""
+    terms = problem.terms
+    if terms.active:
+        scored = terms.softcap is not None or terms.score_mod is not None
+        return replace(plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call")
+    q = problem.q
+    has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
+    forward = interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals)
+    backward = interval_bf16_backward.unavailable_reason(q.dtype, q.device, has_intervals)
+    low = q.dtype in (torch.bfloat16, torch.float16)  # where the kernels are candidates, said
+    return replace(
+        plan,
+        forward_kernel="interval_bf16" if forward is None else "cpu_flash_tiles",
+        backward_kernel="interval_bf16_backward" if backward is None else "engine_per_call",
+        forward_absent=forward if low else None,
+        backward_absent=backward if low else None,
+    )
 
 
 def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
@@ -624,10 +669,10 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
         return None
     device = problem.q.device
     what = "no mask" if mask is None else mask.describe()
-    if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+    if device.type == "cuda" and _flex_suits(problem):
         reason = f"{terms.describe()} with {what}: FlexAttention applies them as its score_mod"
         return _sparse_plan(problem, "flex", reason, return_weights, return_lse)
-    if device.type != "cpu" or not flash_kernel_available():
+    if device.type != "cpu" or not flash_kernel_available() or switches.is_off("blocks"):
         return None
     if _too_large_to_evaluate(problem):
         reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU block engine')}"
@@ -642,16 +687,21 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
 
 
+def _flex_suits(problem: AttentionProblem) -> bool:
+    """Whether 'auto' may send this CUDA problem to FlexAttention."""
+    return flex_available() and not switches.is_off("flex") and flex_suits(problem.q.dtype, (problem.E, problem.Ev))
+
+
 def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
     L, S = problem.L, problem.S
     if L * S < _SPARSE_MIN_PAIRS:
         return None
     device = problem.q.device
-    if device.type == "cpu" and flash_kernel_available():
+    if device.type == "cpu" and flash_kernel_available() and not switches.is_off("blocks"):
         path: Literal["blocks", "flex"] = "blocks"
         block_q, block_k = BLOCKS.block_q, BLOCKS.block_k
-    elif device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
+    elif device.type == "cuda" and _flex_suits(problem):
         path, block_q, block_k = "flex", FLEX_BLOCK, FLEX_BLOCK
     else:
         return None
@@ -686,10 +736,14 @@ def weights_plan(problem: AttentionProblem) -> Plan:
         reason = "the weights of the chosen heads and rows, recomputed tile by tile from their lse"
         return Plan(
             "blocks", reason, mask="tiles", scores="tiles" if active else "none", weights="tiles", lse="tiles",
-            layout=layout, tiles=_block_plan(problem, BLOCKS, layout),
+            layout=layout, tiles=_block_plan(problem, BLOCKS, layout), forward_kernel="weights_tiles",
+            backward_kernel="none",
         )
     reason = "a tensor mask: the dense formula on the chosen heads and rows"
-    return Plan("math", reason, mask="dense", scores="formula" if active else "none", weights="dense", lse="dense")
+    return Plan(
+        "math", reason, mask="dense", scores="formula" if active else "none", weights="dense", lse="dense",
+        forward_kernel="weights_dense", backward_kernel="none",
+    )
 
 
 RingBlockPath = Literal["cpu-flash", "tiles"]
@@ -701,9 +755,9 @@ def ring_block_path(q: torch.Tensor, v: torch.Tensor, cpu_flash: bool = True) ->
     A block has no mask but a causal diagonal, no score terms and no dropout, and it always
     needs its lse and a backward that takes the global output and lse. That is the fused
     path's lse rule above: PyTorch's CPU flash kernel (`fused_lse_available`), here only when
-    E == Ev (the ring does not pad head dims) and ``cpu_flash`` allows it (the ring's switch
-    `blockwise.USE_CPU_FLASH`); the blockwise tiles everywhere else.
+    E == Ev (the ring does not pad head dims) and ``cpu_flash`` allows it, and
+    ``qkv.backends.disabled("ring_cpu_flash")`` is not in force; the blockwise tiles everywhere else.
     """
-    if cpu_flash and q.shape[-1] == v.shape[-1] and fused_lse_available(q):
+    if cpu_flash and not switches.is_off("ring_cpu_flash") and q.shape[-1] == v.shape[-1] and fused_lse_available(q):
         return "cpu-flash"
     return "tiles"

@@ -40,7 +40,7 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
             q, k, v, mask, scale, causal_offset=plan.causal_offset, dropout=problem.dropout, terms=problem.terms,
             sinks=problem.sinks,
         )
-    if plan.short_kernel:
+    if plan.forward_kernel == "short_bf16":
         out = short_bf16.forward(q, k, v, key_padding(problem), scale)  # (N, H, L, Ev)
         if out is not None:
             return out, None, None
@@ -142,9 +142,9 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     if plan.path == "blocks":
         assert plan.tiles is not None
         if plan.scores == "tiles":
-            out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms, sinks)
+            out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms, sinks, plan.forward_kernel)
         else:
-            out, lse = block_attention(q, k, v, mask, plan.tiles, scale, sinks)
+            out, lse = block_attention(q, k, v, mask, plan.tiles, scale, sinks, plan.forward_kernel, plan.backward_kernel)
     else:
         assert plan.layout is not None
         _try_score_terms_eagerly(terms, q)

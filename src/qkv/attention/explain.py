@@ -15,12 +15,10 @@ import torch
 from qkv.attention.dispatch import BLOCKS, Plan, mask_heads
 from qkv.attention.problem import AttentionProblem
 from qkv.backends.blocks.engine import engine_extra_bytes
-from qkv.backends.decode import decode_extra_bytes, default_splits
-from qkv.backends.dense import fused_extra_bytes, math_extra_bytes
 from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
+from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
-from qkv.native import interval_bf16, interval_bf16_backward, short_bf16
 from qkv.native.machine import cpu_features, emulation_note
 
 __all__ = ["Explanation", "explanation"]
@@ -53,12 +51,14 @@ class Explanation:
     # the mask's tiles were not evaluated (Plan.deferred): flops, the visited fraction and
     # score_flops count every pair, an upper bound
     upper_bound: bool = False
-    # blocks without score terms, low-precision inputs: the engine's forward kernel, or why the
-    # fused bf16 kernel does not run (`qkv.native.interval_bf16.describe`)
+    # the Plan's forward kernel in words where it is a compiled one or the Plan says why a
+    # compiled one does not run (low-precision inputs on the fused path and on the block engine
+    # without score terms); '' otherwise.
     forward_kernel: str = ""
-    # the same plans: the engine's backward, or why the fused bf16 backward kernel does not run
-    # (`qkv.native.interval_bf16_backward.describe`)
-    backward_kernel: str = ""
+    backward_kernel: str = ""  # the same for the backward
+    # (forward, backward): the Plan's kernels by their short names (`Plan.forward_kernel`,
+    # `qkv.backends.protocol.FORWARD_KERNELS`), whether or not a line above describes them
+    kernels: tuple[str, str] = ("", "")
     notes: tuple[str, ...] = ()  # warnings about this machine (a dtype without native products)
     # (dtype name, GFLOP/s) of this machine's matrix multiply, measured when explain(measure=True)
     matmul_rates: tuple[tuple[str, float], ...] = ()
@@ -166,13 +166,12 @@ def explanation(
         dtype_text = f"{str(stored).removeprefix('torch.')} computed in {dtype_text}"
     shape = f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} {dtype_text} on {q.device}"
     note = emulation_note(stored or q.dtype, q.device)
+    # a kernel line where the Plan chose a compiled kernel or says why one does not run
     forward_kernel = backward_kernel = ""
-    if plan.path == "blocks" and plan.scores == "none" and q.dtype in (torch.bfloat16, torch.float16):
-        has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
-        forward_kernel = interval_bf16.describe(q.dtype, q.device, has_intervals)
-        backward_kernel = interval_bf16_backward.describe(q.dtype, q.device, has_intervals)
-    if plan.path == "fused" and q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        forward_kernel = short_bf16.describe(q.dtype, q.device) if plan.short_kernel else f"PyTorch's SDPA{_why_not_short(plan)}"
+    if plan.forward_kernel in COMPILED_KERNELS or plan.forward_absent is not None:
+        forward_kernel = kernel_words(plan.forward_kernel, plan.forward_absent)
+    if plan.backward_kernel in COMPILED_KERNELS or plan.backward_absent is not None:
+        backward_kernel = kernel_words(plan.backward_kernel, plan.backward_absent)
     rates: tuple[tuple[str, float], ...] = ()
     threads = 0
     if measure and q.device.type == "cpu":
@@ -201,17 +200,12 @@ def explanation(
         upper_bound=plan.deferred,
         forward_kernel=forward_kernel,
         backward_kernel=backward_kernel,
+        kernels=(plan.forward_kernel, plan.backward_kernel),
         notes=() if note is None else (note,),
         matmul_rates=rates,
         matmul_threads=threads,
         cpu_tier=cpu_features().describe() if q.device.type == "cpu" else "",
     )
-
-
-def _why_not_short(plan: Plan) -> str:
-    """Why a fused bf16 CPU plan runs SDPA, not the short-sequence kernel (`Plan.reason` ends in it)."""
-    why = plan.short_kernel_absent
-    return "" if why is None else f" (the {short_bf16.KERNEL_NAME} does not run: {why})"
 
 
 def _visible_pairs(problem: AttentionProblem, plan: Plan) -> float:
@@ -248,6 +242,7 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
         plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else BLOCKS.call_bytes,
         n_tiles=n_tiles, mask_heads=mask_heads(problem),
         reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant, score_terms=plan.scores != "none",
+        interval_kernel=plan.forward_kernel == "interval_bf16",
     )
 
 
@@ -256,13 +251,11 @@ def extra_bytes(problem: AttentionProblem, plan: Plan) -> int:
     q, N, H, L, S = problem.q, problem.N, problem.H, problem.L, problem.S
     acc = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
     weights = N * H * L * S * acc if plan.weights != "none" else 0
-    if plan.path == "math":
-        return math_extra_bytes(q.dtype, N=N, H=H, L=L, S=S)  # the weights are among its intermediates
-    if plan.path == "decode":
-        return decode_extra_bytes(q.dtype, N=N, H=H, L=L, S=S, Ev=problem.Ev, splits=default_splits(S))
+    if plan.path in ("math", "decode"):
+        return BACKENDS[plan.path].extra_memory(problem)  # the math path's weights are among its intermediates
     if plan.path in ("blocks", "flex"):
         return _tile_path_bytes(problem, plan) + weights
-    extra = fused_extra_bytes(q.dtype, q.device, N=N, H=H, L=L, S=S, Ev=problem.Ev) + weights
+    extra = BACKENDS["fused"].extra_memory(problem) + weights
     if plan.mask == "dense" and problem.mask is not None:
         extra += L * S * (q.element_size() if plan.lse == "kernel" else 1)  # the mask; float for the lse kernel
     if plan.scores == "dense_mask":

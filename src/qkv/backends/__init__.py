@@ -4,7 +4,9 @@
 - the CPU block engine (backend ``"blocks"``): `block_plan` plans, `block_calls` runs the call
   loop, `blocks` computes calls with PyTorch's CPU flash kernel, `scored` with score terms
   (bias, softcap, score_mod); `merge` merges partial softmaxes (also used by the ring);
-- `flex`: FlexAttention with qkv's block layout, for CUDA.
+- `flex`: FlexAttention with qkv's block layout, for CUDA;
+- `protocol`: what every backend answers (`Backend`, `BACKENDS`) and the names of the kernels
+  a Plan records; `disabled` (from `qkv.native.switches`) switches kernels and backends off.
 
 Glossary of the block engine (from small to large):
 
@@ -17,3 +19,7 @@ Glossary of the block engine (from small to large):
   strided views of the inputs (`block_plan.Call`); rows whose keys span several pieces are
   merged by log-sum-exp (`merge.merge_partial`).
 """
+
+from qkv.native.switches import disabled
+
+__all__ = ["disabled"]

@@ -43,11 +43,7 @@ from qkv.attention.dispatch import ring_block_path
 from qkv.backends.heads import expand_kv_heads, sum_kv_heads
 from qkv.backends.softmax import causal_kernel_scale
 
-__all__ = ["QUERY_TILE", "USE_CPU_FLASH", "block_backward", "block_forward", "block_path"]
-
-# Use PyTorch's CPU flash kernels where the dispatcher's rule allows them; False forces the
-# tiles (tests use it to run both implementations on the same cases).
-USE_CPU_FLASH = True
+__all__ = ["QUERY_TILE", "block_backward", "block_forward", "block_path"]
 
 # Query rows per tile. 256 keeps each tile's matrix products large enough to run near the
 # machine's matmul rate while bounding the (T, S_blk) scores per head to T / S_blk of the block.
@@ -59,7 +55,7 @@ _NEG_INF = float("-inf")
 def block_path(q: torch.Tensor, v: torch.Tensor) -> str:
     """Which implementation computes blocks of these queries and values: "cpu-flash" or "tiles",
     by the dispatcher's sub-rule for ring blocks (`qkv.attention.dispatch.ring_block_path`)."""
-    return ring_block_path(q, v, cpu_flash=USE_CPU_FLASH)
+    return ring_block_path(q, v)
 
 
 def _future_keys(t0: int, t1: int, keys: int, device: torch.device) -> torch.Tensor:

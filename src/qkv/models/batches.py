@@ -16,12 +16,13 @@ run: it starts with 1 (call ``torch.set_num_threads`` in it to choose).
 `workers` says how many batches run at once: the caller's intra-op thread count, at most
 the number of batches, and 1 (the ordinary loop) off the CPU, under autocast, a torch
 function or dispatch mode or inference mode (per thread in PyTorch: workers would not see
-them), inside a worker, or when the switch `ENABLED` is off. Workers run without gradient,
-as encoding does.
+them), inside a worker, or when ``qkv.backends.disabled("batch_workers")`` is in force. Workers run
+without gradient, as encoding does, and in a copy of the caller's context (its switches).
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +32,9 @@ from typing import TypeVar
 import torch
 
 from qkv._private import torch as private_torch
+from qkv.native import switches
 
-__all__ = ["ENABLED", "one_thread_per_batch", "run_batches", "workers"]
-
-# Switch for comparisons: off, batches run one after another with the caller's threads.
-ENABLED = True
+__all__ = ["one_thread_per_batch", "run_batches", "workers"]
 
 T = TypeVar("T")
 
@@ -44,7 +43,7 @@ _inside = threading.local()  # set in worker threads: their own batches run one 
 
 def workers(batches: int, device: torch.device) -> int:
     """How many batches to run at once on ``device``: 1, or the intra-op thread count."""
-    if not ENABLED or device.type != "cpu" or batches < 2 or getattr(_inside, "worker", False):
+    if switches.is_off("batch_workers") or device.type != "cpu" or batches < 2 or getattr(_inside, "worker", False):
         return 1
     if torch.is_autocast_enabled("cpu"):  # autocast is per thread: workers would not see it
         return 1
@@ -85,7 +84,8 @@ def run_batches(fn: Callable[[int], T], batches: int, count: int, done: Callable
             done(i)
         return results
     with one_thread_per_batch(), ThreadPoolExecutor(count, thread_name_prefix="qkv-batch") as pool:
-        futures = [pool.submit(_as_worker, fn, i) for i in range(batches)]
+        # each worker in a copy of the caller's context: qkv.backends.disabled(...) holds there too
+        futures = [pool.submit(contextvars.copy_context().run, _as_worker, fn, i) for i in range(batches)]
         results = []
         try:
             for i, future in enumerate(futures):

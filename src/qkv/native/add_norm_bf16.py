@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from qkv.native import build as compiled
-from qkv.native import onednn_linear
+from qkv.native import onednn_linear, switches
 
-__all__ = ["ENABLED", "KERNEL_NAME", "add_norm", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "add_norm", "unavailable_reason"]
 
-# Switch for comparisons (benchmarks time the eager ops with it off); QKV_NO_COMPILED_KERNELS=1 too.
-ENABLED = True
+# qkv.backends.disabled("add_norm_bf16") switches it off (benchmarks time the eager ops so);
+# QKV_NO_COMPILED_KERNELS=1 too.
 
 KERNEL_NAME = "residual add + LayerNorm kernel"
 # the kernel's source and build (`qkv.native.build`): no torch header, no torch library
@@ -52,8 +52,8 @@ def unavailable_reason(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> str
     >>> unavailable_reason(torch.ones(2, 4), torch.ones(2, 4), torch.nn.LayerNorm(4))
     'y must be bfloat16 (it is float32)'
     """
-    if not ENABLED:
-        return "it is switched off (qkv.native.add_norm_bf16.ENABLED = False)"
+    if switches.is_off("add_norm_bf16"):
+        return switches.off_reason("add_norm_bf16")
     if type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None or onednn_linear.hooked(norm):
         return "the norm is not a plain nn.LayerNorm with weight and bias (or a hook watches it)"
     if x.dtype != torch.float32:

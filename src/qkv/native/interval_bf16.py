@@ -37,13 +37,12 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
-from qkv.native import interval_bf16_backward
+from qkv.native import interval_bf16_backward, switches
 
-__all__ = ["ENABLED", "KERNEL_NAME", "describe", "forward", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "describe", "forward", "unavailable_reason"]
 
-# Switch for comparisons (benchmarks/bf16_engine.py times the per-tile path with it off);
-# the environment variable QKV_NO_COMPILED_KERNELS=1 switches it off too, without a build.
-ENABLED = True
+# qkv.backends.disabled("interval_bf16") switches it off (benchmarks/bf16_engine.py times the
+# per-tile path so); the environment variable QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval kernel"
 # the kernel's source and build (`qkv.native.build`)
@@ -64,9 +63,7 @@ _built: dict = {}
 
 def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel cannot run for these inputs, from facts that need no build."""
-    if not ENABLED:
-        return "it is switched off (qkv.native.interval_bf16.ENABLED = False)"
-    return compiled.static_reason(dtype, device, needs_onednn=True)
+    return switches.off_reason("interval_bf16") or compiled.static_reason(dtype, device, needs_onednn=True)
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:

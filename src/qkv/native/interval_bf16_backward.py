@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
+from qkv.native import switches
 
-__all__ = ["ENABLED", "KERNEL_NAME", "backward", "describe", "gradients", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "backward", "describe", "gradients", "unavailable_reason"]
 
-# Switch for comparisons (benchmarks/bf16_engine.py times the engine's other backwards with it
-# off); QKV_NO_COMPILED_KERNELS=1 switches it off too, without a build.
-ENABLED = True
+# qkv.backends.disabled("interval_bf16_backward") switches it off (benchmarks/bf16_engine.py
+# times the engine's other backwards so); QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
 # the kernel's source and build (`qkv.native.build`)
@@ -60,7 +60,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     >>> unavailable_reason(torch.float32, torch.device("cpu"))
     'it runs bfloat16 only (inputs are float32)'
     """
-    reason = None if ENABLED else "it is switched off (qkv.native.interval_bf16_backward.ENABLED = False)"
+    reason = switches.off_reason("interval_bf16_backward")
     if reason is None:
         reason = compiled.static_reason(dtype, device, needs_onednn=True)
     if reason is None and not has_intervals:

@@ -30,11 +30,11 @@ import torch
 
 from qkv._private import torch as private_torch
 from qkv.native import build as compiled
+from qkv.native import switches
 
-__all__ = ["ENABLED", "KERNEL_NAME", "MIN_VALUES", "largest_magnitudes", "strided_rows", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "MIN_VALUES", "largest_magnitudes", "strided_rows", "unavailable_reason"]
 
-# Switch for comparisons and tests; QKV_NO_COMPILED_KERNELS=1 switches it off too.
-ENABLED = True
+# qkv.backends.disabled("magnitude_bf16") switches it off; QKV_NO_COMPILED_KERNELS=1 too.
 
 KERNEL_NAME = "bfloat16 magnitude scan"
 # the kernel's source and build (`qkv.native.build`)
@@ -59,8 +59,8 @@ def unavailable_reason(x: torch.Tensor) -> str | None:
 
 def _rows_or_reason(x: torch.Tensor) -> tuple[tuple[list[int], list[int], int] | None, str | None]:
     """x's `strided_rows` when the scan takes it, else why not (`unavailable_reason`)."""
-    if not ENABLED:
-        return None, "it is switched off (qkv.native.magnitude_bf16.ENABLED = False)"
+    if switches.is_off("magnitude_bf16"):
+        return None, switches.off_reason("magnitude_bf16")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None, f"it reads plain tensors only (this is a {type(x).__name__})"
     if x.numel() < MIN_VALUES:

@@ -34,12 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv._private import torch as private_torch
+from qkv.native import switches
 from qkv.native.machine import compute_dtype, cpu_features
 
-__all__ = ["ENABLED", "hooked", "linear", "linear_gelu", "run", "run_gelu", "unavailable_reason"]
+__all__ = ["hooked", "linear", "linear_gelu", "run", "run_gelu", "unavailable_reason"]
 
-# Switch for comparisons (benchmarks time F.linear with it off); QKV_NO_COMPILED_KERNELS=1 too.
-ENABLED = True
+# qkv.backends.disabled("onednn_linear") switches it off (benchmarks time F.linear so);
+# QKV_NO_COMPILED_KERNELS=1 too.
 
 # oneDNN creates (JIT-compiles) a primitive for every new row count, ~3 ms for a plain
 # linear and ~10 ms with the GELU at the encoder's sizes (1 thread), 50 % more when the count
@@ -167,8 +168,8 @@ def hooked(module: nn.Module) -> bool:
 
 def _static_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """The per-call conditions (no op is run)."""
-    if not ENABLED:
-        return "it is switched off (qkv.native.onednn_linear.ENABLED = False)"
+    if switches.is_off("onednn_linear"):
+        return switches.off_reason("onednn_linear")
     if os.environ.get("QKV_NO_COMPILED_KERNELS", "") not in ("", "0"):
         return "QKV_NO_COMPILED_KERNELS is set"
     tensors = (x, weight) if bias is None else (x, weight, bias)

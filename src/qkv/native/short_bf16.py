@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
+from qkv.native import switches
 
-__all__ = ["ENABLED", "KERNEL_NAME", "MAX_KEYS", "describe", "forward", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "MAX_KEYS", "describe", "forward", "unavailable_reason"]
 
-# Switch for comparisons (benchmarks time SDPA with it off); QKV_NO_COMPILED_KERNELS=1 too.
-ENABLED = True
+# qkv.backends.disabled("short_bf16") switches it off (benchmarks time SDPA so);
+# QKV_NO_COMPILED_KERNELS=1 too.
 
 KERNEL_NAME = "short-sequence bf16 kernel"
 # The kernel keeps 16 rows' scores over all keys; with many keys PyTorch's flash kernel pays
@@ -62,9 +63,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     >>> unavailable_reason(torch.float32, torch.device("cpu"))
     'it runs bfloat16 only (inputs are float32)'
     """
-    if not ENABLED:
-        return "it is switched off (qkv.native.short_bf16.ENABLED = False)"
-    reason = compiled.static_reason(dtype, device)
+    reason = switches.off_reason("short_bf16") or compiled.static_reason(dtype, device)
     return reason or compiled.build_failure(_built)
 
 

@@ -69,14 +69,16 @@ __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"
 _NEG_INF = float("-inf")
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False) -> CallResult:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False, kernel: str = "cpu_flash_tiles"
+) -> CallResult:
     """Output (N, H, L, Ep) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, Ep):
-    the fused bf16 kernel (`qkv.native.interval_bf16`) when it applies and builds, else the
-    flash kernel per call. With ``rounded`` (no backward will read it) the output may come
-    in q's dtype instead."""
+    the fused bf16 kernel (`qkv.native.interval_bf16`) when the plan's ``kernel`` names it
+    ("interval_bf16") and it builds, else the flash kernel per call. With ``rounded`` (no
+    backward will read it) the output may come in q's dtype instead."""
     intervals = run.plan.intervals
-    if interval_bf16.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
-        assert intervals is not None
+    if kernel == "interval_bf16":
+        assert intervals is not None  # dispatch names it for plans with intervals only
         fused = interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
@@ -104,12 +106,14 @@ def _backward(
     lse: torch.Tensor,
     run: BlockRun,
     grad_lse: torch.Tensor | None = None,
+    kernel: str = "engine_per_call",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (N, H, *, Ep) from the final output and lse (FlashAttention-2 recomputation),
     with the gradient of lse (N, H, L) added when ``grad_lse`` is given.
 
-    bf16 plans with one key interval per query take the fused bf16 backward kernel
-    (`qkv.native.interval_bf16_backward`) when it builds. Otherwise:
+    Where the plan's ``kernel`` is "interval_bf16_backward" (bf16 plans with one key interval
+    per query), the fused bf16 backward kernel (`qkv.native.interval_bf16_backward`) runs when
+    it builds. Otherwise ("engine_per_call"):
 
     bf16 calls whose pieces hold all keys of their rows take the matrix-product backward
     (`qkv.backends.blocks.matmul_backward`) on the inputs as they are; the other calls run the flash
@@ -119,8 +123,8 @@ def _backward(
     benchmarks/sparse.py); the gradients are rounded to the input dtype at the end.
     """
     intervals = run.plan.intervals
-    if interval_bf16_backward.unavailable_reason(q.dtype, q.device, intervals is not None) is None:
-        assert intervals is not None
+    if kernel == "interval_bf16_backward":
+        assert intervals is not None  # dispatch names it for plans with intervals only
         fused = interval_bf16_backward.backward(grad_out, q, k, v, out, lse, *intervals, run.scale, grad_lse)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
@@ -173,8 +177,8 @@ class _BlockAttention(torch.autograd.Function):
     and so are the attention sinks (N | 1, H) when given (`qkv.backends.sinks`)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, sinks: torch.Tensor | None = None):  # type: ignore[override]
-        out_acc, lse = _forward(q, k, v, run)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, kernels: tuple[str, str], sinks: torch.Tensor | None = None):  # type: ignore[override]
+        out_acc, lse = _forward(q, k, v, run, kernel=kernels[0])
         p_sink = None
         if sinks is not None:
             # the backward reads the sink-inclusive output and lse: its formulas hold unchanged
@@ -182,7 +186,7 @@ class _BlockAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         # the backward's row term rowsum(dO * O) reads the unrounded output
         ctx.save_for_backward(q, k, v, out_acc, lse, *(() if sinks is None else (p_sink, sinks)))
-        ctx.run = run
+        ctx.run, ctx.backward_kernel = run, kernels[1]
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -190,15 +194,15 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):  # type: ignore[override]
         q, k, v, out, lse, *sink_state = ctx.saved_tensors
         d_sinks = None
-        if sink_state and ctx.needs_input_grad[4]:
+        if sink_state and ctx.needs_input_grad[5]:
             d_sinks = sink_gradient(grad_out, out, grad_lse, *sink_state)
         if not any(ctx.needs_input_grad[:3]):
-            return None, None, None, None, d_sinks
+            return None, None, None, None, None, d_sinks
         if grad_out is None:
             grad_out = torch.zeros((), dtype=out.dtype).expand(out.shape)  # only lse is used: no full-size zeros
         with torch.autocast(q.device.type, enabled=False):  # float32 accumulators stay float32
-            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse)
-        return dq, dk, dv, None, d_sinks
+            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse, ctx.backward_kernel)
+        return dq, dk, dv, None, None, d_sinks
 
 
 def block_attention(
@@ -209,23 +213,27 @@ def block_attention(
     plan: BlockPlan,
     scale: float,
     sinks: torch.Tensor | None = None,
+    forward_kernel: str = "cpu_flash_tiles",
+    backward_kernel: str = "engine_per_call",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the tiles of ``plan``: (output (N, H, L, Ev) in q's dtype, lse (N, H, L)).
 
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; ``sinks`` (N | 1, H), float32 or
     wider: one attention-sink logit per head in every row's denominator (`qkv.backends.sinks`),
     and lse includes it. Both results are differentiable in q, k, v and the sinks; lse is
-    float32 (float64 for float64 inputs).
+    float32 (float64 for float64 inputs). ``forward_kernel`` and ``backward_kernel``: the kernels
+    `qkv.attention.dispatch` chose (`Plan.forward_kernel`); by default the portable ones, which
+    take every plan.
     """
     # causal squares run on the kernel's is_causal, which needs a positive scale
     kernel_q, kernel_scale = causal_kernel_scale(q, scale)
     inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale)
     grads = (q, k, v) if sinks is None else (q, k, v, sinks)
     if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
-        out, lse = _BlockAttention.apply(*inputs, run, sinks)
+        out, lse = _BlockAttention.apply(*inputs, run, (forward_kernel, backward_kernel), sinks)
     else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)
         # ... unless a sink rescales it first: then it is rounded once, after the fold
-        out_acc, lse = _forward(*inputs, run, rounded=sinks is None)
+        out_acc, lse = _forward(*inputs, run, rounded=sinks is None, kernel=forward_kernel)
         if sinks is not None:
             out_acc, lse, _ = sink_fold(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
@@ -354,13 +362,14 @@ def engine_extra_bytes(
     mask_heads: int,
     reuses_tiles: bool,
     score_terms: bool = False,
+    interval_kernel: bool = False,
 ) -> int:
     """Memory the engine allocates beyond inputs and output (an estimate), with or without
     score terms (`qkv.backends.blocks.scored`): the lse, a float32 accumulator for a low-precision
     output, keys and values expanded to every head / padded to Ep = max(E, Ev), then
 
     - with its ``plan``: the largest call's temporaries (`BlockPlan.max_call_bytes`), the packed
-      keys and values of the fused bf16 kernel where it runs (no ``score_terms``), and, for a
+      keys and values of the fused bf16 kernel where it runs (``interval_kernel``), and, for a
       mask whose tiles repeat along the diagonals (``reuses_tiles``), the tiles kept for reuse
       (`block_calls.mask_tile`), at most ``call_bytes``;
     - without (a layout still to be found when attention runs): one call's temporaries, at
@@ -376,7 +385,7 @@ def engine_extra_bytes(
     if plan is None:
         return extra + call_bytes + n_tiles
     extra += plan.max_call_bytes()
-    if not score_terms and interval_bf16.unavailable_reason(dtype, torch.device("cpu"), plan.intervals is not None) is None:
+    if interval_kernel and not score_terms:
         # the fused bf16 kernel's buffers, per thread: one head's values transposed (keys padded
         # to 64), and the scores and probabilities of 64 queries by up to 1,024 keys
         extra += torch.get_num_threads() * (-(-S // 64) * 64 * Ep * itemsize + 64 * 1024 * (4 + itemsize))

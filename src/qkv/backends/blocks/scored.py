@@ -87,15 +87,13 @@ class _ScoredRun:
     # in the accumulation dtype (`_tile_bias`)
     tile_bias: Bias | None = None
     bias_tiles: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=dict)
+    # whether calls run on the flash kernel (a bias alone: the plan's "bias_tiles") instead of
+    # the own tile kernel ("score_tiles")
+    flash: bool = False
 
     @property
     def plan(self) -> BlockPlan:
         return self.masks.plan
-
-    @property
-    def flash(self) -> bool:
-        """Whether calls run on the flash kernel (a bias alone) instead of the own tile kernel."""
-        return self.terms.softcap is None and self.terms.score_mod is None
 
 
 def _tile_bias(bias: Bias | None, acc: torch.dtype) -> Bias | None:
@@ -371,15 +369,26 @@ def scored_block_attention(
     scale: float,
     terms: ScoreTerms,
     sinks: torch.Tensor | None = None,
+    forward_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with score terms over the tiles of ``plan``: (output (N, H, L, Ev) in q's
     dtype, lse (N, H, L) float32 or wider, differentiable).
 
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) on CPU; ``sinks`` (N | 1, H) float32 or
     wider, one attention-sink logit per head (`qkv.backends.sinks`), included in lse; gradients
-    reach q, k, v, the sinks and the tensors of ``terms.bias``.
+    reach q, k, v, the sinks and the tensors of ``terms.bias``. ``forward_kernel``: the kernel
+    `qkv.attention.dispatch` chose, "bias_tiles" (a bias alone, on the flash kernel) or
+    "score_tiles"; None: by the terms.
     """
+    bias_only = terms.softcap is None and terms.score_mod is None
+    if forward_kernel is None:
+        forward_kernel = "bias_tiles" if bias_only else "score_tiles"
+    if forward_kernel not in ("bias_tiles", "score_tiles") or (forward_kernel == "bias_tiles" and not bias_only):
+        raise ValueError(f"forward_kernel={forward_kernel!r} cannot apply {terms.describe()}")
     bias_tensors = terms.tensors()
-    run = _ScoredRun(calls.BlockRun(plan, mask, scale), terms, _tile_bias(terms.bias, accumulation_dtype(q.dtype)))
+    run = _ScoredRun(
+        calls.BlockRun(plan, mask, scale), terms, _tile_bias(terms.bias, accumulation_dtype(q.dtype)),
+        flash=forward_kernel == "bias_tiles",
+    )
     out, lse = _ScoredBlockAttention.apply(*calls.kernel_inputs(q, k, v), run, sinks, *bias_tensors)
     return out[..., : v.shape[3]], lse

@@ -1,0 +1,77 @@
+"""The one switch that turns kernels and backends off: `disabled`, re-exported as `qkv.backends.disabled`.
+
+It lives at the native level because the compiled kernels below `qkv.backends` read it too.
+The set of names switched off is a `contextvars.ContextVar`: each thread (and asyncio task)
+sees its own, and nested ``with`` blocks restore the outer set on exit, whatever happens
+inside. Switching a name off changes what `qkv.attention.dispatch.choose_path` plans (and so
+what `qkv.explain` prints); each kernel's ``unavailable_reason`` then says
+``it is switched off (qkv.backends.disabled("name"))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+__all__ = ["NAMES", "disabled", "is_off", "off_reason", "switched_off"]
+
+# Every name that can be switched off, with what switching it off does. The list is fixed here,
+# not collected from the modules that read it, so that a misspelt name fails whatever has been
+# imported so far.
+NAMES: dict[str, str] = {
+    "interval_bf16": "the block engine's fused bf16 forward kernel; the engine runs PyTorch's CPU flash kernel per tile",
+    "interval_bf16_backward": "the block engine's fused bf16 backward kernel; the engine's backward runs per call",
+    "short_bf16": "the short-sequence bf16 kernel of the fused path; PyTorch's SDPA runs",
+    "add_norm_bf16": "the residual add + LayerNorm kernel of qkv.models; the eager ops run",
+    "magnitude_bf16": "the bf16 largest-magnitude scan; torch.aminmax runs",
+    "onednn_linear": "oneDNN's fused linear of qkv.models; torch.nn.functional.linear runs",
+    "decode": "the decode backend for backend='auto' (backend='decode' raises)",
+    "blocks": "the CPU block engine for backend='auto' (backend='blocks' raises)",
+    "flex": "FlexAttention for backend='auto' (backend='flex' raises)",
+    "ring_cpu_flash": "PyTorch's CPU flash kernel for ring attention's blocks; the blockwise tiles run",
+    "batch_workers": "qkv.models' batches side by side on one thread each; batches run one after another",
+}
+
+_OFF: ContextVar[frozenset[str]] = ContextVar("qkv_switched_off", default=frozenset())
+
+
+@contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Switch the named kernels and backends off inside the ``with`` block (this thread or
+    task only; nesting adds to the outer set). An unknown name raises ValueError before
+    anything changes.
+
+    >>> with disabled("short_bf16"):
+    ...     is_off("short_bf16")
+    True
+    >>> is_off("short_bf16")
+    False
+    """
+    unknown = [name for name in names if name not in NAMES]
+    if unknown:
+        raise ValueError(
+            f"qkv.backends.disabled: unknown name(s) {', '.join(repr(n) for n in unknown)}; "
+            f"known: {', '.join(NAMES)}"
+        )
+    token = _OFF.set(_OFF.get() | frozenset(names))
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+def is_off(name: str) -> bool:
+    """Whether ``name`` is switched off here (`disabled`)."""
+    assert name in NAMES, name  # a reader's own misspelling would otherwise never be off
+    return name in _OFF.get()
+
+
+def switched_off() -> frozenset[str]:
+    """The names switched off here."""
+    return _OFF.get()
+
+
+def off_reason(name: str) -> str | None:
+    """The reason text of a switched-off ``name``, None when it is on."""
+    return f'it is switched off (qkv.backends.disabled("{name}"))' if is_off(name) else None
