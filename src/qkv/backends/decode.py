@@ -40,7 +40,7 @@ from qkv.native.machine import compute_dtype
 from qkv.scores import ScoreTerms
 
 __all__ = [
-    "MAX_QUERIES", "MIN_CHUNK", "decode_attention", "decode_extra_bytes", "decode_runs", "default_splits", "fused_splits", "supports_mask",
+    "MAX_QUERIES", "MIN_CHUNK", "block_runs", "decode_attention", "decode_blocks", "decode_extra_bytes", "decode_runs", "default_splits", "fused_splits", "supports_mask",
 ]  # fmt: skip
 
 # At most this many queries: beyond it a query-parallel kernel has enough rows to share out,
@@ -123,7 +123,24 @@ def decode_runs(
     (a paged cache's runs of consecutive blocks: `qkv.PagedKVCache.attend`). Each run is split
     into chunks of its own; all chunks merge by lse, so nothing is gathered. One run (0, k, v)
     is `decode_attention`."""
-    first_k, first_v = runs[0][1], runs[0][2]
+    return _decode(q, runs, S, scale, mask, terms, sinks, splits, (runs[0][1], runs[0][2]), [])
+
+
+def _decode(
+    q: torch.Tensor,
+    runs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    S: int,
+    scale: float,
+    mask: Mask | None,
+    terms: ScoreTerms | None,
+    sinks: torch.Tensor | None,
+    splits: int | None,
+    like: tuple[torch.Tensor, torch.Tensor],
+    extra: list[_State],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_runs` with ``like``, a (k, v) pair whose dtype and last dims the keys and values
+    share, and ``extra``, softmax states of keys outside ``runs`` (fused, see `decode_blocks`)."""
+    first_k, first_v = like
     N, H, L, E = q.shape
     G, Ev = first_k.shape[1], first_v.shape[3]
     R = H // G
@@ -143,7 +160,7 @@ def decode_runs(
     if sinks is not None:
         n = sinks.shape[0]
         sink_rows = sinks.to(acc).reshape(n, G, R, 1).expand(n, G, R, L).reshape(n, G, R * L, 1)  # (N | 1, G, R*L, 1)
-    states: list[_State] = []  # (m, l, acc) per piece of chunks, each (N, G, c, R*L, ...)
+    states: list[_State] = list(extra)  # (m, l, acc) per piece of chunks, each (N, G, c, R*L, ...)
     only_fused = True
     wave = stop - start if work == first_k.dtype else max(chunk, WIDEN_WAVE // chunk * chunk)
     # widened waves are copied into one buffer pair: a fresh float32 tensor per wave costs its
@@ -151,7 +168,7 @@ def decode_runs(
     # every wave, so with gradients each wave is its own tensor
     buffers = None
     if work != first_k.dtype and not grad and stop > start:
-        size = min(wave, stop - start, max(k.shape[2] for _, k, _ in runs))
+        size = min(wave, stop - start, max((k.shape[2] for _, k, _ in runs), default=1))
         buffers = (first_k.new_empty(N, G, size, E, dtype=work), first_v.new_empty(N, G, size, Ev, dtype=work))
     for position, k, v in runs:
         for first in range(max(start, position), min(stop, position + k.shape[2]), max(wave, 1)):
@@ -185,6 +202,98 @@ def decode_runs(
         out.reshape(N, G, R, L, Ev).reshape(N, H, L, Ev).to(q.dtype),  # (N, G, R*L, Ev) -> (N, H, L, Ev)
         lse.reshape(N, H, L),  # (N, G, R*L) -> (N, H, L)
     )
+
+
+def decode_blocks(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    blocks: Sequence[int],
+    S: int,
+    scale: float,
+    mask: Mask | None = None,
+    terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention` for one sequence in a pool of blocks, nothing gathered: q (1, H, L, E),
+    k_pool (num_blocks, P, G, E), v_pool (num_blocks, P, G, Ev) (FlashAttention's paged layout),
+    ``blocks`` the physical blocks of positions 0 .. S - 1 in order.
+
+    Runs of consecutive physical blocks are strided views (`block_runs`). When there are more
+    than `RUNS_APART` of them (a fragmented pool), the blocks whose keys every query sees go to
+    the fused kernel in a few calls instead of one per run: each call takes a span of the pool
+    whose blocks are at most `SPAN_GAP` apart as its batch axis (a strided view), and keeps the
+    states of this sequence's blocks only; the rest (edges, a part-filled last block) run as runs."""
+    P = k_pool.shape[1]
+    runs = block_runs(k_pool, v_pool, blocks, S)
+    N, H, L, E = q.shape
+    G = k_pool.shape[2]
+    if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
+        return decode_runs(q, runs, S, scale, mask, terms, sinks)
+    start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+    fused = _fused_range(q, runs, start, stop, lo, hi, valid, terms, grad)
+    first, last = (0, 0) if fused is None else (math.ceil(fused[0] / P), fused[1] // P)  # whole blocks inside
+    if last <= first:
+        return decode_runs(q, runs, S, scale, mask, terms, sinks)
+    extra = _block_states(q.reshape(1, G, H // G * L, E), k_pool, v_pool, blocks[first:last], scale)
+    rest = block_runs(k_pool, v_pool, blocks[:first], first * P)
+    rest += [(last * P + a, k, v) for a, k, v in block_runs(k_pool, v_pool, blocks[last:], S - last * P)]
+    return _decode(q, rest, S, scale, mask, terms, sinks, None, (k_pool, v_pool), extra)
+
+
+# A fragmented pool: beyond this many runs, whole blocks go to the fused kernel in spans
+RUNS_APART = 16
+# A span of the pool takes blocks at most this many blocks apart (the blocks between them, of
+# other sequences, are computed and dropped: at most this many wasted per block kept)
+SPAN_GAP = 4
+
+
+def block_runs(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: Sequence[int], length: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Positions 0 .. length - 1 held in ``blocks`` of the pools (num_blocks, P, G, E) as one
+    (first position, k (1, G, n, E), v (1, G, n, Ev)) per run of consecutive physical blocks:
+    strided views, nothing copied."""
+    P, G = k_pool.shape[1], k_pool.shape[2]
+    runs, first = [], 0
+    while first < len(blocks) and first * P < length:
+        last = first + 1
+        while last < len(blocks) and blocks[last] == blocks[last - 1] + 1:
+            last += 1
+        a, b = first * P, min(last * P, length)
+        block = blocks[first]
+        k = k_pool[block : block + last - first].reshape(-1, G, k_pool.shape[-1])[: b - a]  # (n, G, E): a view
+        v = v_pool[block : block + last - first].reshape(-1, G, v_pool.shape[-1])[: b - a]  # (n, G, Ev)
+        runs.append((a, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))  # (1, G, n, E), (1, G, n, Ev)
+        first = last
+    return runs
+
+
+def _block_states(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: Sequence[int], scale: float
+) -> list[_State]:
+    """Fused states of whole ``blocks`` (every query sees all their keys), one chunk per block,
+    from spans of the pool: q (1, G, R*L, E) unscaled; states (1, G, c, R*L, ...) per span."""
+    _, G, RL, E = q.shape
+    order = sorted(blocks)
+    spans, begin = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or order[i] - order[i - 1] > SPAN_GAP:
+            spans.append(order[begin:i])
+            begin = i
+    states = []
+    for span in spans:
+        low, count = span[0], span[-1] - span[0] + 1
+        keys = k_pool[low : low + count].transpose(1, 2)  # (n, P, G, E) -> (n, G, P, E): a view
+        values = v_pool[low : low + count].transpose(1, 2)  # (n, G, P, Ev)
+        out, lse = _FUSED(q.expand(count, G, RL, E), keys, values, scale=scale)  # (n, G, R*L, Ev), (n, G, R*L)
+        if len(span) < count:  # drop the blocks of other sequences between this one's
+            kept = torch.tensor(span, device=q.device) - low  # (c,)
+            out, lse = out.index_select(0, kept), lse.index_select(0, kept)
+        m = lse.transpose(0, 1)[None, ..., None]  # (c, G, R*L) -> (1, G, c, R*L, 1)
+        states.append((m, torch.ones_like(m), out.transpose(0, 1)[None]))  # out (1, G, c, R*L, Ev)
+    return states
 
 
 _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
