@@ -123,13 +123,20 @@ def _largest_allocation(call) -> int:
     return max(event.cpu_memory_usage for event in prof.events())
 
 
+@pytest.mark.parametrize("runs_apart", [1000, 2])  # runs one by one; whole blocks in spans of the pool
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, runs_apart: int) -> None:
     """Decode steps (L <= 16 queries, S >= 1,024 keys) run the decode kernel over each
     sequence's runs of consecutive blocks: nothing gathered (keys_values is never called and no
-    operator allocates a tenth of one sequence's keys), equal to a contiguous KVCache (bit for
+    operator allocates as many bytes as one sequence's keys), equal to a contiguous KVCache (bit for
     bit for a sequence in one run, which the contiguous decode path computes the same way) and
     to the float64 reference, with GQA, sinks and a sliding window."""
+    from qkv.backends import decode
+
+    monkeypatch.setattr(decode, "RUNS_APART", runs_apart)
+    seen = []
+    real = decode._block_states
+    monkeypatch.setattr(decode, "_block_states", lambda *args: seen.append(len(args[3])) or real(*args))
     gen = torch.Generator().manual_seed(5)
     E = EV = 8
     paged = qkv.PagedKVCache(num_blocks=400, block_size=16, num_kv_heads=G, d_k=E, dtype=dtype)
@@ -154,7 +161,7 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
         with torch.inference_mode():
             outs = paged.attend([single, a, b], queries, mask, sinks=sinks)
             biggest = _largest_allocation(lambda: paged.attend([single, a, b], queries, mask, sinks=sinks))  # noqa: B023
-        assert biggest < 1500 * G * E * paged.k.element_size() / 2  # a gather allocates all of one
+        assert biggest < 1500 * G * E * paged.k.element_size()  # a gather allocates all of one
         for i, q, out in zip((single, a, b), queries, outs, strict=True):
             kc, vc = contiguous[i].keys_values()  # (1, G, S, E), (1, G, S, Ev)
             assert qkv.explain(q[None], kc, vc, mask, sinks=sinks).path == "decode"
@@ -168,6 +175,7 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
             trace = ref.attention(q.double().numpy(), kc[0].double().numpy(), vc[0].double().numpy(), dense,
                                   sinks=sinks.double().numpy())  # fmt: skip
             np.testing.assert_allclose(out.double().numpy(), trace.output.reshape(out.shape), **tol)
+    assert bool(seen) == (runs_apart == 2)  # spans serve the fragmented sequences a and b
 
 
 def test_attend_passes_scale_softcap_and_sinks() -> None:

@@ -239,7 +239,8 @@ def decode_blocks(
     extra = _block_states(q.reshape(1, G, H // G * L, E), k_pool, v_pool, blocks[first:last], scale)
     rest = block_runs(k_pool, v_pool, blocks[:first], first * P)
     rest += [(last * P + a, k, v) for a, k, v in block_runs(k_pool, v_pool, blocks[last:], S - last * P)]
-    return _decode(q, rest, S, scale, mask, terms, sinks, None, (k_pool, v_pool), extra)
+    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
+    return _decode(q, rest, S, scale, mask, terms, sinks, None, like, extra)
 
 
 # A fragmented pool: beyond this many runs, whole blocks go to the fused kernel in spans
