@@ -15,6 +15,18 @@ idle and reads the cache from one of them. Here:
    M = max(max_c m_c, sink), den = sum_c exp(m_c - M) l_c + exp(sink - M),
    out = sum_c exp(m_c - M) acc_c / den, lse = M + log(den).
 
+Keys that every query sees (all of them for one query, causal or not; all but the last L - 1
+causal; the middle of a window) go to PyTorch's fused (flash) CPU attention kernel instead,
+``aten._scaled_dot_product_flash_attention_for_cpu``, which returns each chunk's output and
+lse: the chunk axis is its batch axis (strided views, no copy), q is (N, G, R*L, E), so it runs
+one task per (chunk, KV head) that reads the chunk once for the whole group, with float32
+scores and sums for bf16 inputs. It takes no gradient through its lse, no bias and needs
+E == Ev, so gradients, biases, key padding and the masked edges take the chunked PyTorch ops
+below; all chunks merge as in 4. One fused chunk and no sink skip the merge. (benchmarks/decode.py,
+S = 32k, B=1 Hq=32 G=8 E=128, 2 AMX threads, loaded: fused float32 ~75% of the read bandwidth and
+~2.5x SDPA, where the chunked ops reached ~20%: their reductions over (C, R*L) score tiles cost
+more than the products.)
+
 Masks are applied per chunk from key positions (no L x S mask): an interval per query
 (causal, sliding windows) or a key-validity row (key padding). Chunks outside every query's
 interval are never read, so a window reads only its own keys. A row with no visible key gives
