@@ -181,6 +181,11 @@ def test_two_runs_are_bitwise_equal() -> None:
     (g1,) = torch.autograd.grad(first.sum(), k)
     (g2,) = torch.autograd.grad(second.sum(), k)
     assert torch.equal(g1, g2)
+    with torch.inference_mode():  # the fused path, chunked (splits=6) and in one piece
+        for splits in (6, None):
+            once = decode_attention(q, k, v, 0.2, CAUSAL, splits=splits)
+            again = decode_attention(q, k, v, 0.2, CAUSAL, splits=splits)
+            assert torch.equal(once[0], again[0]) and torch.equal(once[1], again[1])
 
 
 def test_auto_routes_decode_steps_only() -> None:
