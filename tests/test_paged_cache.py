@@ -137,6 +137,9 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
     seen = []
     real = decode._block_states
     monkeypatch.setattr(decode, "_block_states", lambda *args: seen.append(len(args[3])) or real(*args))
+    masked = []
+    fused = decode._FUSED
+    monkeypatch.setattr(decode, "_FUSED", lambda *args, **kw: masked.append(kw.get("attn_mask") is not None) or fused(*args, **kw))
     gen = torch.Generator().manual_seed(5)
     E = EV = 8
     paged = qkv.PagedKVCache(num_blocks=400, block_size=16, num_kv_heads=G, d_k=E, dtype=dtype)
@@ -151,8 +154,8 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
             contiguous[i].update(k[None], v[None])
 
     append([single], 1500)  # blocks 0..93, one run
-    for _ in range(15):  # a and b take blocks in turn: many runs each
-        append([a, b], 100)
+    for _ in range(38):  # a and b take 2 or 3 blocks in turn: many runs, spans with the other's blocks
+        append([a, b], 40)
     assert len(paged.runs(single)) == 1 and len(paged.runs(a)) > 10
     monkeypatch.setattr(qkv.PagedKVCache, "keys_values", lambda *args: pytest.fail("the step gathered its blocks"))
     sinks = torch.linspace(-1.0, 1.0, H, dtype=dtype)
@@ -175,7 +178,7 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
             trace = ref.attention(q.double().numpy(), kc[0].double().numpy(), vc[0].double().numpy(), dense,
                                   sinks=sinks.double().numpy())  # fmt: skip
             np.testing.assert_allclose(out.double().numpy(), trace.output.reshape(out.shape), **tol)
-    assert bool(seen) == (runs_apart == 2)  # spans serve the fragmented sequences a and b
+    assert bool(seen) == (runs_apart == 2) == any(masked)  # spans serve a and b, masking the other's blocks
 
 
 def test_attend_passes_scale_softcap_and_sinks() -> None:

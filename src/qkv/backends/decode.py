@@ -234,8 +234,9 @@ def decode_blocks(
     Runs of consecutive physical blocks are strided views (`block_runs`). When there are more
     than `RUNS_APART` of them (a fragmented pool), the blocks whose keys every query sees go to
     the fused kernel in a few calls instead of one per run: each call takes a span of the pool
-    whose blocks are at most `SPAN_GAP` apart as its batch axis (a strided view), and keeps the
-    states of this sequence's blocks only; the rest (edges, a part-filled last block) run as runs."""
+    whose blocks are at most `SPAN_GAP` apart as one strided sequence, the blocks of other
+    sequences in it hidden by a (1, 1, 1, n*P) mask; the rest (edges, a part-filled last block)
+    run as runs."""
     P = k_pool.shape[1]
     runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
@@ -258,7 +259,7 @@ def decode_blocks(
 # A fragmented pool: beyond this many runs, whole blocks go to the fused kernel in spans
 RUNS_APART = 16
 # A span of the pool takes blocks at most this many blocks apart (the blocks between them, of
-# other sequences, are computed and dropped: at most this many wasted per block kept)
+# other sequences, are read and masked: at most SPAN_GAP - 1 read in vain per block kept)
 SPAN_GAP = 4
 
 
@@ -286,9 +287,9 @@ def block_runs(
 def _block_states(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: Sequence[int], scale: float
 ) -> list[_State]:
-    """Fused states of whole ``blocks`` (every query sees all their keys), one chunk per block,
-    from spans of the pool: q (1, G, R*L, E) unscaled; states (1, G, c, R*L, ...) per span."""
-    _, G, RL, E = q.shape
+    """Fused states of whole ``blocks`` (every query sees all their keys), one chunk per span of
+    the pool: q (1, G, R*L, E) unscaled; states (1, G, 1, R*L, ...) per span."""
+    G, E = q.shape[1], q.shape[3]
     order = sorted(blocks)
     spans, begin = [], 0
     for i in range(1, len(order) + 1):
@@ -296,16 +297,21 @@ def _block_states(
             spans.append(order[begin:i])
             begin = i
     states = []
+    P = k_pool.shape[1]
     for span in spans:
         low, count = span[0], span[-1] - span[0] + 1
-        keys = k_pool[low : low + count].transpose(1, 2)  # (n, P, G, E) -> (n, G, P, E): a view
-        values = v_pool[low : low + count].transpose(1, 2)  # (n, G, P, Ev)
-        out, lse = _FUSED(q.expand(count, G, RL, E), keys, values, scale=scale)  # (n, G, R*L, Ev), (n, G, R*L)
-        if len(span) < count:  # drop the blocks of other sequences between this one's
-            kept = torch.tensor(span, device=q.device) - low  # (c,)
-            out, lse = out.index_select(0, kept), lse.index_select(0, kept)
-        m = lse.transpose(0, 1)[None, ..., None]  # (c, G, R*L) -> (1, G, c, R*L, 1)
-        states.append((m, torch.ones_like(m), out.transpose(0, 1)[None]))  # out (1, G, c, R*L, Ev)
+        keys = k_pool[low : low + count].reshape(count * P, G, E).transpose(0, 1)[None]  # (1, G, n*P, E): a view
+        values = v_pool[low : low + count].reshape(count * P, G, -1).transpose(0, 1)[None]  # (1, G, n*P, Ev)
+        hidden = None
+        if len(span) < count:  # the blocks of other sequences between this one's: hidden by the mask
+            mine = torch.zeros(count, dtype=torch.bool, device=q.device)
+            mine[torch.tensor(span, device=q.device) - low] = True
+            hidden = torch.zeros(count, P, dtype=q.dtype, device=q.device).masked_fill_(~mine[:, None], _NEG_INF)
+            hidden = hidden.reshape(1, 1, 1, count * P)  # (1, 1, 1, n*P): every head and row
+        # the span is one sequence of n*P keys to the kernel: long tasks, not one per 16-key block
+        out, lse = _FUSED(q, keys, values, attn_mask=hidden, scale=scale)  # (1, G, R*L, Ev), (1, G, R*L)
+        m = lse.unsqueeze(2).unsqueeze(-1)  # (1, G, 1, R*L, 1)
+        states.append((m, torch.ones_like(m), out.unsqueeze(2)))  # out (1, G, 1, R*L, Ev)
     return states
 
 
