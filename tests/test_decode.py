@@ -4,6 +4,8 @@ step against the full causal forward (forward and backward), determinism, routin
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -44,12 +46,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("Ev", [5, 8])  # 8 = E: the keys every query sees go to the fused kernel
 @pytest.mark.parametrize("splits", [None, 3, 7])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=[f"S{c[4]}-{i}" for i, c in enumerate(CASES)])
-def test_decode_matches_the_reference(case: tuple, with_sinks: bool, splits: int | None) -> None:
+def test_decode_matches_the_reference(case: tuple, with_sinks: bool, splits: int | None, Ev: int) -> None:
     B, H, G, L, S, mask = case
-    q, k, v = _inputs(B, H, G, L, S, 8, 5)
+    q, k, v = _inputs(B, H, G, L, S, 8, Ev)
     sinks = torch.linspace(-2.0, 3.0, H, dtype=torch.float64) if with_sinks else None
     out, lse = decode_attention(q, k, v, 0.35, mask, sinks=None if sinks is None else sinks[None], splits=splits)
     trace = ref.attention(q.numpy(), k.numpy(), v.numpy(), _dense(mask, L, S), scale=0.35,
@@ -58,6 +61,65 @@ def test_decode_matches_the_reference(case: tuple, with_sinks: bool, splits: int
     np.testing.assert_allclose(lse.numpy(), trace.lse, rtol=1e-10, atol=1e-12)
     if mask is not None and isinstance(mask, qkv.masks.KeyPadding):
         assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+
+
+def _spy_fused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Record the key shapes the fused kernel (PyTorch's flash attention for CPU) is given."""
+    import qkv.backends.decode as decode
+
+    seen: list[tuple[int, ...]] = []
+    real = decode._FUSED
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(tuple(k.shape))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(decode, "_FUSED", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("mask", "fused_keys"), [(CAUSAL, 4097 - 4), (qkv.masks.sliding_window(1000), 1001 - 4), (None, 4097)])
+def test_keys_every_query_sees_go_to_the_fused_kernel(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, mask: object, fused_keys: int
+) -> None:
+    """Without gradients the keys all L queries see go to the fused kernel, in chunks of strided
+    views (no copy), the edges to the masked chunks; the merge equals the float64 reference."""
+    seen = _spy_fused(monkeypatch)
+    B, H, G, L, S = 2, 6, 2, 5, 4097
+    q, k, v = _inputs(B, H, G, L, S, 16, 16, dtype=dtype)
+    sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)
+    for splits in (None, 5):
+        seen.clear()
+        out, lse = decode_attention(q, k, v, 0.3, mask, sinks=sinks[None].to(dtype), splits=splits)
+        # one call of k (B, G, n, E), or one per batch row of k (chunks, G, C, E)
+        assert sum(shape[0] * shape[2] for shape in seen) == B * fused_keys
+        trace = ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), _dense(mask, L, S),
+                              scale=0.3, sinks=sinks.numpy())  # fmt: skip
+        tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+        np.testing.assert_allclose(out.double().numpy(), trace.output, **tol)
+        np.testing.assert_allclose(lse.double().numpy(), trace.lse, **tol)
+
+
+def test_keys_in_runs_equal_the_keys_in_one_piece() -> None:
+    """`decode_runs` over the cache cut into runs of uneven lengths, given out of order and as
+    strided views of a block pool, equals the float64 reference."""
+    from qkv.backends.decode import decode_runs
+
+    B, H, G, L, S, E = 1, 6, 2, 3, 2000, 8
+    q, k, v = _inputs(B, H, G, L, S, E, E)
+    cuts = [0, 300, 301, 1024, 1900, S]
+    runs = []
+    for a, b in itertools.pairwise(cuts):
+        pool_k = torch.zeros(b - a, G, E, dtype=k.dtype)  # (n, G, E): the paged layout
+        pool_k.copy_(k[0, :, a:b].transpose(0, 1))
+        pool_v = v[0, :, a:b].transpose(0, 1).contiguous()  # (n, G, Ev)
+        runs.append((a, pool_k.transpose(0, 1)[None], pool_v.transpose(0, 1)[None]))  # (1, G, n, E) views
+    for mask in (CAUSAL, qkv.masks.sliding_window(700), None):
+        out, lse = decode_runs(q, runs[::-1], S, 0.35, mask)
+        trace = ref.attention(q.numpy(), k.numpy(), v.numpy(), _dense(mask, L, S), scale=0.35)
+        np.testing.assert_allclose(out.numpy(), trace.output, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(lse.numpy(), trace.lse, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,6 +180,11 @@ def test_two_runs_are_bitwise_equal() -> None:
     (g1,) = torch.autograd.grad(first.sum(), k)
     (g2,) = torch.autograd.grad(second.sum(), k)
     assert torch.equal(g1, g2)
+    with torch.inference_mode():  # the fused path, chunked (splits=6) and in one piece
+        for splits in (6, None):
+            once = decode_attention(q, k, v, 0.2, CAUSAL, splits=splits)
+            again = decode_attention(q, k, v, 0.2, CAUSAL, splits=splits)
+            assert torch.equal(once[0], again[0]) and torch.equal(once[1], again[1])
 
 
 def test_auto_routes_decode_steps_only() -> None:

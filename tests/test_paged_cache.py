@@ -100,16 +100,85 @@ def test_errors_change_nothing(call, error, match) -> None:
     assert same(snapshot(cache, [a, b]), before)
 
 
-def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("S", [100, 1500])  # the gathered path, the in-place one (decode)
+def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch, S: int) -> None:
     from qkv.attention import problem as attention_problem
+
     scanned: list[tuple[int, ...]] = []
     original = attention_problem._largest_magnitudes
     monkeypatch.setattr(attention_problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
-    cache = qkv.PagedKVCache(8, 16, 1, 4)
+    cache = qkv.PagedKVCache(S // 16 + 1, 16, 1, 4)
     a = cache.allocate()
-    cache.append([a], [torch.randn(1, 100, 4)], [torch.randn(1, 100, 4)])
+    cache.append([a], [torch.randn(1, S, 4)], [torch.randn(1, S, 4)])
     cache.attend([a], [torch.randn(2, 1, 4)], CAUSAL)
     assert scanned == [(1, 2, 1, 4)]
+
+
+def _largest_allocation(call) -> int:
+    """The most bytes one operator allocated while ``call`` ran (PyTorch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    return max(event.cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("runs_apart", [1000, 2])  # runs one by one; whole blocks in spans of the pool
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, runs_apart: int) -> None:
+    """Decode steps (L <= 16 queries, S >= 1,024 keys) run the decode kernel over each
+    sequence's runs of consecutive blocks: nothing gathered (keys_values is never called and no
+    operator allocates as many bytes as one sequence's keys), equal to a contiguous KVCache (bit for
+    bit for a sequence in one run, which the contiguous decode path computes the same way) and
+    to the float64 reference, with GQA, sinks and a sliding window."""
+    from qkv.backends import decode
+
+    monkeypatch.setattr(decode, "RUNS_APART", runs_apart)
+    seen = []
+    real = decode._block_states
+    monkeypatch.setattr(decode, "_block_states", lambda *args: seen.append(len(args[3])) or real(*args))
+    masked = []
+    fused = decode._FUSED
+    monkeypatch.setattr(decode, "_FUSED", lambda *args, **kw: masked.append(kw.get("attn_mask") is not None) or fused(*args, **kw))
+    gen = torch.Generator().manual_seed(5)
+    E = EV = 8
+    paged = qkv.PagedKVCache(num_blocks=400, block_size=16, num_kv_heads=G, d_k=E, dtype=dtype)
+    single, a, b = paged.allocate(), paged.allocate(), paged.allocate()
+    contiguous = {i: qkv.KVCache(1, 2000, G, E, dtype=dtype) for i in (single, a, b)}
+
+    def append(ids: list[int], n: int) -> None:
+        keys = [torch.randn(G, n, E, generator=gen, dtype=dtype) for _ in ids]
+        values = [torch.randn(G, n, EV, generator=gen, dtype=dtype) for _ in ids]
+        paged.append(ids, keys, values)
+        for i, k, v in zip(ids, keys, values, strict=True):
+            contiguous[i].update(k[None], v[None])
+
+    append([single], 1500)  # blocks 0..93, one run
+    for _ in range(38):  # a and b take 2 or 3 blocks in turn: many runs, spans with the other's blocks
+        append([a, b], 40)
+    assert len(paged.runs(single)) == 1 and len(paged.runs(a)) > 10
+    monkeypatch.setattr(qkv.PagedKVCache, "keys_values", lambda *args: pytest.fail("the step gathered its blocks"))
+    sinks = torch.linspace(-1.0, 1.0, H, dtype=dtype)
+    for mask, L in ((CAUSAL, 1), (CAUSAL, 3), (qkv.masks.sliding_window(600), 2), (None, 1)):
+        queries = [torch.randn(H, L, E, generator=gen, dtype=dtype) for _ in range(3)]
+        with torch.inference_mode():
+            outs = paged.attend([single, a, b], queries, mask, sinks=sinks)
+            biggest = _largest_allocation(lambda: paged.attend([single, a, b], queries, mask, sinks=sinks))  # noqa: B023
+        assert biggest < 1500 * G * E * paged.k.element_size()  # a gather allocates all of one
+        for i, q, out in zip((single, a, b), queries, outs, strict=True):
+            kc, vc = contiguous[i].keys_values()  # (1, G, S, E), (1, G, S, Ev)
+            assert qkv.explain(q[None], kc, vc, mask, sinks=sinks).path == "decode"
+            expected = qkv.attention(q[None], kc, vc, mask, sinks=sinks, kv_bounds=contiguous[i].bounds)[0]  # (H, L, Ev)
+            if i == single:
+                assert torch.equal(out, expected)
+            tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+            torch.testing.assert_close(out, expected, **tol)
+            S = kc.shape[2]
+            dense = None if mask is None else mask.to_dense(L, S).numpy()
+            trace = ref.attention(q.double().numpy(), kc[0].double().numpy(), vc[0].double().numpy(), dense,
+                                  sinks=sinks.double().numpy())  # fmt: skip
+            np.testing.assert_allclose(out.double().numpy(), trace.output.reshape(out.shape), **tol)
+    assert bool(seen) == (runs_apart == 2) == any(masked)  # spans serve a and b, masking the other's blocks
 
 
 def test_attend_passes_scale_softcap_and_sinks() -> None:

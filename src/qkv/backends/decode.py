@@ -15,6 +15,18 @@ idle and reads the cache from one of them. Here:
    M = max(max_c m_c, sink), den = sum_c exp(m_c - M) l_c + exp(sink - M),
    out = sum_c exp(m_c - M) acc_c / den, lse = M + log(den).
 
+Keys that every query sees (all of them for one query, causal or not; all but the last L - 1
+causal; the middle of a window) go to PyTorch's fused (flash) CPU attention kernel instead,
+``aten._scaled_dot_product_flash_attention_for_cpu``, which returns each chunk's output and
+lse: the chunk axis is its batch axis (strided views, no copy), q is (N, G, R*L, E), so it runs
+one task per (chunk, KV head) that reads the chunk once for the whole group, with float32
+scores and sums for bf16 inputs. It takes no gradient through its lse, no bias and needs
+E == Ev, so gradients, biases, key padding and the masked edges take the chunked PyTorch ops
+below; all chunks merge as in 4. One fused chunk and no sink skip the merge. (benchmarks/decode.py,
+S = 32k, B=1 Hq=32 G=8 E=128, 2 AMX threads, loaded: fused float32 ~75% of the read bandwidth and
+~2.5x SDPA, where the chunked ops reached ~20%: their reductions over (C, R*L) score tiles cost
+more than the products.)
+
 Masks are applied per chunk from key positions (no L x S mask): an interval per query
 (causal, sliding windows) or a key-validity row (key padding). Chunks outside every query's
 interval are never read, so a window reads only its own keys. A row with no visible key gives
@@ -30,6 +42,7 @@ Gradients flow through the PyTorch ops (autograd keeps the scores and exponentia
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +51,9 @@ from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
 from qkv.native.machine import compute_dtype
 from qkv.scores import ScoreTerms
 
-__all__ = ["MAX_QUERIES", "MIN_CHUNK", "decode_attention", "decode_extra_bytes", "default_splits", "supports_mask"]
+__all__ = [
+    "MAX_QUERIES", "MIN_CHUNK", "block_runs", "decode_attention", "decode_blocks", "decode_extra_bytes", "decode_runs", "default_splits", "fused_splits", "supports_mask",
+]  # fmt: skip
 
 # At most this many queries: beyond it a query-parallel kernel has enough rows to share out,
 # and R * L rows per group make the scores as large as the cache they replace.
@@ -102,49 +117,291 @@ def decode_attention(
     (`default_splits` when None). Returns (output (N, H, L, Ev) in q's dtype, lse (N, H, L)
     in the accumulation dtype).
     """
+    return decode_runs(q, [(0, k, v)], k.shape[2], scale, mask, terms, sinks, splits)
+
+
+def decode_runs(
+    q: torch.Tensor,
+    runs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    S: int,
+    scale: float,
+    mask: Mask | None = None,
+    terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention` over keys held in pieces: ``runs`` lists (first position, k (N, G, n, E),
+    v (N, G, n, Ev)) covering positions 0 .. S - 1 once each, in any order, as strided views
+    (a paged cache's runs of consecutive blocks: `qkv.PagedKVCache.attend`). Each run is split
+    into chunks of its own; all chunks merge by lse, so nothing is gathered. One run (0, k, v)
+    is `decode_attention`."""
+    return _decode(q, runs, S, scale, mask, terms, sinks, splits, (runs[0][1], runs[0][2]), [])
+
+
+def _decode(
+    q: torch.Tensor,
+    runs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    S: int,
+    scale: float,
+    mask: Mask | None,
+    terms: ScoreTerms | None,
+    sinks: torch.Tensor | None,
+    splits: int | None,
+    like: tuple[torch.Tensor, torch.Tensor],
+    extra: list[_State],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_runs` with ``like``, a (k, v) pair whose dtype and last dims the keys and values
+    share, and ``extra``, softmax states of keys outside ``runs`` (fused, see `decode_blocks`)."""
+    first_k, first_v = like
     N, H, L, E = q.shape
-    G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    G, Ev = first_k.shape[1], first_v.shape[3]
     R = H // G
     acc = accumulation_dtype(q.dtype)
     work = compute_dtype(q.dtype, q.device)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
-    if splits is None:
-        splits = default_splits(stop - start)
-    chunk = max(1, math.ceil((stop - start) / splits))
-    qg = (q.to(work) * scale).reshape(N, G, R * L, E)  # (N, G, R*L, E): rows r*L + l
+    grad = torch.is_grad_enabled() and (q.requires_grad or any(t.requires_grad for _, k, v in runs for t in (k, v)))
+    qw = q.to(work)
+    fused = _fused_range(qw, runs, start, stop, lo, hi, valid, terms, grad)
+    chunk = max(1, math.ceil((stop - start) / (default_splits(stop - start) if splits is None else splits)))
+    fused_chunk = chunk
+    if fused is not None and splits is None:
+        fused_chunk = max(1, math.ceil((fused[1] - fused[0]) / fused_splits(fused[1] - fused[0], N * G)))
+    qg = (qw * scale).reshape(N, G, R * L, E)  # (N, G, R*L, E): rows r*L + l
+    q_rows = qw.reshape(N, G, R * L, E)  # unscaled, for the fused kernel, which scales in float32
     sink_rows = None
     if sinks is not None:
         n = sinks.shape[0]
         sink_rows = sinks.to(acc).reshape(n, G, R, 1).expand(n, G, R, L).reshape(n, G, R * L, 1)  # (N | 1, G, R*L, 1)
-    states = []  # (m, l, acc) per wave of chunks, each (N, G, c, R*L, ...)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    wave = stop - start if work == k.dtype else max(chunk, WIDEN_WAVE // chunk * chunk)
+    states: list[_State] = list(extra)  # (m, l, acc) per piece of chunks, each (N, G, c, R*L, ...)
+    only_fused = True
+    wave = stop - start if work == first_k.dtype else max(chunk, WIDEN_WAVE // chunk * chunk)
     # widened waves are copied into one buffer pair: a fresh float32 tensor per wave costs its
     # page faults (a new 16 MiB allocation is slower than the copy into it); autograd keeps
     # every wave, so with gradients each wave is its own tensor
     buffers = None
-    if work != k.dtype and not grad and stop > start:
-        size = min(wave, stop - start)
-        buffers = (k.new_empty(N, G, size, E, dtype=work), v.new_empty(N, G, size, Ev, dtype=work))
-    for first in range(start, stop, max(wave, 1)):
-        last = min(first + wave, stop)
-        keys, values, offset = k, v, 0
-        if buffers is not None:
-            keys = buffers[0][:, :, : last - first].copy_(k[:, :, first:last])  # (N, G, wave, E)
-            values = buffers[1][:, :, : last - first].copy_(v[:, :, first:last])  # (N, G, wave, Ev)
-            offset = first
-        body = (last - first) // chunk * chunk
-        for a, b in ((first, first + body), (first + body, last)):
-            if b > a:
-                count = max(1, (b - a) // chunk)
-                states.append(
-                    _chunk_states(qg, keys, values, a, b, offset, count, work, acc, lo, hi, valid, terms, R, L, grad)
-                )
-    out, lse = _merge(states, sink_rows, N, G, R * L, Ev, q, acc)
+    if work != first_k.dtype and not grad and stop > start:
+        size = min(wave, stop - start, max((k.shape[2] for _, k, _ in runs), default=1))
+        buffers = (first_k.new_empty(N, G, size, E, dtype=work), first_v.new_empty(N, G, size, Ev, dtype=work))
+    for position, k, v in runs:
+        for first in range(max(start, position), min(stop, position + k.shape[2]), max(wave, 1)):
+            last = min(first + wave, stop, position + k.shape[2])
+            keys, values, offset = k, v, position
+            if buffers is not None:
+                keys = buffers[0][:, :, : last - first].copy_(k[:, :, first - position : last - position])  # (N, G, w, E)
+                values = buffers[1][:, :, : last - first].copy_(v[:, :, first - position : last - position])  # (N, G, w, Ev)
+                offset = first
+            for a, b, inside in _pieces(first, last, fused):
+                step = fused_chunk if inside else chunk
+                body = (b - a) // step * step
+                for x, y in ((a, a + body), (a + body, b)):
+                    if y <= x:
+                        continue
+                    count = max(1, (y - x) // step)
+                    only_fused = only_fused and inside
+                    if inside:
+                        states.append(_fused_states(q_rows, keys, values, x, y, offset, count, scale))
+                    else:
+                        states.append(
+                            _chunk_states(qg, keys, values, x, y, offset, count, work, acc, lo, hi, valid, terms, R, L, grad)
+                        )
+    if only_fused and sink_rows is None and len(states) == 1 and states[0][2].shape[2] == 1:
+        # one fused chunk and no sink: its output and lse are final (no merge, no second rounding)
+        m, _, partial = states[0]
+        out, lse = partial[:, :, 0], m[:, :, 0, :, 0].to(acc)  # (N, G, R*L, Ev), (N, G, R*L)
+    else:
+        out, lse = _merge(states, sink_rows, N, G, R * L, Ev, q, acc)
     return (
         out.reshape(N, G, R, L, Ev).reshape(N, H, L, Ev).to(q.dtype),  # (N, G, R*L, Ev) -> (N, H, L, Ev)
         lse.reshape(N, H, L),  # (N, G, R*L) -> (N, H, L)
     )
+
+
+def decode_blocks(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    blocks: Sequence[int],
+    S: int,
+    scale: float,
+    mask: Mask | None = None,
+    terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention` for one sequence in a pool of blocks, nothing gathered: q (1, H, L, E),
+    k_pool (num_blocks, P, G, E), v_pool (num_blocks, P, G, Ev) (FlashAttention's paged layout),
+    ``blocks`` the physical blocks of positions 0 .. S - 1 in order.
+
+    Runs of consecutive physical blocks are strided views (`block_runs`). When there are more
+    than `RUNS_APART` of them (a fragmented pool), the blocks whose keys every query sees go to
+    the fused kernel in a few calls instead of one per run: each call takes a span of the pool
+    whose blocks are at most `SPAN_GAP` apart as one strided sequence, the blocks of other
+    sequences in it hidden by a (1, 1, 1, n*P) mask; the rest (edges, a part-filled last block)
+    run as runs."""
+    P = k_pool.shape[1]
+    runs = block_runs(k_pool, v_pool, blocks, S)
+    N, H, L, E = q.shape
+    G = k_pool.shape[2]
+    if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
+        return decode_runs(q, runs, S, scale, mask, terms, sinks)
+    start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+    fused = _fused_range(q, runs, start, stop, lo, hi, valid, terms, grad)
+    first, last = (0, 0) if fused is None else (math.ceil(fused[0] / P), fused[1] // P)  # whole blocks inside
+    if last <= first:
+        return decode_runs(q, runs, S, scale, mask, terms, sinks)
+    extra = _block_states(q.reshape(1, G, H // G * L, E), k_pool, v_pool, blocks[first:last], scale)
+    rest = block_runs(k_pool, v_pool, blocks[:first], first * P)
+    rest += [(last * P + a, k, v) for a, k, v in block_runs(k_pool, v_pool, blocks[last:], S - last * P)]
+    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
+    return _decode(q, rest, S, scale, mask, terms, sinks, None, like, extra)
+
+
+# A fragmented pool: beyond this many runs, whole blocks go to the fused kernel in spans
+RUNS_APART = 16
+# A span of the pool takes blocks at most this many blocks apart (the blocks between them, of
+# other sequences, are read and masked: at most SPAN_GAP - 1 read in vain per block kept)
+SPAN_GAP = 4
+
+
+def block_runs(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: Sequence[int], length: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Positions 0 .. length - 1 held in ``blocks`` of the pools (num_blocks, P, G, E) as one
+    (first position, k (1, G, n, E), v (1, G, n, Ev)) per run of consecutive physical blocks:
+    strided views, nothing copied."""
+    P, G = k_pool.shape[1], k_pool.shape[2]
+    runs, first = [], 0
+    while first < len(blocks) and first * P < length:
+        last = first + 1
+        while last < len(blocks) and blocks[last] == blocks[last - 1] + 1:
+            last += 1
+        a, b = first * P, min(last * P, length)
+        block = blocks[first]
+        k = k_pool[block : block + last - first].reshape(-1, G, k_pool.shape[-1])[: b - a]  # (n, G, E): a view
+        v = v_pool[block : block + last - first].reshape(-1, G, v_pool.shape[-1])[: b - a]  # (n, G, Ev)
+        runs.append((a, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))  # (1, G, n, E), (1, G, n, Ev)
+        first = last
+    return runs
+
+
+def _block_states(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: Sequence[int], scale: float
+) -> list[_State]:
+    """Fused states of whole ``blocks`` (every query sees all their keys), one chunk per span of
+    the pool: q (1, G, R*L, E) unscaled; states (1, G, 1, R*L, ...) per span."""
+    G, E = q.shape[1], q.shape[3]
+    order = sorted(blocks)
+    spans, begin = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or order[i] - order[i - 1] > SPAN_GAP:
+            spans.append(order[begin:i])
+            begin = i
+    states = []
+    P = k_pool.shape[1]
+    for span in spans:
+        low, count = span[0], span[-1] - span[0] + 1
+        keys = k_pool[low : low + count].reshape(count * P, G, E).transpose(0, 1)[None]  # (1, G, n*P, E): a view
+        values = v_pool[low : low + count].reshape(count * P, G, -1).transpose(0, 1)[None]  # (1, G, n*P, Ev)
+        hidden = None
+        if len(span) < count:  # the blocks of other sequences between this one's: hidden by the mask
+            mine = torch.zeros(count, dtype=torch.bool, device=q.device)
+            mine[torch.tensor(span, device=q.device) - low] = True
+            hidden = torch.zeros(count, P, dtype=q.dtype, device=q.device).masked_fill_(~mine[:, None], _NEG_INF)
+            hidden = hidden.reshape(1, 1, 1, count * P)  # (1, 1, 1, n*P): every head and row
+        # the span is one sequence of n*P keys to the kernel: long tasks, not one per 16-key block
+        out, lse = _FUSED(q, keys, values, attn_mask=hidden, scale=scale)  # (1, G, R*L, Ev), (1, G, R*L)
+        m = lse.unsqueeze(2).unsqueeze(-1)  # (1, G, 1, R*L, 1)
+        states.append((m, torch.ones_like(m), out.unsqueeze(2)))  # out (1, G, 1, R*L, Ev)
+    return states
+
+
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def fused_splits(keys: int, tasks: int, threads: int | None = None) -> int:
+    """Chunks for ``keys`` keys on the fused path, where each of ``tasks`` = N * G (sequence,
+    KV head) pairs is already one task per chunk: enough chunks for `CHUNKS_PER_THREAD` tasks
+    per intra-op thread, each of at least `MIN_CHUNK` keys, at least one.
+
+    >>> fused_splits(32768, 8, threads=2), fused_splits(32768, 8, threads=16), fused_splits(300, 1, threads=16)
+    (1, 8, 1)
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    wanted = math.ceil(CHUNKS_PER_THREAD * threads / max(tasks, 1))
+    return max(1, min(wanted, keys // MIN_CHUNK))
+
+
+def _fused_range(
+    q: torch.Tensor,
+    runs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    start: int,
+    stop: int,
+    lo: torch.Tensor | None,
+    hi: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    terms: ScoreTerms | None,
+    grad: bool,
+) -> tuple[int, int] | None:
+    """The keys a <= t < b that every query sees, when PyTorch's fused CPU attention kernel can
+    take them (else None): CPU, no gradient (its lse output has none, and the merge needs one),
+    no bias, no key padding, equal key and value widths, unit stride along the head dim."""
+    if q.device.type != "cpu" or grad or valid is not None or (terms is not None and terms.bias is not None):
+        return None
+    if stop <= start or any(k.shape[-1] != v.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 for _, k, v in runs):
+        return None
+    if lo is None or hi is None:
+        return start, stop
+    a, b = int(lo.max()), int(hi.min()) + 1
+    return (a, b) if b > a else None
+
+
+def _pieces(first: int, last: int, fused: tuple[int, int] | None) -> list[tuple[int, int, bool]]:
+    """Keys first..last-1 cut at the fused range's ends: (a, b, inside the fused range)."""
+    if fused is None:
+        return [(first, last, False)]
+    a, b = max(first, fused[0]), min(last, fused[1])
+    if b <= a:
+        return [(first, last, False)]
+    cuts = [(first, a, False), (a, b, True), (b, last, False)]
+    return [c for c in cuts if c[1] > c[0]]
+
+
+def _fused_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, b: int, offset: int, count: int, scale: float
+) -> _State:
+    """Softmax states of keys a..b-1, which every query sees, split into ``count`` equal chunks,
+    from PyTorch's fused CPU attention kernel: each chunk's lse as its max, a sum of 1 and its
+    normalized output, (N, G, c, R*L, 1), (N, G, c, R*L, 1), (N, G, c, R*L, Ev). q (N, G, R*L, E)
+    unscaled; k and v hold key ``offset`` at their index 0.
+
+    The kernel runs one task per (chunk, KV head), each reading its K/V chunk once for all R*L
+    rows of the group, with float32 scores for bf16 inputs. Chunks are strided views of the
+    cache: the chunk axis is the kernel's batch axis (stride C keys), so nothing is copied."""
+    N, G, RL, E = q.shape
+    C = (b - a) // count
+    if count == 1:
+        out, lse = _FUSED(q, k[:, :, a - offset : b - offset], v[:, :, a - offset : b - offset], scale=scale)
+        m = lse.unsqueeze(2).unsqueeze(-1)  # (N, G, R*L) -> (N, G, 1, R*L, 1)
+        return m, torch.ones_like(m), out.unsqueeze(2)  # out (N, G, R*L, Ev) -> (N, G, 1, R*L, Ev)
+    outs, lses = [], []
+    for n in range(N):
+        kc, vc = (_chunks(t[n], a - offset, count, C) for t in (k, v))  # (c, G, C, E), (c, G, C, Ev)
+        out, lse = _FUSED(q[n].expand(count, G, RL, E), kc, vc, scale=scale)  # (c, G, R*L, Ev), (c, G, R*L)
+        outs.append(out.transpose(0, 1))  # (G, c, R*L, Ev)
+        lses.append(lse.transpose(0, 1))  # (G, c, R*L)
+    m = torch.stack(lses).unsqueeze(-1)  # (N, G, c, R*L, 1)
+    return m, torch.ones_like(m), torch.stack(outs)  # ..., (N, G, c, R*L, Ev)
+
+
+def _chunks(t: torch.Tensor, first: int, count: int, C: int) -> torch.Tensor:
+    """``count`` chunks of C keys from key ``first`` of t (G, S, E) as a view (c, G, C, E)."""
+    G, _, E = t.shape
+    return t.as_strided((count, G, C, E), (C * t.stride(1), t.stride(0), t.stride(1), t.stride(2)),
+                        t.storage_offset() + first * t.stride(1))  # fmt: skip
+
+
+# PyTorch's fused (flash) attention for CPU: output and lse, scores in float32 for bf16
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _key_range(
@@ -252,7 +509,7 @@ def _merge(
         return out, torch.full((N, G, RL), _NEG_INF, dtype=acc, device=q.device)
     m = torch.cat([s[0] for s in states], dim=2)  # (N, G, c, R*L, 1)
     total = torch.cat([s[1] for s in states], dim=2)  # (N, G, c, R*L, 1)
-    partial = torch.cat([s[2] for s in states], dim=2)  # (N, G, c, R*L, Ev)
+    partial = torch.cat([s[2].to(acc) for s in states], dim=2)  # (N, G, c, R*L, Ev)
     top = m.amax(dim=2)  # (N, G, R*L, 1)
     unseen = top == _NEG_INF  # rows with no visible key: zeros and lse -inf, sink or not
     if sink_rows is not None:

@@ -9,6 +9,10 @@ bandwidth measured in the same rounds: ``torch.sum`` over a float32 buffer of `P
 far beyond any cache level, whose bytes over its time are what one pass of reading memory
 achieves with every intra-op thread.
 
+`paged_steps` times the same step with the cache in a `qkv.PagedKVCache` of 16-position blocks:
+one sequence alone (its blocks one run) and one of two sequences appended in turn (a run per
+block, the fragmented pool of a server), against the contiguous `qkv.KVCache` and SDPA.
+
 `generation` times greedy generation with a random Llama-shaped transformers model
 (``attn_implementation`` qkv vs sdpa): time to first token (the prompt's forward) and
 tokens per second of the decode steps after it.
@@ -28,7 +32,10 @@ from qkv import masks
 from qkv.attention.bounds import KVBounds
 from qkv.native.timing import fastest
 
-__all__ = ["PROBE_BYTES", "DecodeRow", "GenerationRow", "decode_steps", "generation", "read_bandwidth_probe"]
+__all__ = [
+    "PAGE", "PROBE_BYTES", "DecodeRow", "GenerationRow", "PagedRow", "decode_steps", "generation", "paged_steps",
+    "read_bandwidth_probe",
+]  # fmt: skip
 
 H, G, E = 32, 8, 128
 # The bandwidth probe's buffer: 512 MiB, beyond any CPU cache, larger than a 32k cache's K + V (268 MB).
@@ -105,6 +112,61 @@ def _step_calls(
         "qkv": lambda: attention(q, keys, values, causal, kv_bounds=bounds),
         "sdpa": lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
     }
+
+
+# Positions per block of the paged cache (vLLM's default)
+PAGE = 16
+
+
+@dataclass(frozen=True)
+class PagedRow:
+    """One decode step over a paged cache: seconds of the contiguous cache's step, the paged
+    step with the sequence in one run and in a fragmented pool, and SDPA."""
+
+    S: int
+    dtype: str
+    contiguous_seconds: float
+    paged_seconds: float
+    fragmented_seconds: float
+    sdpa_seconds: float
+
+
+def paged_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int) -> list[PagedRow]:
+    """`PagedKVCache.attend` for one decode step at each length and dtype, beside the contiguous
+    cache's `qkv.attention` and SDPA on the same keys."""
+    return [_paged_row(S, dtype_name, reps) for dtype_name in dtypes for S in lengths]
+
+
+def _paged_row(S: int, dtype_name: str, reps: int) -> PagedRow:
+    from qkv.attention.functional import attention
+    from qkv.nn.cache import KVCache
+    from qkv.nn.paged_cache import PagedKVCache
+
+    causal = masks.causal()
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(S)
+    k = torch.randn(G, S, E, generator=gen).to(dtype)  # (G, S, E)
+    v = torch.randn(G, S, E, generator=gen).to(dtype)  # (G, S, Ev)
+    q = torch.randn(H, 1, E, generator=gen).to(dtype)  # (H, 1, E)
+    cache = KVCache(1, S, G, E, dtype=dtype)
+    keys, values = cache.update(k[None], v[None])  # (1, G, S, E)
+    alone = PagedKVCache(S // PAGE + 1, PAGE, G, E, dtype=dtype)
+    one = alone.allocate()
+    alone.append([one], [k], [v])
+    pool = PagedKVCache(2 * (S // PAGE) + 2, PAGE, G, E, dtype=dtype)
+    ids = [pool.allocate(), pool.allocate()]
+    for first in range(0, S, PAGE):  # the two sequences take blocks in turn
+        part_k, part_v = k[:, first : first + PAGE], v[:, first : first + PAGE]  # (G, PAGE, E)
+        pool.append(ids, [part_k, part_k], [part_v, part_v])
+    calls = {
+        "contiguous": lambda: attention(q[None], keys, values, causal, kv_bounds=cache.bounds),
+        "paged": lambda: alone.attend([one], [q], causal),
+        "fragmented": lambda: pool.attend(ids[:1], [q], causal),
+        "sdpa": lambda: F.scaled_dot_product_attention(q[None], keys, values, enable_gqa=True),
+    }
+    with torch.inference_mode():
+        times = fastest(calls, reps, warmup=1)
+    return PagedRow(S, dtype_name, times["contiguous"], times["paged"], times["fragmented"], times["sdpa"])
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from qkv.bench._decode import DecodeRow, GenerationRow
+from qkv.bench._decode import PAGE, DecodeRow, GenerationRow, PagedRow
 from qkv.native.machine import machine_line
 
-__all__ = ["print_decode", "print_generation"]
+__all__ = ["print_decode", "print_generation", "print_paged"]
 
 
 def print_decode(rows: list[DecodeRow], console: Console) -> None:
@@ -25,6 +25,25 @@ def print_decode(rows: list[DecodeRow], console: Console) -> None:
             f"{row.S:,}", row.dtype, row.path, f"{row.qkv_seconds * 1e3:.2f}", f"{row.sdpa_seconds * 1e3:.2f}",
             f"{row.ratio:.2f}x", f"{row.qkv_rate / 1e9:.2f}", f"{row.qkv_rate / row.bandwidth:.0%}",
             f"{row.sdpa_rate / 1e9:.2f}",
+        )  # fmt: skip
+    console.print(table)
+
+
+def print_paged(rows: list[PagedRow], console: Console) -> None:
+    """One line per cache length and dtype: the paged step (one run, fragmented) against the
+    contiguous cache's and SDPA's, as ratios of times."""
+    table = Table(
+        title=f"decode step over a PagedKVCache ({PAGE}-position blocks), B=1 Hq=32 G=8 E=128, causal\n" + machine_line()
+    )
+    for column in ("S", "dtype", "contiguous ms", "paged ms", "fragmented ms", "SDPA ms", "paged vs contiguous",
+                   "paged vs SDPA", "fragmented vs SDPA"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row.S:,}", row.dtype, f"{row.contiguous_seconds * 1e3:.1f}", f"{row.paged_seconds * 1e3:.1f}",
+            f"{row.fragmented_seconds * 1e3:.1f}", f"{row.sdpa_seconds * 1e3:.1f}",
+            f"{row.contiguous_seconds / row.paged_seconds:.2f}x", f"{row.sdpa_seconds / row.paged_seconds:.2f}x",
+            f"{row.sdpa_seconds / row.fragmented_seconds:.2f}x",
         )  # fmt: skip
     console.print(table)
 

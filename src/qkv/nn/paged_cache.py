@@ -12,10 +12,15 @@ own blocks are 0 and never read), with `cache_seqlens(ids)` (B,) int32; ``k`` an
 FlashAttention's paged layout (num_blocks, block_size, G, E), so the three can be passed to
 `qkv.compat.flash_attn_with_kvcache` as they are.
 
-`attend` gathers each sequence's blocks into (G, S, E) and runs `qkv.attention` per
-sequence, so its result equals that of a contiguous `KVCache` holding the same keys, bit for
-bit. Like `KVCache` it keeps a running max |k| and |v| per sequence, so the input checks read
-the queries only (`qkv.attention.bounds`).
+`attend` runs a decode step (what `qkv.attention` sends to its decode path: L <= 16 queries,
+S >= 1,024 keys, on CPU) over the blocks where they lie: each run of consecutive physical blocks
+is a strided view, split into chunks whose softmax states merge by lse
+(`qkv.backends.decode.decode_blocks`), so no block is copied. In a fragmented pool (many short
+runs) the whole blocks every query sees go to the fused kernel in spans of the pool. The result
+equals a contiguous `KVCache`'s to rounding (bit for bit when the sequence is one run; the
+chunks differ otherwise). Any other call gathers the sequence's blocks into (G, S, E) and runs
+`qkv.attention`, bit for bit a contiguous cache's result. Like `KVCache` it keeps a running
+max |k| and |v| per sequence, so the input checks read the queries only (`qkv.attention.bounds`).
 
 Every method checks all of its arguments (known sequence ids, shapes, dtypes, enough free
 blocks for the whole batch) before it changes anything. Use under ``torch.no_grad()`` or
@@ -35,7 +40,12 @@ import torch
 
 from qkv._checks import positive_int
 from qkv.attention.bounds import KVBounds, largest_magnitude
+from qkv.attention.dispatch import DECODE_MIN_KEYS, choose_path
 from qkv.attention.functional import attention
+from qkv.attention.problem import describe_problem
+from qkv.backends import decode
+from qkv.backends.decode import block_runs, decode_blocks
+from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Mask
 from qkv.nn.cache import storage_heads
 
@@ -234,6 +244,10 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache.attend: sequence {seq_ids[i]} holds no keys yet; append first")
         outputs = []
         for seq_id, state, q in zip(seq_ids, states, queries, strict=True):
+            step = self._attend_in_place(state, q, mask, scale, softcap, sinks)
+            if step is not None:
+                outputs.append(step)
+                continue
             k, v = self.keys_values(seq_id)  # (G, S, E), (G, S, Ev)
             k, v = k[None], v[None]  # (1, G, S, E), (1, G, S, Ev)
             known = KVBounds.of(k, v, state.k_max, state.v_max)  # fresh copies: the running maxima hold
@@ -241,6 +255,41 @@ class PagedKVCache:
             assert isinstance(out, torch.Tensor)
             outputs.append(out[0])  # (H, L, Ev)
         return outputs
+
+    def runs(self, seq_id: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Sequence ``seq_id``'s keys and values where they lie, without copying: one
+        (first position, k (1, G, n, E), v (1, G, n, Ev)) per run of consecutive physical blocks,
+        strided views of the pool (`qkv.backends.decode.decode_runs` takes them)."""
+        state = self._sequence(seq_id, "runs")
+        return block_runs(self.k, self.v, state.blocks, state.length)
+
+    def _attend_in_place(
+        self, state: _Sequence, q: torch.Tensor, mask: Mask | None, scale: float | None, softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """One sequence's step on the decode kernel over its block runs, nothing gathered; None
+        when `qkv.attention` would not take the decode path for the same keys in one piece (then
+        the caller gathers). Same checks as `qkv.attention`, on a stand-in of the right shape
+        with no storage (stride 0) whose data checks the running bounds replace."""
+        G, E, Ev, S = self.k.shape[2], self.k.shape[3], self.v.shape[3], state.length
+        if q.device.type != "cpu" or q.shape[1] > decode.MAX_QUERIES or S < DECODE_MIN_KEYS:
+            return None  # not a decode step (`choose_path` decides the rest)
+        if not (math.isfinite(state.k_max) and math.isfinite(state.v_max)):
+            return None  # the NaN rule needs the data: the gathered path applies it
+        k_like = self.k[0, 0][None, :, None, :].expand(1, G, S, E)  # (1, G, S, E), stride 0 along S
+        v_like = self.v[0, 0][None, :, None, :].expand(1, G, S, Ev)  # (1, G, S, Ev)
+        factor = max(1.0, abs(1.0 / math.sqrt(E) if scale is None else float(scale)))
+        if factor * E * largest_magnitude(q) * state.k_max > torch.finfo(accumulation_dtype(q.dtype)).max / 2:
+            return None  # the overflow check would read k's rows for its tight bound: gather
+        known = KVBounds.of(k_like, v_like, state.k_max, state.v_max)
+        problem = describe_problem(q[None], k_like, v_like, mask, scale, softcap=softcap, kv_bounds=known, sinks=sinks)
+        if problem.nonfinite or choose_path(problem, "auto", False, False).path != "decode":
+            return None
+        assert problem.mask is None or isinstance(problem.mask, Mask)
+        out, _ = decode_blocks(problem.q, self.k, self.v, state.blocks, S, problem.scale,
+                             None if problem.mask is None else problem.mask.to(q.device), problem.terms,
+                             problem.sinks)  # fmt: skip
+        return out[0]  # (H, L, Ev)
 
     def _blocks_for(self, length: int) -> int:
         return math.ceil(length / self.block_size)
