@@ -5,6 +5,7 @@ step against the full causal forward (forward and backward), determinism, routin
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,13 +69,13 @@ def _spy_fused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     import qkv.backends.decode as decode
 
     seen: list[tuple[int, ...]] = []
-    real = decode._FUSED
+    real = decode.cpu_flash_attention
 
-    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append(tuple(k.shape))
-        return real(q, k, v, **kwargs)
+        return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(decode, "_FUSED", spy)
+    monkeypatch.setattr(decode, "cpu_flash_attention", spy)
     return seen
 
 

@@ -138,8 +138,8 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
     real = decode._block_states
     monkeypatch.setattr(decode, "_block_states", lambda *args: seen.append(len(args[3])) or real(*args))
     masked = []
-    fused = decode._FUSED
-    monkeypatch.setattr(decode, "_FUSED", lambda *args, **kw: masked.append(kw.get("attn_mask") is not None) or fused(*args, **kw))
+    fused = decode.cpu_flash_attention
+    monkeypatch.setattr(decode, "cpu_flash_attention", lambda *args, **kw: masked.append(kw.get("attn_mask") is not None) or fused(*args, **kw))
     gen = torch.Generator().manual_seed(5)
     E = EV = 8
     paged = qkv.PagedKVCache(num_blocks=400, block_size=16, num_kv_heads=G, d_k=E, dtype=dtype)

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qkv._private.torch import cpu_flash_attention
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
 from qkv.native.machine import compute_dtype
@@ -309,7 +310,7 @@ def _block_states(
             hidden = torch.zeros(count, P, dtype=q.dtype, device=q.device).masked_fill_(~mine[:, None], _NEG_INF)
             hidden = hidden.reshape(1, 1, 1, count * P)  # (1, 1, 1, n*P): every head and row
         # the span is one sequence of n*P keys to the kernel: long tasks, not one per 16-key block
-        out, lse = _FUSED(q, keys, values, attn_mask=hidden, scale=scale)  # (1, G, R*L, Ev), (1, G, R*L)
+        out, lse = cpu_flash_attention(q, keys, values, 0.0, False, attn_mask=hidden, scale=scale)  # (1, G, R*L, Ev), (1, G, R*L)
         m = lse.unsqueeze(2).unsqueeze(-1)  # (1, G, 1, R*L, 1)
         states.append((m, torch.ones_like(m), out.unsqueeze(2)))  # out (1, G, 1, R*L, Ev)
     return states
@@ -380,13 +381,13 @@ def _fused_states(
     N, G, RL, E = q.shape
     C = (b - a) // count
     if count == 1:
-        out, lse = _FUSED(q, k[:, :, a - offset : b - offset], v[:, :, a - offset : b - offset], scale=scale)
+        out, lse = cpu_flash_attention(q, k[:, :, a - offset : b - offset], v[:, :, a - offset : b - offset], 0.0, False, scale=scale)
         m = lse.unsqueeze(2).unsqueeze(-1)  # (N, G, R*L) -> (N, G, 1, R*L, 1)
         return m, torch.ones_like(m), out.unsqueeze(2)  # out (N, G, R*L, Ev) -> (N, G, 1, R*L, Ev)
     outs, lses = [], []
     for n in range(N):
         kc, vc = (_chunks(t[n], a - offset, count, C) for t in (k, v))  # (c, G, C, E), (c, G, C, Ev)
-        out, lse = _FUSED(q[n].expand(count, G, RL, E), kc, vc, scale=scale)  # (c, G, R*L, Ev), (c, G, R*L)
+        out, lse = cpu_flash_attention(q[n].expand(count, G, RL, E), kc, vc, 0.0, False, scale=scale)  # (c, G, R*L, Ev), (c, G, R*L)
         outs.append(out.transpose(0, 1))  # (G, c, R*L, Ev)
         lses.append(lse.transpose(0, 1))  # (G, c, R*L)
     m = torch.stack(lses).unsqueeze(-1)  # (N, G, c, R*L, 1)
@@ -399,9 +400,6 @@ def _chunks(t: torch.Tensor, first: int, count: int, C: int) -> torch.Tensor:
     return t.as_strided((count, G, C, E), (C * t.stride(1), t.stride(0), t.stride(1), t.stride(2)),
                         t.storage_offset() + first * t.stride(1))  # fmt: skip
 
-
-# PyTorch's fused (flash) attention for CPU: output and lse, scores in float32 for bf16
-_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _key_range(

@@ -231,7 +231,7 @@ def compile_command(kernel: NativeKernel, output: Path) -> list[str]:
     command = [_compiler_name(), *kernel.cflags]
     if kernel.torch_headers:
         include, _ = _torch_folders()
-        abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))  # as torch itself was built
+        abi = int(torch.compiled_with_cxx11_abi())  # as torch itself was built
         command += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", include]
     command += [str(kernel.source), "-o", str(output)]
     if kernel.links_torch:
