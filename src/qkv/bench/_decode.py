@@ -181,9 +181,11 @@ class GenerationRow:
     tokens_per_second: float
 
 
-def generation(prompt: int, new_tokens: int, layers: int = 4, hidden: int = 2048, seed: int = 0) -> list[GenerationRow]:
+def generation(
+    prompt: int, new_tokens: int, layers: int = 4, hidden: int = 2048, head_dim: int = 128, seed: int = 0
+) -> list[GenerationRow]:
     """Greedy generation with a random Llama-shaped model (``layers``, ``hidden``, 32 / 8
-    heads of 128), qkv's transformers backend vs sdpa, float32, one batch row."""
+    heads of ``head_dim``), qkv's transformers backend vs sdpa, float32, one batch row."""
     import transformers
 
     from qkv.integrations.transformers import register
@@ -191,7 +193,7 @@ def generation(prompt: int, new_tokens: int, layers: int = 4, hidden: int = 2048
     name = register()
     config = transformers.LlamaConfig(
         vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=hidden // 32, max_position_embeddings=prompt + new_tokens + 1,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=head_dim, max_position_embeddings=prompt + new_tokens + 1,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()

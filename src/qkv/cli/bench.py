@@ -119,8 +119,8 @@ def _decode(quick: bool, prompt: int) -> None:
     rows = decode_steps(lengths, ("float32", "bfloat16"), reps=2 if quick else 5, probe_bytes=(16 if quick else 512) * 2**20)
     print_decode(rows, console)
     if prompt:
-        layers, hidden, new = (1, 256, 2) if quick else (4, 2048, 16)
-        print_generation(generation(prompt, new, layers=layers, hidden=hidden), console)
+        layers, hidden, head_dim, new = (1, 256, 8, 2) if quick else (4, 2048, 128, 16)
+        print_generation(generation(prompt, new, layers=layers, hidden=hidden, head_dim=head_dim), console)
 
 
 def _plot(report: BenchReport, path: Path) -> None:
