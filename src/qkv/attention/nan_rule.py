@@ -22,6 +22,7 @@ from typing import overload
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem
 from qkv.masks import Mask
 
@@ -52,6 +53,12 @@ def affected_rows(problem: AttentionProblem) -> torch.Tensor:
     with torch.no_grad():
         rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
         bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, G, S)
+        if private_torch.host_unreadable(q, k, v):
+            # no host to count the bad keys (torch.compile, export, vmap): every key column, the
+            # mask's (N | 1, H | 1, L, S) visibility once, as the dense paths build it anyway
+            per_head = bad_keys.repeat_interleave(problem.H // problem.G, dim=1)  # (N, H, S)
+            sees = _visible_columns(problem, torch.arange(problem.S, device=q.device))  # (N | 1, H | 1, L, S)
+            return rows | (sees & per_head[:, :, None, :]).any(dim=-1)
         cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
         if cols.numel() > 0:
             per_head = bad_keys[:, :, cols].repeat_interleave(problem.H // problem.G, dim=1)  # (N, H, c)
