@@ -91,7 +91,8 @@ def test_one_graph_and_compiled_equals_the_math_path(name: str, dtype: torch.dty
     expected = _reference(name, q, k, v)
     assert compiled.dtype == dtype
     torch.testing.assert_close(compiled.double(), expected, atol=TOLERANCE[dtype], rtol=0)
-    torch.testing.assert_close(fn(q, k, v).double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    if dtype == torch.float32:  # eager bf16 may build a compiled kernel first (a minute); its tests are elsewhere
+        torch.testing.assert_close(fn(q, k, v).double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_inductor_sliding_window_with_gradients_equals_the_math_path() -> None:
@@ -148,7 +149,7 @@ def test_engines_planned_on_the_host_refuse_tracing_by_name(backend: str) -> Non
     q, k, v = _inputs(torch.float32)
     fn = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal(), backend=backend), backend="eager", fullgraph=True)
     # fullgraph=True: Dynamo reports the ValueError raised while tracing, with its message
-    with pytest.raises(Exception, match="torch.compile, torch.export and vmap"):
+    with pytest.raises(Exception, match=r"torch\.compile, torch\.export and vmap"):
         fn(q[:, :, :4], k, v)
 
 
@@ -219,24 +220,25 @@ def test_vmap_over_the_batch_equals_a_loop() -> None:
 
 
 def test_grad_and_jacrev_equal_finite_differences_and_the_math_path() -> None:
+    q, k, v = _inputs(torch.float64, n=12)
     for name in CASES:
         kwargs = CASES[name](12)
-        q, k, v = _inputs(torch.float64, n=12)
 
-        def loss(q: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
             return qkv.attention(q, k, v, **kwargs).sin().sum()
 
-        grad = torch.func.grad(loss)(q)
-        q_ref = q.clone().requires_grad_(True)
-        qkv.attention(q_ref, k, v, backend="math", **kwargs).sin().sum().backward()
-        assert q_ref.grad is not None
-        torch.testing.assert_close(grad, q_ref.grad, atol=1e-12, rtol=0, msg=name)
-        # one entry by central differences, independent of any backward
+        grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        leaves = tuple(t.clone().requires_grad_(True) for t in (q, k, v))
+        qkv.attention(*leaves, backend="math", **kwargs).sin().sum().backward()
+        for got, leaf in zip(grads, leaves, strict=True):
+            assert leaf.grad is not None
+            torch.testing.assert_close(got, leaf.grad, atol=1e-12, rtol=0, msg=name)
+        # one entry of q's gradient by central differences, independent of any backward
         step = 1e-6
         bump = torch.zeros_like(q)
         bump[0, 1, 7, 3] = step
-        numeric = (loss(q + bump) - loss(q - bump)) / (2 * step)
-        torch.testing.assert_close(grad[0, 1, 7, 3], numeric, atol=1e-7, rtol=0, msg=name)
+        numeric = (loss(q + bump, k, v) - loss(q - bump, k, v)) / (2 * step)
+        torch.testing.assert_close(grads[0][0, 1, 7, 3], numeric, atol=1e-7, rtol=0, msg=name)
         jac = torch.func.jacrev(lambda q, kwargs=kwargs: qkv.attention(q, k, v, **kwargs))(q)  # (*out, *q)
         assert jac.shape == (1, H, 12, E, *q.shape)
         # the Jacobian's entry for output (0, 1, 7, 0) is that output's gradient in q

@@ -50,7 +50,9 @@ class AttentionProblem:
     scale: float
     dropout: float
     terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
-    nonfinite: bool = False  # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule)
+    # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule); True while traced
+    # (torch.compile, export, vmap): the rule then runs as tensor operations, a no-op on finite inputs
+    nonfinite: bool = False
     sinks: torch.Tensor | None = None  # (N | 1, H) attention-sink logits, float32 or wider
 
     @property
