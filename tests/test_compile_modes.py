@@ -133,6 +133,25 @@ def test_nan_rule_and_overflow_refusal_hold_under_inductor() -> None:
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.causal())
 
 
+@pytest.mark.parametrize("name", ["no mask", "sliding_window", "documents", "varlen"])
+def test_nan_rows_under_compile_are_the_rows_that_read_a_bad_entry(name: str) -> None:
+    q, k, v = _inputs(torch.float32)
+    q[0, 1, 3, 0] = float("inf")  # row 3 of query head 1
+    v[0, 0, 40, 2] = float("nan")  # key 40 of kv head 0, read by query heads 0 and 1
+    expected_bad = torch.zeros(1, H, L, dtype=torch.bool)
+    expected_bad[0, 1, 3] = True
+    readers = {"no mask": slice(0, L), "sliding_window": slice(40, 47), "documents": slice(32, 48), "varlen": slice(40, 48)}
+    # a window sees 6 keys back; documents 32..47; varlen packs 24, 16, 8: key 40 starts the third
+    expected_bad[0, :2, readers[name]] = True
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, **CASES[name](L)), backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out.isnan().any(dim=-1), expected_bad)
+    assert torch.equal(out.isnan().all(dim=-1), expected_bad)
+    expected = qkv.attention(q.nan_to_num(posinf=0.0).double(), k.double(), v.nan_to_num(nan=0.0).double(), backend="math",
+                             **CASES[name](L))
+    torch.testing.assert_close(out[~expected_bad].double(), expected[~expected_bad], atol=2e-6, rtol=0)
+
+
 def test_float_mask_with_nan_is_refused_in_compiled_code() -> None:
     q, k, v = _inputs(torch.float32)
     mask = torch.zeros(L, S)

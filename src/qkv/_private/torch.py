@@ -8,9 +8,10 @@
 - ``torch._softmax_backward_data``: the softmax's own backward in one pass;
 - ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``torch._is_functional_tensor``: a
   tensor whose data pointer is not its values (vmap, grad, functionalization);
-- ``torch._C._functorch.is_batchedtensor``, ``torch._subclasses.fake_tensor.is_fake`` and
-  ``torch._assert_async``: whether a tensor's values can be read on the host now (not under
-  vmap, not a fake tensor of torch.compile / export), and a check that stays in a traced graph;
+- ``torch._C._functorch.is_batchedtensor`` / ``is_gradtrackingtensor`` / ``get_unwrapped`` and
+  ``torch._subclasses.fake_tensor.is_fake``: whether a tensor's values can be read on the host
+  now (not under vmap, not a fake tensor of torch.compile / export), and whether torch.func
+  wraps it;
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
@@ -43,6 +44,7 @@ __all__ = [
     "onednn_linear_pointwise",
     "require",
     "softmax_backward",
+    "under_torch_func",
 ]
 
 # The torch release these names and schemas were checked against; pyproject.toml allows < 2.16.
@@ -136,18 +138,41 @@ def is_wrapped_tensor(x: torch.Tensor) -> bool:
     return bool(wrapped or torch._is_functional_tensor(x))  # pyright: ignore[reportPrivateImportUsage]  # private
 
 
+def _functorch_layers(x: torch.Tensor) -> list[torch.Tensor]:
+    """x and the tensors its functorch wrappers (vmap, grad, functionalize) wrap, outermost first."""
+    layers = [x]
+    while torch._C._functorch.is_functorch_wrapped_tensor(layers[-1]):  # pyright: ignore[reportAttributeAccessIssue]  # no stub
+        layers.append(torch._C._functorch.get_unwrapped(layers[-1]))  # pyright: ignore[reportAttributeAccessIssue]
+    return layers
+
+
 def host_unreadable(*tensors: object) -> bool:
     """Whether the values of these tensors cannot be read on the host now: torch.compile or
-    torch.export is tracing (the tensors are fake), or a tensor is a functorch wrapper (vmap,
-    grad) or a fake tensor. Code that would read a value (``.item()``, ``bool(t)``, NumPy, a
-    data pointer) then takes a path of tensor operations instead."""
+    torch.export is tracing (the tensors are fake), or a tensor is batched by vmap at some
+    level of its functorch wrappers, or a fake tensor. Code that would read a value
+    (``.item()``, ``bool(t)``, NumPy) then takes a path of tensor operations instead. grad and
+    functionalize wrappers alone leave the values readable."""
     if torch.compiler.is_compiling():
         return True
     from torch._subclasses.fake_tensor import (
         is_fake,  # private; imported late: it loads the tracing machinery
     )
 
-    return any(isinstance(t, torch.Tensor) and (is_wrapped_tensor(t) or is_fake(t)) for t in tensors)
+    return any(
+        isinstance(t, torch.Tensor)
+        and (is_fake(t) or any(torch._C._functorch.is_batchedtensor(x) for x in _functorch_layers(t)))  # pyright: ignore[reportAttributeAccessIssue]
+        for t in tensors
+    )
+
+
+def under_torch_func(x: torch.Tensor) -> bool:
+    """Whether x is wrapped by torch.func's vmap or grad (jacrev, jacfwd, hessian are built of
+    them): their backward passes run under vmap, where kernels without a batching rule (SDPA's
+    CPU flash kernels) fall back to a slow loop."""
+    return any(
+        torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_gradtrackingtensor(t)  # pyright: ignore[reportAttributeAccessIssue]
+        for t in _functorch_layers(x)
+    )
 
 
 @torch.library.custom_op("qkv::check", mutates_args=())

@@ -173,7 +173,7 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
     if backend == "math":
         return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
-    if backend == "auto" and not torch.compiler.is_compiling() and private_torch.is_wrapped_tensor(problem.q):
+    if backend == "auto" and not torch.compiler.is_compiling() and private_torch.under_torch_func(problem.q):
         # SDPA's CPU kernels have no batching rule (vmap would loop over them, warning)
         return _math_plan(problem, "torch.func (vmap, grad, jacrev): the explicit formula, whose operators "
                           "all have batching rules", return_weights, return_lse)
