@@ -16,6 +16,7 @@ under Inductor.
 from __future__ import annotations
 
 import importlib.util
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -206,23 +207,33 @@ def test_export_of_multihead_attention_equals_eager_and_the_math_path(case: str)
     torch.testing.assert_close(got.double(), wide(x.double(), mask=mask), atol=2e-6, rtol=0)
 
 
-def test_onnx_export_of_the_dense_paths_or_the_missing_package_named() -> None:
+@pytest.mark.parametrize("mask", [None, "causal", "sliding_window"])
+def test_onnx_export_of_the_dense_paths_or_the_missing_package_named(mask: str | None) -> None:
+    """With onnx and onnxscript installed both exporters must succeed. Without them (qkv adds no
+    dependency for ONNX) torch's exporters must get through tracing and conversion and stop only
+    at the missing package, which they name: the TorchScript exporter used to stop earlier, on
+    enable_gqa traced as a tensor and then on enable_gqa itself."""
     torch.manual_seed(0)
-    module = qkv.MultiHeadAttention(16, 4).eval()
-    x = torch.randn(1, 6, 16)
+    structured = {None: None, "causal": qkv.masks.causal(), "sliding_window": qkv.masks.sliding_window(2)}[mask]
 
-    class Causal(torch.nn.Module):
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = qkv.MultiHeadAttention(16, 4, num_kv_heads=2).eval()  # grouped-query heads
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return module(x, mask=qkv.masks.causal())
+            return self.attention(x, mask=structured)
 
+    x = torch.randn(1, 6, 16)
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
-        # qkv adds no dependency for ONNX: torch's exporter names what is missing
-        with pytest.raises(ImportError, match="onnx"):
-            torch.onnx.export(Causal(), (x,), dynamo=True)
+        with pytest.raises(Exception, match="Module onnx is not installed"):  # torch's OnnxExporterError, at serialization
+            torch.onnx.export(Block().eval(), (x,), io.BytesIO(), dynamo=False)
+        with pytest.raises(ImportError, match="No module named 'onnx"):  # the dynamo exporter imports onnxscript first
+            torch.onnx.export(Block().eval(), (x,), dynamo=True)
         return
-    program = torch.onnx.export(Causal(), (x,), dynamo=True)
-    assert program is not None
+    torch.onnx.export(Block().eval(), (x,), io.BytesIO(), dynamo=False)
+    assert torch.onnx.export(Block().eval(), (x,), dynamo=True) is not None
 
 
 def test_vmap_over_the_batch_equals_a_loop() -> None:

@@ -294,6 +294,11 @@ def fused_attention(
     else:
         mask = _additive_mask(mask, q)
         gqa = bool(k.shape[1] != H)  # a Python bool even where a tracer makes shapes tensors (ONNX)
+        if gqa and torch.onnx.is_in_onnx_export():
+            # ONNX's TorchScript exporter has no enable_gqa: each key/value head is repeated for its queries
+            k = k.repeat_interleave(H // k.shape[1], dim=1)  # (N, H, S, E)
+            v = v.repeat_interleave(H // v.shape[1], dim=1)  # (N, H, S, Ev)
+            gqa = False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
