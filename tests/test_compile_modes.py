@@ -207,6 +207,7 @@ def test_export_of_multihead_attention_equals_eager_and_the_math_path(case: str)
     torch.testing.assert_close(got.double(), wide(x.double(), mask=mask), atol=2e-6, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")  # the TorchScript exporter is deprecated
 @pytest.mark.parametrize("mask", [None, "causal", "sliding_window"])
 def test_onnx_export_of_the_dense_paths_or_the_missing_package_named(mask: str | None) -> None:
     """With onnx and onnxscript installed both exporters must succeed. Without them (qkv adds no
