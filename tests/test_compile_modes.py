@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import qkv
 from qkv.attention import dispatch, functional
@@ -132,6 +133,23 @@ def test_nan_rule_and_overflow_refusal_hold_under_inductor() -> None:
         compiled(big_q * 1e19, big_k * 1e19, v)
     with pytest.raises(ValueError, match="beyond half the largest float32"):  # eager says the same, with the values
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.causal())
+
+
+def test_dynamic_shapes_trace_whole_and_equal_the_math_path() -> None:
+    """torch.compile(dynamic=True) traces whole at two lengths (symbolic sizes reach SDPA's
+    enable_gqa and the masks' descriptions). The lengths are still specialized (Dynamo
+    recompiles per length: the dispatch rules compare L and S as Python ints)."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda q, k, v, ids: qkv.attention(q, k, v, qkv.masks.documents(ids) & qkv.masks.sliding_window(5)),
+        backend=counter, dynamic=True, fullgraph=True,
+    )
+    for n in (24, 36):
+        q, k, v = _inputs(torch.float64, n=n)
+        ids = torch.arange(n) // 8  # documents of 8 tokens
+        expected = qkv.attention(q, k, v, qkv.masks.documents(ids) & qkv.masks.sliding_window(5), backend="math")
+        torch.testing.assert_close(compiled(q, k, v, ids), expected, atol=1e-12, rtol=0)
+    assert counter.frame_count >= 1  # fullgraph=True: a graph break would have raised
 
 
 @pytest.mark.parametrize("name", ["no mask", "sliding_window", "documents", "varlen"])

@@ -293,7 +293,9 @@ def fused_attention(
         out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
     else:
         mask = _additive_mask(mask, q)
-        gqa = bool(k.shape[1] != H)  # a Python bool even where a tracer makes shapes tensors (ONNX)
+        # a Python bool where a tracer makes shapes tensors (ONNX) or symbols (dynamic shapes): the
+        # branch guards on the head counts, which SDPA's enable_gqa must know as a constant
+        gqa = True if k.shape[1] != H else False  # noqa: SIM210
         if gqa and torch.onnx.is_in_onnx_export():
             # ONNX's TorchScript exporter has no enable_gqa: each key/value head is repeated for its queries
             k = k.repeat_interleave(H // k.shape[1], dim=1)  # (N, H, S, E)

@@ -100,7 +100,8 @@ class Documents(Mask):
 
     def describe(self) -> str:
         if private_torch.host_unreadable(self.ids):
-            return f"documents(ids {tuple(self.ids.shape)})"  # the count needs the ids' values, not there while tracing
+            # the count needs the ids' values, and their shape may be symbolic (dynamic shapes)
+            return "documents(ids)"
         rows = self.ids.sort(dim=1).values  # (B | 1, L): each row's ids in order
         n_docs = int((rows[:, 1:] != rows[:, :-1]).sum()) + rows.shape[0]  # distinct ids, counted per row
         where = f" in {rows.shape[0]} rows" if rows.shape[0] > 1 else ""
@@ -201,11 +202,12 @@ class KeyPadding(Mask):
         return per_key_block.expand(-1, -1, n_q, -1)  # (B | 1, 1, nQ, nK)
 
     def describe(self) -> str:
+        if private_torch.host_unreadable(self.valid, self.lengths):
+            return "key_padding(valid)" if self.valid is not None else "key_padding(lengths)"  # sizes may be symbolic
         if self.valid is not None:
             return f"key_padding(valid {tuple(self.valid.shape)})"
         assert self.lengths is not None
-        short = self.lengths.numel() <= 8 and not private_torch.host_unreadable(self.lengths)
-        return f"key_padding(lengths {self.lengths.tolist() if short else tuple(self.lengths.shape)})"
+        return f"key_padding(lengths {self.lengths.tolist() if self.lengths.numel() <= 8 else tuple(self.lengths.shape)})"
 
 
 def key_padding(valid: torch.Tensor) -> KeyPadding:

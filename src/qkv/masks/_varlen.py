@@ -103,7 +103,7 @@ class _Lengths(Mask):
         if self.known is not None:
             lengths = _known_text(*self.known)
         elif private_torch.host_unreadable(self.q_lengths, self.k_lengths):
-            lengths = f"{self.q_lengths.numel()} lengths"  # their values exist only when the traced graph runs
+            lengths = "lengths"  # their values exist only when the traced graph runs
         else:
             lengths = _lengths_text(self.q_lengths, self.k_lengths)
         return f"{self.constructor}({lengths}{_options_text(self.causal, self.window)})"
