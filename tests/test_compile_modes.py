@@ -179,6 +179,27 @@ def test_float_mask_with_nan_is_refused_in_compiled_code() -> None:
         compiled(q, k, v, mask)
 
 
+@pytest.mark.parametrize("kind", ["alibi slopes", "dense bias", "sinks"])
+def test_bad_score_terms_are_refused_in_compiled_code(kind: str) -> None:
+    q, k, v = _inputs(torch.float32)
+    good = {"alibi slopes": torch.rand(H), "dense bias": torch.randn(L, S), "sinks": torch.randn(H)}[kind]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if kind == "sinks":
+            return qkv.attention(q, k, v, sinks=t)
+        return qkv.attention(q, k, v, bias=qkv.bias.alibi(t) if kind == "alibi slopes" else qkv.bias.dense(t))
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    expected = qkv.attention(q.double(), k.double(), v.double(), backend="math",
+                             **({"sinks": good.double()} if kind == "sinks" else
+                                {"bias": qkv.bias.alibi(good.double()) if kind == "alibi slopes" else qkv.bias.dense(good.double())}))
+    torch.testing.assert_close(compiled(q, k, v, good).double(), expected, atol=2e-6, rtol=0)
+    bad = good.clone()
+    bad.view(-1)[1] = float("nan")
+    with pytest.raises(RuntimeError, match=r"must be finite|holds NaN"):
+        compiled(q, k, v, bad)
+
+
 @pytest.mark.parametrize("backend", ["blocks", "decode"])
 def test_engines_planned_on_the_host_refuse_tracing_by_name(backend: str) -> None:
     q, k, v = _inputs(torch.float32)

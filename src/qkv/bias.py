@@ -268,11 +268,12 @@ class ALiBi(Bias):
         if self.slopes is None:
             return 0.0  # the paper's slopes are positive: the bias is <= 0
         # -slope * distance: a negative slope adds up to |slope| * the longest distance
-        _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
+        checked = _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
         if private_torch.host_unreadable(self.slopes):
             if self.slopes.numel() == 0:
-                return 0.0
-            return (-self.slopes.detach().amin()).to(torch.float64).clamp(min=0.0) * max(L, S)
+                return checked
+            steepest = (-self.slopes.detach().amin()).to(torch.float64).clamp(min=0.0)
+            return steepest * max(L, S) + 0.0 * checked  # + 0 * the gated check: compilers keep the check
         with torch.no_grad():
             steepest = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
         return steepest * max(L, S)
