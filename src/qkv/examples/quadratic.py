@@ -27,7 +27,7 @@ import numpy as np
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from qkv import masks, reference
+from qkv import reference
 from qkv.examples._result import ExampleResult
 from qkv.examples._tables import fmt, table
 
@@ -168,6 +168,7 @@ def run() -> Result:
     """Measure the reference and qkv's paths for every n in SIZES."""
     import torch
 
+    from qkv import masks
     from qkv.attention.functional import attention, explain
     from qkv.bench import traced_peak_bytes
 
