@@ -150,7 +150,12 @@ class MultiHeadAttention(nn.Module):
         softcap: cap the scores at +-softcap (Gemma 2's attention softcap); None for none.
 
     Inputs must have the dtype of the weights (``module.to(dtype)`` converts the layer);
-    another dtype is refused with a TypeError rather than cast silently.
+    another dtype is refused with a TypeError rather than cast silently. A bfloat16 layer on
+    a CPU without native bf16 products (no AVX-512 BF16 / AMX, `qkv.native.machine`) keeps
+    bf16 weights, inputs and outputs but computes in float32 from the first product to the
+    last, with float32 copies of its weights kept between calls (twice the bf16 weights'
+    memory; rebuilt when a weight changes in place or is replaced, not after writes through
+    ``p.data``: see `qkv.native.onednn_linear.wide_copy`).
 
     Parameters: ``q_proj`` (D -> H*E), ``k_proj`` (Dc -> G*E), ``v_proj`` (Dc -> G*Ev),
     ``out_proj`` (H*Ev -> D), all `nn.Linear`.
