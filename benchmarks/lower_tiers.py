@@ -116,7 +116,7 @@ def main() -> None:
     print(machine_line())
     emulated = compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16
     print("bf16 products here: " + ("emulated, so qkv computes bf16 in float32 (bf16 storage)" if emulated else "native"))
-    print(f"{'amx kernel replaced':<22}{'case':<28}{'f32 ms':>9}{'bf16 ms':>9}{'bf16 / f32':>12}{'goal':>7}")
+    print(f"{'problem of amx kernel':<22}{'case':<28}{'f32 ms':>9}{'bf16 ms':>9}{'bf16 / f32':>12}{'goal':>7}")
     for label, (kernel, fns) in cases.items():
         round_seconds = FORWARD_ROUND_SECONDS if kernel != "interval backward" else 0.0
         times = fastest({str(d): fn for d, fn in fns.items()}, reps, warmup=1, round_seconds=round_seconds, clock=clock)

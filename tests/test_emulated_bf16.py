@@ -79,6 +79,19 @@ def test_wide_copy_keeps_the_gradient_path() -> None:
     assert weight.grad is not None and torch.equal(weight.grad, torch.ones(3, 2, dtype=torch.bfloat16))
 
 
+def test_copies_made_in_inference_mode_serve_a_later_backward() -> None:
+    # frozen bf16 weights: the copies are kept even with grad enabled, and the input's
+    # gradient saves them for backward
+    torch.manual_seed(4)
+    module = qkv.MultiHeadAttention(16, 2).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 20, 16).bfloat16()
+    with torch.inference_mode():
+        module(x)
+    x.requires_grad_(True)
+    module(x).float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16 and bool(x.grad.isfinite().all())
+
+
 def test_wide_copy_of_several_sources_is_their_concatenation() -> None:
     parts = [torch.randn(2, 3).bfloat16() for _ in range(3)]
     got = onednn_linear.wide_copy(torch.float32, *parts)

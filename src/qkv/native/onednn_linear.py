@@ -161,7 +161,9 @@ def wide_copy(dtype: torch.dtype, *sources: torch.Tensor) -> torch.Tensor:
     entry = _WIDE.get(key)
     if entry is not None and entry[0]() is sources[0] and entry[1] == stamps:
         return entry[2]
-    with torch.no_grad():
+    # a plain tensor even under inference_mode: a later call that records a graph (x requiring
+    # grad, frozen weights) may save it for backward, which an inference tensor refuses
+    with torch.inference_mode(False), torch.no_grad():
         copy = (sources[0] if len(sources) == 1 else torch.cat(sources)).to(dtype)
     with _WIDE_LOCK:
         _WIDE[key] = (weakref.ref(sources[0], lambda _, key=key: _WIDE.pop(key, None)), stamps, copy)
