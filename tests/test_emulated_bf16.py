@@ -193,3 +193,30 @@ def test_encoder_bf16_with_a_hooked_attention_runs_the_hook() -> None:
         want = reference(ids).last_hidden
     assert seen == [torch.bfloat16]  # the module's own call, in its dtype
     assert math.isclose(torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten(), dim=0).item(), 1.0, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("mask", [None, qkv.masks.causal(), qkv.masks.sliding_window(8, 8)])
+def test_attention_in_the_kept_buffer_equals_float64_call_after_call(mask: object) -> None:
+    # inference calls widen into one buffer per thread: each result must be its own inputs'
+    gen = torch.Generator().manual_seed(5)
+    calls = [[torch.randn(2, 3, 40, 16, generator=gen).bfloat16() for _ in range(3)] for _ in range(3)]
+    calls[1] = [x[:, :, :24].contiguous() for x in calls[1]]  # a smaller call between two larger ones
+    with torch.no_grad():
+        results = [qkv.attention(*c, mask) for c in calls]
+    for c, got in zip(calls, results, strict=True):
+        want = qkv.attention(*(x.double() for x in c), mask, backend="math")
+        _within_bf16_rounding(got, want)
+
+
+def test_attention_with_gradients_does_not_use_the_kept_buffer() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    out = qkv.attention(q, k, v, qkv.masks.causal())
+    with torch.no_grad():  # an inference call in between reuses the buffer
+        qkv.attention(*(torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(3)))
+    out.float().sum().backward()
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    qkv.attention(*exact, qkv.masks.causal(), backend="math").sum().backward()
+    for got, want in zip((q, k, v), exact, strict=True):
+        assert got.grad is not None and want.grad is not None
+        assert torch.allclose(got.grad.double(), want.grad, atol=0.05, rtol=0.05)
