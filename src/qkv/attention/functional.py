@@ -19,6 +19,7 @@ runs it (`qkv.attention.execute`) or describes it (`qkv.attention.explain`); non
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Literal, overload
 
@@ -253,12 +254,16 @@ def attention(
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
-        k_wide, v_wide = k.to(wide), v.to(wide)  # exact copies: the bounds carry over
-        result = attention(
-            q.to(wide), k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
-            dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
-            kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
-        )  # fmt: skip
+        (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
+        try:
+            result = attention(
+                q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+                dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
+                kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
+            )  # fmt: skip
+        finally:
+            if kept is not None:
+                _buffers.wide = kept  # free for this thread's next call
         if isinstance(result, torch.Tensor):
             return result.to(q.dtype)
         return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
@@ -284,6 +289,41 @@ def attention(
 
 def _cast_for_autocast(low: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+
+
+# Float32 copies of q, k and v of an emulated low-precision call go into one buffer per
+# thread, kept between calls, when no gradient is needed and they fit in this many bytes.
+# Fresh full-size copies on every call cost more in first touches (page faults; the
+# allocator returns big freed blocks to the system) than in converting: AVX2 tier, one
+# thread, causal n = 4,096, 8 heads of 64: 193 ms against float32's 176, 181 ms with the
+# kept buffer. The buffer grows to the largest such call seen, up to this limit per thread.
+WIDEN_BUFFER_BYTES = 128 << 20
+_buffers = threading.local()
+
+
+def _widened(wide: torch.dtype, *tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """Exact copies of ``tensors`` in ``wide``, and the kept buffer they are views of (None:
+    new tensors, ``t.to(wide)`` with their strides). The buffer is used on the CPU when no
+    gradient is recorded (nothing can save the copies for a backward pass), the tensors are
+    contiguous and fit in `WIDEN_BUFFER_BYTES`; it is taken from this thread while in use (a
+    nested call, from a score_mod say, gets its own) and given back by the caller."""
+    itemsize = torch.empty((), dtype=wide).element_size()
+    total = sum(t.numel() for t in tensors)
+    device = tensors[0].device
+    if (
+        torch.is_grad_enabled() or device.type != "cpu" or total * itemsize > WIDEN_BUFFER_BYTES
+        or not all(t.is_contiguous() for t in tensors)
+    ):  # fmt: skip
+        return tuple(t.to(wide) for t in tensors), None
+    buffer = getattr(_buffers, "wide", None)
+    _buffers.wide = None
+    if buffer is None or buffer.numel() < total or buffer.dtype != wide:
+        buffer = torch.empty(total, dtype=wide, device=device)
+    copies, start = [], 0
+    for t in tensors:
+        copies.append(buffer[start : start + t.numel()].view(t.shape).copy_(t))
+        start += t.numel()
+    return tuple(copies), buffer
 
 
 def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:

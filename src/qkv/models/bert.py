@@ -25,6 +25,7 @@ from torch import nn
 from qkv.masks import Mask
 from qkv.models.config import BertConfig
 from qkv.native import add_norm_bf16, onednn_linear
+from qkv.native.machine import compute_dtype
 from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["BertEmbeddings", "BertEncoder", "BertLayer", "EncoderOutput"]
@@ -92,9 +93,15 @@ class BertLayer(nn.Module):
         the LayerNorms keep theirs (float32 after `BertEncoder.set_matmul_dtype`): the sums
         x + sublayer(x) promote to the wider of the two. Each sublayer ends with the residual
         stream and its copy in the matmul dtype, the next product's input (one pass in
-        bf16 inference: `qkv.native.add_norm_bf16`).
+        bf16 inference: `qkv.native.add_norm_bf16`). Where this CPU only emulates the matmul
+        dtype's products the whole block runs in float32 (`_step_float32`).
         """
         matmul_dtype = self.ffn_in.weight.dtype
+        if x.dtype == compute_dtype(matmul_dtype, x.device) != matmul_dtype:
+            # this CPU only emulates the matmul dtype's products: the block runs in float32 on
+            # the residual stream itself, weights converted once (onednn_linear.wide_copy),
+            # with no rounding of activations to the matmul dtype and back
+            return self._step_float32(x, mask, return_weights)
         if x_low is None or x_low.dtype != matmul_dtype:  # the first block, or blocks of mixed dtypes
             x_low = x.to(matmul_dtype)  # (B, L, D)
         weights = None
@@ -107,6 +114,23 @@ class BertLayer(nn.Module):
         hidden = onednn_linear.run_gelu(self.ffn_in, x_low)  # (B, L, intermediate)
         x, x_low = add_norm_bf16.add_norm(x, onednn_linear.run(self.ffn_out, hidden), self.ffn_norm, matmul_dtype)  # (B, L, D)
         return x, x_low, weights
+
+    def _step_float32(
+        self, x: torch.Tensor, mask: torch.Tensor | Mask | None, return_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`step` where the matmul dtype's products are emulated: x (B, L, D) float32 ->
+        (x, x (the next block's input, float32 too), weights or None)."""
+        if onednn_linear.hooked(self.attention):  # a hook must see the module's call, in its dtype
+            low = self.attention.q_proj.weight.dtype
+            result = self.attention(x.to(low), mask=mask, return_weights=return_weights)
+            mixed, weights = result if isinstance(result, tuple) else (result, None)
+            mixed = mixed.to(x.dtype)  # (B, L, D)
+        else:
+            mixed, weights = self.attention.forward_float32(x, mask=mask, return_weights=return_weights)  # (B, L, D)
+        x = self.attention_norm(x + mixed)  # (B, L, D)
+        hidden = onednn_linear.run_wide(self.ffn_in, x, gelu=True)  # (B, L, intermediate)
+        x = self.ffn_norm(x + onednn_linear.run_wide(self.ffn_out, hidden))  # (B, L, D)
+        return x, x, weights
 
 
 class BertEncoder(nn.Module):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from typing import TypeGuard
 
 import torch
@@ -37,7 +38,18 @@ from qkv._private import torch as private_torch
 from qkv.native import switches
 from qkv.native.machine import compute_dtype, cpu_features
 
-__all__ = ["hooked", "linear", "linear_gelu", "run", "run_gelu", "unavailable_reason"]
+__all__ = [
+    "forget_wide_copies",
+    "hooked",
+    "linear",
+    "linear_gelu",
+    "run",
+    "run_gelu",
+    "run_wide",
+    "run_wide_is_plain",
+    "unavailable_reason",
+    "wide_copy",
+]
 
 # qkv.backends.disabled("onednn_linear") switches it off (benchmarks time F.linear so);
 # QKV_NO_COMPILED_KERNELS=1 too.
@@ -103,15 +115,65 @@ def _widened_linear(
 ) -> torch.Tensor:
     """``F.linear``, computed in float32 when its tensors share a low-precision dtype whose
     products this CPU only emulates (`qkv.native.machine.compute_dtype`): there PyTorch's own
-    bf16 product runs tens of times slower than float32. The result is rounded back to that
+    bf16 product runs tens of times slower than float32. The weight and bias come from
+    `wide_copy` (converted once, not on every call). The result is rounded back to that
     dtype once (``keep_wide``: returned in float32, for an activation that follows)."""
     dtype = x.dtype
     same = weight.dtype == dtype and (bias is None or bias.dtype == dtype)
     wide = compute_dtype(dtype, x.device)
     if not same or wide == dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
-    out = F.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide))  # (..., N)
+    out = F.linear(x.to(wide), wide_copy(wide, weight), None if bias is None else wide_copy(wide, bias))  # (..., N)
     return out if keep_wide else out.to(dtype)
+
+
+# float32 copies of low-precision weights (`wide_copy`): (first source's id, count) ->
+# (a weak reference to that source, the sources' stamps, the copy)
+_WIDE: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], tuple[object, ...], torch.Tensor]] = {}
+_WIDE_LOCK = threading.Lock()
+
+
+def _stamp(t: torch.Tensor) -> tuple[object, ...]:
+    """What changes when a tensor's values may have: an in-place update (optimizer step,
+    ``copy_``, ``load_state_dict``) bumps ``_version``; ``p.data = other`` moves ``data_ptr``."""
+    return t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride(), t.device
+
+
+def wide_copy(dtype: torch.dtype, *sources: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(sources).to(dtype)`` (one source: ``source.to(dtype)``), kept from call to
+    call while no source changes: for the weights of a low-precision layer on a CPU that only
+    emulates its products, which then computes in float32 (`compute_dtype`).
+
+    Converting a layer's weights on every call costs as much as a small batch's product (one
+    sentence through the encoder's feed-forward: a weight of 590k values for a product of 10
+    rows). The copy costs memory: twice the bfloat16 weights (4 bytes a value beside their 2),
+    released with the parameters. It is rebuilt when a source's version counter or storage
+    changes: an optimizer step, ``copy_``, ``load_state_dict``, ``p.data = ...``. An in-place
+    write through ``p.data`` (``p.data.mul_(m)``) bypasses the version counter and is not seen:
+    call `forget_wide_copies` after such updates. While a gradient is needed nothing is kept:
+    the conversion must be part of the autograd graph.
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in sources)
+    if needs_grad or torch.compiler.is_compiling():
+        return (sources[0] if len(sources) == 1 else torch.cat(sources)).to(dtype)
+    key = (id(sources[0]), len(sources))
+    stamps = (*(_stamp(t) for t in sources), dtype)
+    entry = _WIDE.get(key)
+    if entry is not None and entry[0]() is sources[0] and entry[1] == stamps:
+        return entry[2]
+    # a plain tensor even under inference_mode: a later call that records a graph (x requiring
+    # grad, frozen weights) may save it for backward, which an inference tensor refuses
+    with torch.inference_mode(False), torch.no_grad():
+        copy = (sources[0] if len(sources) == 1 else torch.cat(sources)).to(dtype)
+    with _WIDE_LOCK:
+        _WIDE[key] = (weakref.ref(sources[0], lambda _, key=key: _WIDE.pop(key, None)), stamps, copy)
+    return copy
+
+
+def forget_wide_copies() -> None:
+    """Drop every float32 copy `wide_copy` keeps (they are rebuilt on the next call)."""
+    with _WIDE_LOCK:
+        _WIDE.clear()
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -151,6 +213,25 @@ def run_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not _plain_linear(layer):
         return F.gelu(layer(x), approximate="none")
     return linear_gelu(x, layer.weight, layer.bias)
+
+
+def run_wide(layer: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``layer(x)`` (with ``gelu``: ``F.gelu(layer(x))``, exact erf GELU) for x in float32 and
+    a low-precision layer whose products this CPU only emulates: computed in float32 with
+    the layer's weights from `wide_copy`, returned in float32. A layer whose call must run
+    (a subclass, a hook) is called in its own dtype on x rounded to it."""
+    if _plain_linear(layer):
+        bias = None if layer.bias is None else wide_copy(x.dtype, layer.bias)
+        out = F.linear(x, wide_copy(x.dtype, layer.weight), bias)  # (..., N)
+    else:
+        out = layer(x.to(layer.weight.dtype)).to(x.dtype)  # (..., N)
+    return F.gelu(out, approximate="none") if gelu else out
+
+
+def run_wide_is_plain(layer: nn.Module) -> bool:
+    """Whether `run_wide` computes ``layer`` itself (a plain ``nn.Linear`` no hook watches)
+    rather than calling it: then several such layers may be fused into one product."""
+    return _plain_linear(layer)
 
 
 def _plain_linear(layer: nn.Module) -> TypeGuard[nn.Linear]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qkv._checks import positive_int
@@ -32,6 +33,7 @@ from qkv.attention.problem import autocast_dtype, normalize_mask
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native import onednn_linear
+from qkv.native.machine import compute_dtype
 from qkv.nn.cache import KVCache
 from qkv.nn.positional import RotaryEmbedding
 from qkv.scores import check_softcap
@@ -148,7 +150,12 @@ class MultiHeadAttention(nn.Module):
         softcap: cap the scores at +-softcap (Gemma 2's attention softcap); None for none.
 
     Inputs must have the dtype of the weights (``module.to(dtype)`` converts the layer);
-    another dtype is refused with a TypeError rather than cast silently.
+    another dtype is refused with a TypeError rather than cast silently. A bfloat16 layer on
+    a CPU without native bf16 products (no AVX-512 BF16 / AMX, `qkv.native.machine`) keeps
+    bf16 weights, inputs and outputs but computes in float32 from the first product to the
+    last, with float32 copies of its weights kept between calls (twice the bf16 weights'
+    memory; rebuilt when a weight changes in place or is replaced, not after writes through
+    ``p.data``: see `qkv.native.onednn_linear.wide_copy`).
 
     Parameters: ``q_proj`` (D -> H*E), ``k_proj`` (Dc -> G*E), ``v_proj`` (Dc -> G*Ev),
     ``out_proj`` (H*Ev -> D), all `nn.Linear`.
@@ -299,8 +306,10 @@ class MultiHeadAttention(nn.Module):
         context: torch.Tensor | None,
         mask: torch.Tensor | Mask | None,
         cache: KVCache | None,
+        wide: bool = False,
     ) -> None:
-        """Every user error is raised here, before any projection runs."""
+        """Every user error is raised here, before any projection runs (``wide``: x is in the
+        float32 the layer computes in, `forward_float32`)."""
         cfg = self.config
         if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != cfg.d_model:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -308,7 +317,8 @@ class MultiHeadAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MultiHeadAttention: x must be a floating-point tensor, got {x.dtype}")
         weight = self.q_proj.weight
-        autocast = autocast_dtype(x) is not None  # autocast picks the products' dtype itself
+        # autocast picks the products' dtype itself; forward_float32 takes the compute dtype
+        autocast = autocast_dtype(x) is not None or wide
         for name, t in (("x", x), ("context", context)):
             if isinstance(t, torch.Tensor) and ((t.dtype != weight.dtype and not autocast) or t.device != weight.device):
                 raise TypeError(
@@ -353,26 +363,48 @@ class MultiHeadAttention(nn.Module):
         elif mask is not None:
             normalize_mask(mask, x, (B,), cfg.num_heads, L, S)  # raises the TypeError of qkv.attention
 
+    def _emulated(self, x: torch.Tensor, cache: KVCache | None) -> torch.dtype | None:
+        """float32 when this CPU only emulates the products of the layer's dtype (bf16 without
+        AVX-512 BF16 / AMX, `qkv.native.machine.compute_dtype`) and the call can run in float32
+        throughout: no KV cache (it stores the layer's dtype) and no autocast. None otherwise."""
+        wide = self.emulated_compute_dtype(x.device)
+        if wide is None or x.dtype != self.q_proj.weight.dtype or cache is not None or autocast_dtype(x) is not None:
+            return None
+        return wide
+
+    def _linear(self, layer: nn.Linear, x: torch.Tensor, wide: bool) -> torch.Tensor:
+        """``layer(x)``: in float32 with the weights converted once when ``wide``
+        (`onednn_linear.run_wide`), else oneDNN's bf16 linear in bf16 inference, bias in the
+        epilogue (or the module's own call, `onednn_linear.run`)."""
+        return onednn_linear.run_wide(layer, x) if wide else onednn_linear.run(layer, x)
+
     def _project(
-        self, x: torch.Tensor, context: torch.Tensor | None
+        self, x: torch.Tensor, context: torch.Tensor | None, wide: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-head q (B, H, L, E), k (B, G, S, E), v (B, G, S, Ev)."""
+        """Per-head q (B, H, L, E), k (B, G, S, E), v (B, G, S, Ev); ``wide``: x and context
+        are float32 for a layer whose dtype this CPU only emulates (`_emulated`)."""
         cfg = self.config
         H, G, E, Ev = cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
         B, L, _ = x.shape
         rows = B * L
-        if context is not None or rows < cfg.d_model * _FUSE_ROWS_PER_WIDTH:
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        plain = not wide or all(onednn_linear.run_wide_is_plain(p) for p in parts)
+        if context is not None or rows < cfg.d_model * _FUSE_ROWS_PER_WIDTH or not plain:
             source = x if context is None else context
             S = source.shape[1]
-            # bf16 inference: oneDNN's linear, bias in the epilogue (else the modules' own call)
-            q = onednn_linear.run(self.q_proj, x).view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
-            k = onednn_linear.run(self.k_proj, source).view(B, S, G, E).transpose(1, 2)  # (B, G, S, E)
-            v = onednn_linear.run(self.v_proj, source).view(B, S, G, Ev).transpose(1, 2)  # (B, G, S, Ev)
+            q = self._linear(self.q_proj, x, wide).view(B, L, H, E).transpose(1, 2)  # (B, H, L, E)
+            k = self._linear(self.k_proj, source, wide).view(B, S, G, E).transpose(1, 2)  # (B, G, S, E)
+            v = self._linear(self.v_proj, source, wide).view(B, S, G, Ev).transpose(1, 2)  # (B, G, S, Ev)
             return q, k, v
         # Self-attention on many rows: one matrix multiply over the three weights side by side
         # reads x once and runs a wider, more efficient product.
-        weight, bias = self._fused_projection()  # (H*E + G*E + G*Ev, D), (H*E + G*E + G*Ev,) or None
-        qkv = onednn_linear.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev); bf16 inference: bias in the epilogue
+        if wide:  # the float32 concatenation, made once while the weights do not change
+            weight = onednn_linear.wide_copy(x.dtype, *(p.weight for p in parts))  # (H*E + G*E + G*Ev, D)
+            bias = onednn_linear.wide_copy(x.dtype, *(p.bias for p in parts)) if cfg.bias else None
+            qkv = F.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev)
+        else:
+            weight, bias = self._fused_projection()  # (H*E + G*E + G*Ev, D), (H*E + G*E + G*Ev,) or None
+            qkv = onednn_linear.linear(x, weight, bias)  # (B, L, H*E + G*E + G*Ev); bf16 inference: bias in the epilogue
         if cfg.num_heads == cfg.num_kv_heads and cfg.d_k == cfg.d_v:
             # one copy to head-major order: each head's rows contiguous, which the attention
             # kernel reads faster than the interleaved product (and its input checks too)
@@ -466,9 +498,63 @@ class MultiHeadAttention(nn.Module):
                 context = context.transpose(0, 1)  # (B, S, Dc)
         self._check_inputs(x, context, mask, cache)
         cfg = self.config
+        dtype, wide = x.dtype, self._emulated(x, cache)
+        if wide is not None:
+            # products in the layer's dtype are emulated on this CPU: run in float32 from the first
+            # product to the last (weights converted once, `onednn_linear.wide_copy`), round once
+            x = x.to(wide)  # (B, L, D)
+            context = None if context is None else context.to(wide)  # (B, S, Dc)
+        out, weights = self._attend(x, context, mask, cache, return_weights, wide is not None)  # (B, L, D)
+        if wide is not None:
+            out = out.to(dtype)  # (B, L, D)
+        if not cfg.batch_first:
+            out = out.transpose(0, 1)  # (L, B, D)
+        if return_weights:
+            assert weights is not None
+            return out, weights
+        return out
+
+    def forward_float32(
+        self, x: torch.Tensor, *, mask: torch.Tensor | Mask | None = None, return_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention for a low-precision layer on a CPU that only emulates its products
+        (`emulated_compute_dtype` is float32), on x (B, L, D) already in float32 (batch first):
+        (out (B, L, D) float32, weights (B, H, L, S) or None). The products run in float32 as
+        in `forward`, without rounding x to the layer's dtype and the output back: for a caller
+        whose residual stream is float32 (`qkv.models.BertEncoder`). Checked as `forward`
+        checks x in the layer's dtype; runs no module hooks (call the module when one is set)."""
+        weight = self.q_proj.weight
+        if self.emulated_compute_dtype(x.device) != x.dtype or not self.config.batch_first:
+            raise TypeError(
+                f"MultiHeadAttention.forward_float32: x is {x.dtype} but this layer computes in "
+                f"{self.emulated_compute_dtype(x.device)} here (weights {weight.dtype}, batch_first="
+                f"{self.config.batch_first}); call the module instead"
+            )
+        self._check_inputs(x, None, mask, None, wide=True)
+        return self._attend(x, None, mask, None, return_weights, True)
+
+    def emulated_compute_dtype(self, device: torch.device) -> torch.dtype | None:
+        """float32 when this CPU only emulates the products of the layer's dtype (bf16 without
+        AVX-512 BF16 / AMX, `qkv.native.machine.compute_dtype`), else None."""
+        dtype = self.q_proj.weight.dtype
+        wide = compute_dtype(dtype, device)
+        return None if wide == dtype else wide
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        mask: torch.Tensor | Mask | None,
+        cache: KVCache | None,
+        return_weights: bool,
+        wide: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projections, attention and output projection on checked inputs (batch first):
+        (out (B, L, D), weights (B, H, L, S) or None); ``wide``: in float32 (`_emulated`)."""
+        cfg = self.config
         H, Ev = cfg.num_heads, cfg.d_v
         B, L, _ = x.shape
-        q, k, v = self._project(x, context)  # (B, H, L, E), (B, G, S_new, E), (B, G, S_new, Ev)
+        q, k, v = self._project(x, context, wide)  # (B, H, L, E), (B, G, S_new, E), (B, G, S_new, Ev)
         if self.rope is not None:
             offset = cache.length if cache is not None else 0
             q = self.rope(q, offset)  # (B, H, L, E)
@@ -493,10 +579,4 @@ class MultiHeadAttention(nn.Module):
             )
         heads, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, L, Ev)
         concat = heads.transpose(1, 2).reshape(B, L, H * Ev)  # (B, L, H*Ev)
-        out = onednn_linear.run(self.out_proj, concat)  # (B, L, D); bf16 inference: bias in the epilogue
-        if not cfg.batch_first:
-            out = out.transpose(0, 1)  # (L, B, D)
-        if return_weights:
-            assert weights is not None
-            return out, weights
-        return out
+        return self._linear(self.out_proj, concat, wide), weights  # (B, L, D)

@@ -1,0 +1,222 @@
+"""bfloat16 layers on a CPU that only emulates bf16 products (the AVX2 tier, forced here with
+QKV_CPU_TIER whatever this machine is): `MultiHeadAttention` and the encoder compute in float32
+with float32 copies of their bf16 weights (`qkv.native.onednn_linear.wide_copy`), kept between
+calls and rebuilt when a weight changes.
+
+Expected values come from float64 computations on the bf16 weights' values, never from the
+code under test."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import qkv
+from qkv.models.bert import BertEncoder
+from qkv.models.config import BertConfig
+from qkv.native import onednn_linear
+from qkv.native.machine import KEEP_VARIABLE, TIER_VARIABLE, compute_dtype
+
+BF16_EPS = 2.0**-8  # bfloat16's relative rounding error (8 significant bits)
+
+
+@pytest.fixture(autouse=True)
+def _emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TIER_VARIABLE, "avx2")  # bf16 products emulated, as on an AVX2 machine
+    monkeypatch.delenv(KEEP_VARIABLE, raising=False)
+    assert compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
+
+
+def _mha_reference(module: qkv.MultiHeadAttention, x: torch.Tensor, mask: object = None) -> torch.Tensor:
+    """The layer in float64 on x's values: its weights' values exactly, float64 products."""
+    wide = copy.deepcopy(module).double()
+    with torch.no_grad():
+        return wide(x.double(), mask=mask)
+
+
+def _within_bf16_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    # the output is rounded to bf16 once (half an ulp), after float32 products (far below it)
+    bound = BF16_EPS * want.abs() + 1e-6
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.double() - want).abs() <= bound).all()), (got.double() - want).abs().max().item()
+
+
+def test_wide_copy_is_the_exact_conversion_and_is_kept() -> None:
+    weight = torch.nn.Parameter(torch.randn(6, 4).bfloat16(), requires_grad=False)
+    first = onednn_linear.wide_copy(torch.float32, weight)
+    assert first.dtype == torch.float32 and torch.equal(first.double(), weight.double())
+    assert onednn_linear.wide_copy(torch.float32, weight) is first  # no conversion on the next call
+
+
+def test_wide_copy_follows_in_place_updates_and_replaced_data() -> None:
+    weight = torch.nn.Parameter(torch.randn(6, 4).bfloat16())
+    with torch.no_grad():
+        before = onednn_linear.wide_copy(torch.float32, weight)
+        weight.mul_(2)  # what an optimizer step does: bumps the version counter
+        doubled = onednn_linear.wide_copy(torch.float32, weight)
+        assert doubled is not before and torch.equal(doubled.double(), weight.double())
+        weight.data = torch.ones(6, 4, dtype=torch.bfloat16)  # new storage
+        assert torch.equal(onednn_linear.wide_copy(torch.float32, weight), torch.ones(6, 4))
+
+
+def test_forget_wide_copies_sees_writes_through_data() -> None:
+    weight = torch.nn.Parameter(torch.randn(6, 4).bfloat16())
+    with torch.no_grad():
+        onednn_linear.wide_copy(torch.float32, weight)
+        weight.data.mul_(3)  # bypasses the version counter: documented as not seen
+        onednn_linear.forget_wide_copies()
+        assert torch.equal(onednn_linear.wide_copy(torch.float32, weight).double(), weight.double())
+
+
+def test_wide_copy_keeps_the_gradient_path() -> None:
+    weight = torch.nn.Parameter(torch.randn(3, 2).bfloat16())
+    wide = onednn_linear.wide_copy(torch.float32, weight)
+    assert wide.requires_grad
+    wide.sum().backward()
+    assert weight.grad is not None and torch.equal(weight.grad, torch.ones(3, 2, dtype=torch.bfloat16))
+
+
+def test_copies_made_in_inference_mode_serve_a_later_backward() -> None:
+    # frozen bf16 weights: the copies are kept even with grad enabled, and the input's
+    # gradient saves them for backward
+    torch.manual_seed(4)
+    module = qkv.MultiHeadAttention(16, 2).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 20, 16).bfloat16()
+    with torch.inference_mode():
+        module(x)
+    x.requires_grad_(True)
+    module(x).float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16 and bool(x.grad.isfinite().all())
+
+
+def test_wide_copy_of_several_sources_is_their_concatenation() -> None:
+    parts = [torch.randn(2, 3).bfloat16() for _ in range(3)]
+    got = onednn_linear.wide_copy(torch.float32, *parts)
+    assert torch.equal(got, torch.cat(parts).float())
+    parts[1].add_(1)
+    assert torch.equal(onednn_linear.wide_copy(torch.float32, *parts), torch.cat(parts).float())
+
+
+@pytest.mark.parametrize("rows", [3, 64])  # separate projections, and the fused one (B * L >= D)
+def test_multihead_bf16_equals_float64_within_bf16_rounding(rows: int) -> None:
+    torch.manual_seed(0)
+    module = qkv.MultiHeadAttention(32, 4).to(torch.bfloat16).eval()
+    x = torch.randn(1, rows, 32).bfloat16()
+    with torch.no_grad():
+        got = module(x, mask=qkv.masks.causal())
+    _within_bf16_rounding(got, _mha_reference(module, x, qkv.masks.causal()))
+
+
+def test_multihead_bf16_sees_an_optimizer_step() -> None:
+    torch.manual_seed(1)
+    module = qkv.MultiHeadAttention(32, 4).to(torch.bfloat16)
+    x = torch.randn(2, 40, 32).bfloat16()
+    module.eval()
+    with torch.no_grad():
+        before = module(x)  # builds the float32 copies
+    module.train()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    module(x).float().pow(2).sum().backward()
+    optimizer.step()
+    module.eval()
+    with torch.no_grad():
+        after = module(x)
+    assert not torch.equal(before, after)
+    _within_bf16_rounding(after, _mha_reference(module, x))
+
+
+def test_multihead_bf16_training_step_has_gradients_for_the_bf16_weights() -> None:
+    torch.manual_seed(2)
+    module = qkv.MultiHeadAttention(16, 2).to(torch.bfloat16)
+    x = torch.randn(2, 20, 16).bfloat16()
+    out = module(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    for name, p in module.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.bfloat16, name
+
+
+def test_forward_float32_refuses_a_layer_that_computes_in_its_own_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = qkv.MultiHeadAttention(16, 2).to(torch.bfloat16)
+    monkeypatch.setenv(KEEP_VARIABLE, "1")  # bf16 kept: the layer computes in bf16
+    with pytest.raises(TypeError, match="computes in"):
+        module.forward_float32(torch.randn(1, 3, 16))
+
+
+def _tiny_encoder() -> tuple[BertEncoder, BertEncoder]:
+    """A small random encoder in mixed bf16 precision, and its float64 twin with the same
+    (bf16-rounded) weights."""
+    torch.manual_seed(3)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    model = BertEncoder(config).set_matmul_dtype(torch.bfloat16).eval()
+    return model, copy.deepcopy(model).double()
+
+
+def test_encoder_bf16_equals_float64_on_its_weights() -> None:
+    model, reference = _tiny_encoder()
+    ids = torch.randint(0, 50, (3, 40))
+    valid = torch.arange(40) < torch.tensor([[40], [25], [7]])  # (3, 40)
+    with torch.no_grad():
+        got = model(ids, valid=valid).last_hidden
+        want = reference(ids, valid=valid).last_hidden
+    assert got.dtype == torch.float32
+    # float32 products on the bf16 weights' values: float32 rounding, far below bf16's
+    error = (got.double() - want).abs().max().item()
+    assert error <= 1e-4 * max(1.0, want.abs().max().item()), error
+
+
+def test_encoder_bf16_sees_changed_weights() -> None:
+    model, _ = _tiny_encoder()
+    ids = torch.randint(0, 50, (2, 30))
+    with torch.no_grad():
+        model(ids)  # builds the float32 copies
+        for layer in model.blocks:
+            layer.ffn_in.weight.mul_(0.5)  # in place, as an optimizer step
+            layer.attention.q_proj.weight.add_(0.25)
+        got = model(ids).last_hidden
+        want = copy.deepcopy(model).double()(ids).last_hidden
+    error = (got.double() - want).abs().max().item()
+    assert error <= 1e-4 * max(1.0, want.abs().max().item()), error
+
+
+def test_encoder_bf16_with_a_hooked_attention_runs_the_hook() -> None:
+    model, reference = _tiny_encoder()
+    seen = []
+    model.blocks[0].attention.register_forward_hook(lambda _m, args, _out: seen.append(args[0].dtype))
+    ids = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        got = model(ids).last_hidden
+        want = reference(ids).last_hidden
+    assert seen == [torch.bfloat16]  # the module's own call, in its dtype
+    assert math.isclose(torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten(), dim=0).item(), 1.0, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("mask", [None, qkv.masks.causal(), qkv.masks.sliding_window(8, 8)])
+def test_attention_in_the_kept_buffer_equals_float64_call_after_call(mask: object) -> None:
+    # inference calls widen into one buffer per thread: each result must be its own inputs'
+    gen = torch.Generator().manual_seed(5)
+    calls = [[torch.randn(2, 3, 40, 16, generator=gen).bfloat16() for _ in range(3)] for _ in range(3)]
+    calls[1] = [x[:, :, :24].contiguous() for x in calls[1]]  # a smaller call between two larger ones
+    with torch.no_grad():
+        results = [qkv.attention(*c, mask) for c in calls]
+    for c, got in zip(calls, results, strict=True):
+        want = qkv.attention(*(x.double() for x in c), mask, backend="math")
+        _within_bf16_rounding(got, want)
+
+
+def test_attention_with_gradients_does_not_use_the_kept_buffer() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    out = qkv.attention(q, k, v, qkv.masks.causal())
+    with torch.no_grad():  # an inference call in between reuses the buffer
+        qkv.attention(*(torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(3)))
+    out.float().sum().backward()
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    qkv.attention(*exact, qkv.masks.causal(), backend="math").sum().backward()
+    for got, want in zip((q, k, v), exact, strict=True):
+        assert got.grad is not None and want.grad is not None
+        assert torch.allclose(got.grad.double(), want.grad, atol=0.05, rtol=0.05)
