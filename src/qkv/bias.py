@@ -275,8 +275,8 @@ class ALiBi(Bias):
             steepest = (-self.slopes.detach().amin()).to(torch.float64).clamp(min=0.0)
             return steepest * max(L, S) + 0.0 * checked  # + 0 * the gated check: compilers keep the check
         with torch.no_grad():
-            steepest = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
-        return steepest * max(L, S)
+            steepest_host = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
+        return steepest_host * max(L, S)
 
     def describe(self) -> str:
         return "alibi()" if self.slopes is None else f"alibi({self.slopes.shape[0]} heads)"

@@ -268,6 +268,8 @@ def _check_magnitudes(
     """
     if private_torch.host_unreadable(q, k, v, mask):
         return True  # describe_problem runs `_traced_magnitudes` instead
+    if isinstance(bias_top, torch.Tensor):  # a traced bias bound; on the host it is a number
+        bias_top = float(bias_top)
     if known is None:
         magnitudes = _largest_magnitudes((q, k, v))
     else:
@@ -351,10 +353,10 @@ def _check_float_mask(mask: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         top = float(mask.max())
         if math.isnan(top) or top == math.inf:
-            bad = torch.nonzero(torch.isnan(mask) | torch.isposinf(mask))[:3].tolist()
+            where = torch.nonzero(torch.isnan(mask) | torch.isposinf(mask))[:3].tolist()
             what = "NaN" if math.isnan(top) else "+inf"
             raise ValueError(
-                f"the float mask holds {what} (first at indices {bad}); a float mask adds finite values "
+                f"the float mask holds {what} (first at indices {where}); a float mask adds finite values "
                 "to the scores, or -inf to hide a key"
             )
     return mask

@@ -256,8 +256,10 @@ def _blocks_entry(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine (`block_attention`), with score terms on their own kernels (`scored_block_attention`)."""
     if terms is not None and terms.active:
-        return scored_block_attention(q, k, v, mask, plan, scale, terms, forward_kernel)
-    return block_attention(q, k, v, mask, plan, scale, forward_kernel or "cpu_flash_tiles", backward_kernel)
+        return scored_block_attention(q, k, v, mask, plan, scale, terms, forward_kernel=forward_kernel)
+    return block_attention(
+        q, k, v, mask, plan, scale, forward_kernel=forward_kernel or "cpu_flash_tiles", backward_kernel=backward_kernel
+    )
 
 
 # One per path of `qkv.attention.dispatch` ("fused" is PyTorch's SDPA, with the short-sequence

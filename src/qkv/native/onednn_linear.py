@@ -28,7 +28,8 @@ import math
 import os
 import threading
 import weakref
-from typing import TypeGuard
+from collections.abc import Callable
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +140,15 @@ def _stamp(t: torch.Tensor) -> tuple[object, ...]:
     return t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride(), t.device
 
 
+def _forgetter(key: tuple[int, int]) -> Callable[[object], None]:
+    """The weakref callback that drops a copy when its first source tensor is collected."""
+
+    def forget(_: object) -> None:
+        _WIDE.pop(key, None)
+
+    return forget
+
+
 def wide_copy(dtype: torch.dtype, *sources: torch.Tensor) -> torch.Tensor:
     """``torch.cat(sources).to(dtype)`` (one source: ``source.to(dtype)``), kept from call to
     call while no source changes: for the weights of a low-precision layer on a CPU that only
@@ -166,7 +176,7 @@ def wide_copy(dtype: torch.dtype, *sources: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode(False), torch.no_grad():
         copy = (sources[0] if len(sources) == 1 else torch.cat(sources)).to(dtype)
     with _WIDE_LOCK:
-        _WIDE[key] = (weakref.ref(sources[0], lambda _, key=key: _WIDE.pop(key, None)), stamps, copy)
+        _WIDE[key] = (weakref.ref(sources[0], _forgetter(key)), stamps, copy)
     return copy
 
 
@@ -224,7 +234,8 @@ def run_wide(layer: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Ten
         bias = None if layer.bias is None else wide_copy(x.dtype, layer.bias)
         out = F.linear(x, wide_copy(x.dtype, layer.weight), bias)  # (..., N)
     else:
-        out = layer(x.to(layer.weight.dtype)).to(x.dtype)  # (..., N)
+        weight = cast(torch.Tensor, layer.weight)
+        out = layer(x.to(weight.dtype)).to(x.dtype)  # (..., N)
     return F.gelu(out, approximate="none") if gelu else out
 
 

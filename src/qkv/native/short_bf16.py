@@ -147,7 +147,7 @@ def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_val
         return "E and Ev must be positive"
     masked = key_valid is not None and key_valid.numel() > 0
     if masked and (key_valid.dtype != torch.bool or key_valid.dim() != 2 or key_valid.shape[1] != S or key_valid.shape[0] not in (1, N)):  # type: ignore[union-attr]
-        return f"key_valid must be bool (N | 1, S) = ({N} | 1, {S}), not {key_valid.dtype} {tuple(key_valid.shape)}"
+        return f"key_valid must be bool (N | 1, S) = ({N} | 1, {S}), not {key_valid.dtype} {tuple(key_valid.shape)}"  # type: ignore[union-attr]
     if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
         return "every tensor must be on the CPU"
     return None

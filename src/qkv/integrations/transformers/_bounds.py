@@ -18,7 +18,7 @@ noted bounds as ``kv_bounds`` when it is handed exactly those tensors, unchanged
 from __future__ import annotations
 
 import weakref
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -63,7 +63,7 @@ def track_bounds(cache: CacheT) -> CacheT:
     running: dict[int, tuple[float, float]] = {}
 
     def tracked(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):
-        keys, values = update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = cast("tuple[torch.Tensor, torch.Tensor]", update(key_states, value_states, layer_idx, *args, **kwargs))
         k_max, v_max = running.get(layer_idx, (0.0, 0.0))
         # the rows as stored: a cache in another dtype rounds them, which may raise |x|
         k_max = max(k_max, largest_magnitude(key_states.to(keys.dtype)))
