@@ -292,3 +292,21 @@ def test_every_planned_kernel_has_words() -> None:
     for name in protocol.BACKWARD_KERNELS:
         assert protocol.kernel_words(name)
     assert "does not run: because" in protocol.kernel_words("sdpa", "because")
+
+
+def test_the_block_backends_entry_computes_attention() -> None:
+    # the protocol's forward of "blocks" runs the engine (plain and with a bias) on a plan's tiles
+    from qkv.attention.dispatch import choose_path
+    from qkv.attention.problem import describe_problem
+    from qkv.backends.protocol import BACKENDS
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 600, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = qkv.masks.sliding_window(50)
+    problem = describe_problem(q, k, v, mask)
+    plan = choose_path(problem, "blocks", False, True)
+    assert plan.tiles is not None
+    out, lse = BACKENDS["blocks"].forward(q, k, v, mask, plan.tiles, problem.scale)
+    expected = qkv.attention(q, k, v, mask, backend="math")
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    assert lse.shape == (1, 2, 600)
