@@ -196,3 +196,22 @@ def test_cuda_flex_with_score_terms_forward_and_backward(terms_name: str) -> Non
     torch.testing.assert_close(got.double().cpu(), want.detach(), atol=2e-4, rtol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g.double().cpu(), w, atol=2e-3, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+def test_eager_flex_takes_a_new_softcap_each_call() -> None:
+    # FlexAttention traces its score_mod with dynamo; a softcap captured as a Python float turned
+    # symbolic when a new value recompiled it, which FlexAttention refused (a failure seen in CI)
+    from qkv.attention.problem import describe_problem
+
+    mask = M.sliding_window(30, 5)
+    gen = torch.Generator().manual_seed(8)
+    for softcap in (2.0, 2.5, 3.25):
+        q = torch.randn(1, 4, 150, 8, generator=gen, dtype=torch.float64)
+        k = torch.randn(1, 2, 200, 8, generator=gen, dtype=torch.float64)
+        v = torch.randn(1, 2, 200, 8, generator=gen, dtype=torch.float64)
+        kwargs = {"bias": qkv.bias.alibi(), "softcap": softcap}
+        terms = describe_problem(q, k, v, mask, 0.3, **kwargs).terms
+        out, _ = flex_attention_layout(q, k, v, mask, mask.layout(150, 200, FLEX_BLOCK, FLEX_BLOCK), 0.3, compiled=False, terms=terms)
+        want = qkv.attention(q, k, v, mask, scale=0.3, backend="math", **kwargs)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=0)

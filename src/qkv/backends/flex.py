@@ -24,6 +24,7 @@ FlashAttention" (blog, 2024) and the ``torch.nn.attention.flex_attention`` docum
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -135,10 +136,17 @@ def flex_attention_layout(
     gqa = k.shape[1] != q.shape[1]
     score_mod = None
     if terms is not None and terms.active:
-        active = terms
+        # the softcap rides along as a tensor: FlexAttention traces its score_mod with dynamo,
+        # which turns a captured Python float into a symbolic float once it recompiles for new
+        # sizes, and FlexAttention accepts tensors and ints there, not symbolic floats
+        cap = None if terms.softcap is None else torch.tensor(terms.softcap, dtype=torch.float64, device=q.device)
+        rest = dataclasses.replace(terms, softcap=None)
 
         def apply_terms(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return active.apply(score, b, h, q_idx, kv_idx)
+            if cap is not None:  # first, as ScoreTerms.apply orders the terms
+                softcap = cap.to(score.dtype)
+                score = torch.tanh(score / softcap) * softcap
+            return rest.apply(score, b, h, q_idx, kv_idx)
 
         score_mod = apply_terms
 
