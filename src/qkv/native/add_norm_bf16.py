@@ -153,7 +153,8 @@ def _run(
     return out, low
 
 
-@torch.library.custom_op("qkv::add_norm_bf16", mutates_args=())
+# the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
+@torch.library.custom_op("qkv::add_norm_bf16", mutates_args=(), schema="(Tensor x, Tensor y, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor)")
 def _add_norm_op(
     x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

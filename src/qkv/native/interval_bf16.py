@@ -210,7 +210,8 @@ def _run(
     return out, lse
 
 
-@torch.library.custom_op("qkv::interval_bf16_forward", mutates_args=())
+# the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
+@torch.library.custom_op("qkv::interval_bf16_forward", mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, bool rounded) -> (Tensor, Tensor)")
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float, rounded: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

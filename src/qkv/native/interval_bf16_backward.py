@@ -206,7 +206,8 @@ def _run(
     return dq, dk, dv
 
 
-@torch.library.custom_op("qkv::interval_bf16_backward", mutates_args=())
+# the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
+@torch.library.custom_op("qkv::interval_bf16_backward", mutates_args=(), schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale) -> (Tensor, Tensor, Tensor)")
 def _backward_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float,

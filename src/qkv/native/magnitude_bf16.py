@@ -169,7 +169,8 @@ def _run(library: ctypes.CDLL, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return bits
 
 
-@torch.library.custom_op("qkv::magnitude_bf16", mutates_args=())
+# the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
+@torch.library.custom_op("qkv::magnitude_bf16", mutates_args=(), schema="(Tensor[] tensors) -> Tensor")
 def _magnitude_op(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Per bfloat16 tensor the largest (bits & 0x7FFF) of its values, (len(tensors),) int32:
     its largest |x| (`magnitude_of`), 0x7F80 for inf, above for NaN. Builds the scan on

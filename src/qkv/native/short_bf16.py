@@ -181,7 +181,8 @@ def _run(
     return out
 
 
-@torch.library.custom_op("qkv::short_bf16", mutates_args=())
+# the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
+@torch.library.custom_op("qkv::short_bf16", mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, Tensor? key_valid, float scale) -> Tensor")
 def _short_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Exact bf16 attention output (N, H, L, Ev), a view of a (N, L, H, Ev) tensor, of q
     (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) with key_valid (N | 1, S) bool or None.
