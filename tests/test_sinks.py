@@ -342,10 +342,7 @@ def test_flex_folds_the_sink_into_its_lse(monkeypatch: pytest.MonkeyPatch) -> No
     import functools
 
     from qkv.attention import execute
-    from qkv.backends.flex import flex_attention_layout, flex_available
-
-    if not flex_available():
-        pytest.skip("this PyTorch has no FlexAttention")
+    from qkv.backends.flex import flex_attention_layout
     monkeypatch.setattr(execute, "flex_attention_layout", functools.partial(flex_attention_layout, compiled=False))
     case = (2, 4, 2, 40, 40, 16, 16, qkv.masks.key_padding(torch.tensor([[True] * 40, [False] * 40])) & CAUSAL, {"softcap": 3.0})
     q, k, v, sinks = _inputs(case, torch.float32, seed=19)

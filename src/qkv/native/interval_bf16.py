@@ -39,7 +39,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import interval_bf16_backward, switches
 
-__all__ = ["KERNEL_NAME", "describe", "forward", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "forward", "unavailable_reason"]
 
 # qkv.backends.disabled("interval_bf16") switches it off (benchmarks/bf16_engine.py times the
 # per-tile path so); the environment variable QKV_NO_COMPILED_KERNELS=1 too, without a build.
@@ -80,16 +80,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     return reason or compiled.build_failure(_built)
 
 
-def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> str:
-    """The engine's forward kernel for such inputs in words (`qkv.explain`), without building.
-
-    >>> describe(torch.float32, torch.device("cpu"), True).startswith("PyTorch's CPU flash kernel")
-    True
-    """
-    reason = unavailable_reason(dtype, device, has_intervals)
-    if reason is None:
-        return f"the {KERNEL_NAME} (C++, AMX micro-kernels){compiled.first_use_note(_built)}"
-    return f"PyTorch's CPU flash kernel per tile (the {KERNEL_NAME} does not run: {reason})"
 
 
 def _build() -> ctypes.CDLL | str:

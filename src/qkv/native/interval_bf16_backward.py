@@ -37,7 +37,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import switches
 
-__all__ = ["KERNEL_NAME", "backward", "describe", "gradients", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "backward", "gradients", "unavailable_reason"]
 
 # qkv.backends.disabled("interval_bf16_backward") switches it off (benchmarks/bf16_engine.py
 # times the engine's other backwards so); QKV_NO_COMPILED_KERNELS=1 too, without a build.
@@ -68,19 +68,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     return reason or compiled.build_failure(_built)
 
 
-def describe(dtype: torch.dtype, device: torch.device, has_intervals: bool) -> str:
-    """The engine's backward for such inputs in words (`qkv.explain`), without building.
-
-    >>> describe(torch.float32, torch.device("cpu"), True).startswith("the engine's backward per call")
-    True
-    """
-    reason = unavailable_reason(dtype, device, has_intervals)
-    if reason is None:
-        return f"the {KERNEL_NAME} (C++, AMX micro-kernels){compiled.first_use_note(_built)}"
-    return (
-        "the engine's backward per call: bf16 products or PyTorch's flash backward on float32 copies "
-        f"(the {KERNEL_NAME} does not run: {reason})"
-    )
 
 
 def _build() -> ctypes.CDLL | str:

@@ -34,7 +34,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import switches
 
-__all__ = ["KERNEL_NAME", "MAX_KEYS", "describe", "forward", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "MAX_KEYS", "forward", "unavailable_reason"]
 
 # qkv.backends.disabled("short_bf16") switches it off (benchmarks time SDPA so);
 # QKV_NO_COMPILED_KERNELS=1 too.
@@ -67,16 +67,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     return reason or compiled.build_failure(_built)
 
 
-def describe(dtype: torch.dtype, device: torch.device) -> str:
-    """The kernel in words for `qkv.explain`, or why SDPA runs instead; no build.
-
-    >>> describe(torch.float32, torch.device("cpu")).startswith("PyTorch's SDPA")
-    True
-    """
-    reason = unavailable_reason(dtype, device)
-    if reason is None:
-        return f"the {KERNEL_NAME} (C++, AMX tiles){compiled.first_use_note(_built)}"
-    return f"PyTorch's SDPA (the {KERNEL_NAME} does not run: {reason})"
 
 
 def _build() -> ctypes.CDLL | str:
