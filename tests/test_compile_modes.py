@@ -330,3 +330,21 @@ def test_the_dense_paths_are_chosen_while_tracing(monkeypatch: pytest.MonkeyPatc
     assert seen == ["blocks"]  # eagerly: the block engine
     torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(16)), backend="eager", fullgraph=True)(*big)
     assert seen[1:] == ["fused"]  # traced: SDPA with the window as a dense mask
+
+
+def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
+    # the traced call takes the math path (the tile paths plan on the host); one graph, no break
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=gen) for _ in range(3))
+    sinks = torch.randn(4, generator=gen)
+    mask = qkv.masks.sliding_window(40)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, mask, sinks=sinks)
+
+    explained = torch._dynamo.explain(call)(q, k, v, sinks)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+    expected = qkv.attention(q.double(), k.double(), v.double(), mask, sinks=sinks.double(), backend="math")
+    torch.testing.assert_close(compiled.double(), expected, rtol=1e-5, atol=1e-5)
