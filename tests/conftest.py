@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+# Inductor's on-disk cache does not tell apart code built while ATEN_CPU_CAPABILITY holds ATen
+# to a lower tier (.ci/run's forced-AVX2 run) from code built without it: loading one kind in a
+# run of the other returned NaN or aborted in malloc (torch 2.15 on an AMX Xeon, 2026-12-05).
+# Each ATen capability gets its own cache folder, unless the caller chose one.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _uid = os.getuid() if hasattr(os, "getuid") else "user"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"qkv-tests-inductor-{_uid}", torch.backends.cpu.get_cpu_capability().lower()
+    )
 
 settings.register_profile(
     "ci",

@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from qkv._checks import positive_int
+from qkv._private import torch as private_torch
 
 __all__ = [
     "ALiBi",
@@ -102,10 +103,12 @@ class Bias(ABC):
         """Floating-point operations per (query, key) pair and head, the final add included."""
         return 1
 
-    def largest(self, L: int, S: int) -> float:
+    def largest(self, L: int, S: int) -> float | torch.Tensor:
         """An upper bound (>= 0) of the values the bias adds to a score of an L x S problem:
         the input checks add it to the scores' bound against overflow to +inf. ValueError when
-        a tensor holds NaN or +inf (-inf hides a pair, as in a float mask)."""
+        a tensor holds NaN or +inf (-inf hides a pair, as in a float mask). Where the host cannot
+        read the tensors (torch.compile, export, vmap): a 0-d float64 tensor, and the check
+        raises when the graph runs."""
         del L, S
         return 0.0
 
@@ -143,16 +146,23 @@ def _parts(bias: Bias) -> tuple[Bias, ...]:
     return bias.parts if isinstance(bias, Sum) else (bias,)
 
 
-def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float:
+def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float | torch.Tensor:
     """max(0, largest finite value of t); ValueError naming ``what`` when t holds NaN or +inf
-    (or -inf, unless ``hide``: there -inf hides a pair, as in a float mask)."""
-    if torch.compiler.is_compiling():
-        return 0.0  # a data-dependent check; compiled code skips it as it skips the mask's
+    (or -inf, unless ``hide``: there -inf hides a pair, as in a float mask). Where the host
+    cannot read t (torch.compile, export, vmap) the same, as a 0-d float64 tensor and a check
+    that raises RuntimeError when the graph runs."""
     with torch.no_grad():
         values = t.detach()
         bad = torch.isnan(values) | torch.isposinf(values)
         if not hide:
             bad |= torch.isneginf(values)
+        if private_torch.host_unreadable(values):
+            allowed = "finite values, or -inf to hide a pair" if hide else "finite values"
+            gate = private_torch.require(~bad.any(), f"qkv: {what} holds NaN or +inf{'' if hide else ' or -inf'}; it must hold {allowed}")
+            if values.numel() == 0:
+                return gate.to(torch.float64) * 0.0
+            # times the gate (1): the bound feeds the overflow check, which gates q, so the check runs
+            return values.amax().to(torch.float64).clamp(min=0.0) * gate.to(torch.float64)
         if bool(bad.any()):
             first = torch.nonzero(bad)[:3].tolist()
             got = "NaN" if bool(torch.isnan(values).any()) else "+inf" if bool(torch.isposinf(values).any()) else "-inf"
@@ -254,11 +264,16 @@ class ALiBi(Bias):
     def flops_per_pair(self) -> int:
         return 4  # subtract, absolute value, multiply, add
 
-    def largest(self, L: int, S: int) -> float:
-        if self.slopes is None or torch.compiler.is_compiling():
+    def largest(self, L: int, S: int) -> float | torch.Tensor:
+        if self.slopes is None:
             return 0.0  # the paper's slopes are positive: the bias is <= 0
         # -slope * distance: a negative slope adds up to |slope| * the longest distance
-        _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
+        checked = _largest_value(self.slopes, "the alibi slopes tensor", hide=False)
+        if private_torch.host_unreadable(self.slopes):
+            if self.slopes.numel() == 0:
+                return checked
+            steepest = (-self.slopes.detach().amin()).to(torch.float64).clamp(min=0.0)
+            return steepest * max(L, S) + 0.0 * checked  # + 0 * the gated check: compilers keep the check
         with torch.no_grad():
             steepest_host = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0
         return steepest_host * max(L, S)
@@ -351,7 +366,7 @@ class Relative(Bias):
         )
         return _take(self.table.to(q_pos.device), h, bucket)
 
-    def largest(self, L: int, S: int) -> float:
+    def largest(self, L: int, S: int) -> float | torch.Tensor:
         return _largest_value(self.table, "the relative bias table")
 
     def flops_per_pair(self) -> int:
@@ -455,7 +470,7 @@ class Dense(Bias):
         index = [i if size > 1 else torch.zeros_like(i) for i, size in zip((b, h, q_idx, kv_idx), t.shape, strict=True)]
         return _take(t, *index)
 
-    def largest(self, L: int, S: int) -> float:
+    def largest(self, L: int, S: int) -> float | torch.Tensor:
         return _largest_value(self.tensor, "the bias tensor")
 
     def describe(self) -> str:
@@ -528,7 +543,7 @@ class Sum(Bias):
     def flops_per_pair(self) -> int:
         return sum(p.flops_per_pair() for p in self.parts)
 
-    def largest(self, L: int, S: int) -> float:
+    def largest(self, L: int, S: int) -> float | torch.Tensor:
         return sum(p.largest(L, S) for p in self.parts)
 
     def describe(self) -> str:

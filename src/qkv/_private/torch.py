@@ -8,6 +8,10 @@
 - ``torch._softmax_backward_data``: the softmax's own backward in one pass;
 - ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``torch._is_functional_tensor``: a
   tensor whose data pointer is not its values (vmap, grad, functionalization);
+- ``torch._C._functorch.is_batchedtensor`` / ``is_gradtrackingtensor`` / ``get_unwrapped`` and
+  ``torch._subclasses.fake_tensor.is_fake``: whether a tensor's values can be read on the host
+  now (not under vmap, not a fake tensor of torch.compile / export), and whether torch.func
+  wraps it;
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
@@ -34,10 +38,13 @@ __all__ = [
     "cpu_supports",
     "has_cpu_flash_attention",
     "hooks_would_run",
+    "host_unreadable",
     "is_wrapped_tensor",
     "mode_active",
     "onednn_linear_pointwise",
+    "require",
     "softmax_backward",
+    "under_torch_func",
 ]
 
 # The torch release these names and schemas were checked against; pyproject.toml allows < 2.16.
@@ -129,6 +136,77 @@ def is_wrapped_tensor(x: torch.Tensor) -> bool:
     pointer does not address its values."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor(x)  # pyright: ignore[reportAttributeAccessIssue]  # no stub
     return bool(wrapped or torch._is_functional_tensor(x))  # pyright: ignore[reportPrivateImportUsage]  # private
+
+
+def _functorch_layers(x: torch.Tensor) -> list[torch.Tensor]:
+    """x and the tensors its functorch wrappers (vmap, grad, functionalize) wrap, outermost first."""
+    layers = [x]
+    while torch._C._functorch.is_functorch_wrapped_tensor(layers[-1]):  # pyright: ignore[reportAttributeAccessIssue]  # no stub
+        layers.append(torch._C._functorch.get_unwrapped(layers[-1]))  # pyright: ignore[reportAttributeAccessIssue]
+    return layers
+
+
+def host_unreadable(*tensors: object) -> bool:
+    """Whether the values of these tensors cannot be read on the host now: torch.compile or
+    torch.export is tracing (the tensors are fake), or a tensor is batched by vmap at some
+    level of its functorch wrappers, or a fake tensor. Code that would read a value
+    (``.item()``, ``bool(t)``, NumPy) then takes a path of tensor operations instead. grad and
+    functionalize wrappers alone leave the values readable."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import (
+        is_fake,  # private; imported late: it loads the tracing machinery
+    )
+
+    return any(
+        isinstance(t, torch.Tensor)
+        and (is_fake(t) or any(torch._C._functorch.is_batchedtensor(x) for x in _functorch_layers(t)))  # pyright: ignore[reportAttributeAccessIssue]
+        for t in tensors
+    )
+
+
+def under_torch_func(x: torch.Tensor) -> bool:
+    """Whether x is wrapped by torch.func's vmap or grad (jacrev, jacfwd, hessian are built of
+    them): their backward passes run under vmap, where kernels without a batching rule (SDPA's
+    CPU flash kernels) fall back to a slow loop."""
+    return any(
+        torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_gradtrackingtensor(t)  # pyright: ignore[reportAttributeAccessIssue]
+        for t in _functorch_layers(x)
+    )
+
+
+@torch.library.custom_op("qkv::check", mutates_args=())
+def _check_op(condition: torch.Tensor, message: str) -> torch.Tensor:
+    """1.0 (a 0-d float32 tensor) when every entry of ``condition`` is True; RuntimeError(message)
+    otherwise. An operator, so that traced graphs keep it and run it with real values."""
+    if not bool(condition.all()):
+        raise RuntimeError(message)
+    return torch.ones((), dtype=torch.float32, device=condition.device)
+
+
+@_check_op.register_fake
+def _check_op_fake(condition: torch.Tensor, message: str) -> torch.Tensor:
+    return torch.empty((), dtype=torch.float32, device=condition.device)
+
+
+def _check_op_vmap(info, in_dims, condition, message):  # type: ignore[no-untyped-def]  # torch.library's vmap rule
+    del info, in_dims  # a batched condition is checked for every batch entry at once
+    return _check_op(condition, message), None
+
+
+_check_op.register_vmap(_check_op_vmap)
+
+
+def require(condition: torch.Tensor, message: str) -> torch.Tensor:
+    """A gate for a check that the host cannot make while tracing: 1.0 (0-d float32) when the
+    bool tensor ``condition`` holds everywhere, RuntimeError(message) when the graph runs
+    otherwise. The caller multiplies a tensor it uses by the gate: compilers drop an operator
+    whose result nothing reads (``torch._assert_async`` is kept, but Inductor's CPU code
+    terminates the process on it instead of raising)."""
+    if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():
+        # ONNX has no operator for this check: an ONNX graph carries none (documented in qkv.attention)
+        return torch.ones((), dtype=torch.float32, device=condition.device)
+    return _check_op(condition.detach(), message)
 
 
 def mode_active() -> bool:

@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
 from qkv.backends.blocks.planner import (
@@ -153,6 +154,20 @@ class Plan:
             raise AssertionError(f"a Plan names unknown kernels: {self.forward_kernel!r}, {self.backward_kernel!r}")
 
 
+def _traced(problem: AttentionProblem) -> bool:
+    """Whether torch.compile, torch.export or a functorch transform (vmap, grad) is tracing this
+    call: the host cannot read the mask's values to plan tiles, and the compiled extensions are
+    not traceable, so 'auto' keeps to the dense paths, whose graphs are pure tensor operations."""
+    return private_torch.host_unreadable(problem.q, problem.k, problem.v)
+
+
+_TRACED_REFUSAL = (
+    "plans its tiles from the mask's values on the host, which torch.compile, torch.export and "
+    "vmap do not give while they trace; use backend='auto' there (the dense paths), or call it outside "
+    "the traced region"
+)
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
@@ -174,6 +189,10 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
     scored = terms.softcap is not None or terms.score_mod is not None  # beyond an additive bias
     if backend == "math":
         return _math_plan(problem, "backend='math' was requested", return_weights, return_lse)
+    if backend == "auto" and not torch.compiler.is_compiling() and private_torch.under_torch_func(problem.q):
+        # SDPA's CPU kernels have no batching rule (vmap would loop over them, warning)
+        return _math_plan(problem, "torch.func (vmap, grad, jacrev): the explicit formula, whose operators "
+                          "all have batching rules", return_weights, return_lse)
     if backend in ("decode", "auto"):
         decode = decode_plan(problem, backend, return_weights)
         if decode is not None:
@@ -240,6 +259,8 @@ def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         return _math_plan(problem, f"{why}; the score_mod reads tensors that require grad, which only the math path differentiates", return_weights, return_lse)
     if problem.L * problem.S < _SPARSE_MIN_PAIRS:
         return _math_plan(problem, f"{why}; below {_SPARSE_MIN_PAIRS:,} pairs per head the math path applies them faster than tiles", return_weights, return_lse)
+    if _traced(problem):
+        return _math_plan(problem, f"{why}; while tracing the tile paths cannot plan from the mask, the math path applies them", return_weights, return_lse)
     device = problem.q.device
     what = "no mask" if mask is None else mask.describe()
     if device.type == "cuda" and flex_available() and flex_suits(problem.q.dtype, (problem.E, problem.Ev)):
@@ -269,6 +290,10 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
     refusal = decode_reason(problem)
     if refusal is None and return_weights:
         refusal = "it returns no weights (return_weights=True)"
+    if _traced(problem):
+        if backend == "decode":
+            raise ValueError(f"backend='decode' splits the keys by a plan made on the host; it {_TRACED_REFUSAL}")
+        return None
     if backend == "decode":
         if refusal is not None:
             raise ValueError(f"backend='decode': {refusal}; use 'auto'")
@@ -311,6 +336,8 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
     fused bf16 interval kernel where that beats SDPA (`_DENSE_BF16_KERNEL_MAX_HEAD_DIM`), else None."""
     q = problem.q
     if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active or needs_grad(problem):
+        return None
+    if _traced(problem):
         return None
     if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L < _DENSE_BF16_KERNEL_MIN_QUERIES:
         return None
@@ -388,6 +415,8 @@ def short_kernel_reason(
     route, or None when it does. Its cases: ``backend="auto"``, bf16 on CPU, at most
     `short_bf16.MAX_KEYS` keys, no mask or a bool key-padding mask (varying over batch rows and
     keys only), no score terms, dropout, gradients, weights or lse."""
+    if _traced(problem):
+        return "a compiled extension, which torch.compile, torch.export and vmap cannot trace"
     reason = short_bf16.unavailable_reason(problem.q.dtype, problem.q.device)
     if reason is not None:
         return reason
@@ -474,6 +503,8 @@ def _wide_float_mask_with_grad(problem: AttentionProblem) -> bool:
     grad = needs_grad(problem) or (torch.is_grad_enabled() and mask.requires_grad)
     if problem.q.dtype != torch.float32 or problem.q.device.type != "cpu" or not grad:
         return False
+    if _traced(problem):
+        return True  # the span is not known while tracing: the math path is accurate for every span
     with torch.no_grad():
         values = compact(mask)
         finite = values.masked_fill(torch.isinf(values), float("nan"))
@@ -596,6 +627,8 @@ def _sparse_plan(
     device = problem.q.device
     if switches.is_off(path):
         raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
+    if _traced(problem):
+        raise ValueError(f"backend={path!r} {_TRACED_REFUSAL}")
     if path == "blocks":
         if device.type != "cpu":
             raise ValueError(f"backend='blocks' is the CPU block engine, the inputs are on {device}; use 'flex' or 'auto'")
@@ -663,7 +696,7 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     weights, SDPA a rendered bias (float mask)."""
     terms = problem.terms
     mask = problem.mask
-    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS or _traced(problem):
         return None
     if terms.score_mod is not None and needs_grad(problem) and closes_over_grad(terms.score_mod):
         return None
@@ -695,7 +728,7 @@ def _flex_suits(problem: AttentionProblem) -> bool:
 def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
     L, S = problem.L, problem.S
-    if L * S < _SPARSE_MIN_PAIRS:
+    if L * S < _SPARSE_MIN_PAIRS or _traced(problem):
         return None
     device = problem.q.device
     if device.type == "cpu" and flash_kernel_available() and not switches.is_off("blocks"):

@@ -217,7 +217,14 @@ def attention(
           value 3.4e38, of float64's for float64 inputs) are refused with a ValueError naming
           the bound, as is a softcap beyond the accumulation dtype; float64 inputs hold scores
           up to 1e308.
-        - Under torch.compile the data-dependent checks of these three rules are skipped.
+        - Traced (torch.compile, torch.export, torch.func's vmap / grad / jacrev): 'auto' keeps
+          to the dense paths (SDPA, the math path; the math path under torch.func), whose graphs
+          are tensor operations only, and the structured masks reach them as dense masks built
+          from their Python parameters. The NaN rule runs as tensor operations, and the refusals
+          (overflow, NaN or +inf in a float mask, bias or sinks) run inside the graph
+          (a ``qkv::check`` operator) and raise RuntimeError when it runs. An ONNX graph carries
+          no such check (ONNX has no operator for it). backend='blocks', 'flex' and 'decode'
+          plan on the host and refuse to be traced, with a ValueError saying so.
         - Determinism: two calls with the same inputs and thread count give bitwise equal
           outputs and gradients (q, k, v and the bias tensors). Across thread counts the
           results may differ in the last bits (PyTorch's kernels split their sums by thread).

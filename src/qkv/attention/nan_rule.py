@@ -22,8 +22,9 @@ from typing import overload
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem
-from qkv.masks import Mask
+from qkv.masks import Causal, Mask, Padded, PrefixLM, SlidingWindow, Varlen
 
 __all__ = ["affected_rows", "finite_problem", "poison"]
 
@@ -52,12 +53,39 @@ def affected_rows(problem: AttentionProblem) -> torch.Tensor:
     with torch.no_grad():
         rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
         bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, G, S)
+        if private_torch.host_unreadable(q, k, v):
+            return rows | _traced_key_rows(problem, bad_keys.repeat_interleave(problem.H // problem.G, dim=1))
         cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
         if cols.numel() > 0:
             per_head = bad_keys[:, :, cols].repeat_interleave(problem.H // problem.G, dim=1)  # (N, H, c)
             sees = _visible_columns(problem, cols)  # (N | 1, H | 1, L, c)
             rows = rows | (sees & per_head[:, :, None, :]).any(dim=-1)
     return rows
+
+
+def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tensor:
+    """(N, H, L) bool: the rows that may see a bad key, ``bad`` (N, H, S) bool, without asking
+    the host which keys are bad (torch.compile, export, vmap): every key column is considered.
+    Without a mask a row sees them all; a mask of key intervals (causal, windows, prefix-LM,
+    varlen, padded: their intervals are tensor operations on Python parameters) counts the bad
+    keys of each interval by a prefix sum, O(L + S); any other mask is rendered (N | 1, H | 1,
+    L, S), as the dense paths render it anyway."""
+    mask, L, S = problem.mask, problem.L, problem.S
+    N, H = bad.shape[0], bad.shape[1]
+    if mask is None:
+        return bad.any(dim=-1, keepdim=True).expand(N, H, L)  # (N, H, L)
+    if isinstance(mask, _INTERVAL_MASKS):
+        lo, hi = mask.row_intervals(L, S, bad.device)  # (N | 1, L) each; lo > hi: no key
+        before = torch.nn.functional.pad(bad.long().cumsum(dim=-1), (1, 0))  # (N, H, S + 1): bad keys before j
+        first = lo.clamp(0, S)[:, None, :].expand(N, H, L)  # (N, H, L)
+        stop = torch.maximum((hi + 1).clamp(0, S)[:, None, :].expand(N, H, L), first)  # (N, H, L)
+        return before.gather(-1, stop) > before.gather(-1, first)
+    sees = _visible_columns(problem, torch.arange(S, device=bad.device))  # (N | 1, H | 1, L, S)
+    return (sees & bad[:, :, None, :]).any(dim=-1)
+
+
+# masks whose key intervals per query are tensor operations on their Python parameters
+_INTERVAL_MASKS = (Causal, SlidingWindow, PrefixLM, Varlen, Padded)
 
 
 def finite_problem(problem: AttentionProblem) -> AttentionProblem:

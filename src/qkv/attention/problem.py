@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds, largest_magnitude
 from qkv.backends.softmax import accumulation_dtype
 from qkv.bias import Bias, as_bias
@@ -49,7 +50,9 @@ class AttentionProblem:
     scale: float
     dropout: float
     terms: ScoreTerms  # softcap, bias (bound to this problem), score_mod
-    nonfinite: bool = False  # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule)
+    # q, k or v holds a NaN or an infinity (see `qkv.attention`'s NaN rule); True while traced
+    # (torch.compile, export, vmap): the rule then runs as tensor operations, a no-op on finite inputs
+    nonfinite: bool = False
     sinks: torch.Tensor | None = None  # (N | 1, H) attention-sink logits, float32 or wider
 
     @property
@@ -157,9 +160,12 @@ def describe_problem(
         normalized.validate(N, H, L, S)
     terms = _score_terms(normalized, bias, softcap, score_mod, q, batch_shape, H, L, S)
     sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
-    known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
+    known = kv_bounds if kv_bounds is not None and not private_torch.host_unreadable(k, v) and kv_bounds.describes(k, v) else None
     bias_top = 0.0 if terms.bias is None else terms.bias.largest(L, S)
     nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known)
+    if private_torch.host_unreadable(q, k, v, normalized):
+        # times the gate (1): the overflow check runs with the graph and raises there
+        q = q * _traced_magnitudes(q, k, normalized, scale, terms.softcap, bias_top).to(q.dtype)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -195,7 +201,10 @@ def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H
         n not in (1, t) for n, t in zip(reversed(sinks.shape), reversed(target), strict=False)
     ):
         raise ValueError(f"sinks must have shape (H,) = ({H},) or be broadcastable to (*batch, H) = {target}, got {tuple(sinks.shape)}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+    if private_torch.host_unreadable(sinks):
+        gate = private_torch.require(torch.isfinite(sinks.detach()).all(), "qkv.attention: sinks must be finite")
+        sinks = sinks * gate.to(sinks.dtype)  # times 1: the check runs with the graph
+    elif not bool(torch.isfinite(sinks.detach()).all()):
         raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
     if all(n == 1 for n in sinks.shape[:-1]):
         return sinks.reshape(1, -1).expand(1, H)  # (1, H): the same sinks for every batch row
@@ -238,7 +247,7 @@ def _check_magnitudes(
     mask: torch.Tensor | Mask | None,
     scale: float,
     softcap: float | None = None,
-    bias_top: float = 0.0,
+    bias_top: float | torch.Tensor = 0.0,
     known: KVBounds | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
@@ -253,11 +262,14 @@ def _check_magnitudes(
     ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
     are the same (the tight bound, when needed, still reads k).
 
-    Under torch.compile these data-dependent checks are skipped (they would break the graph):
-    compiled code gets neither the refusal nor the NaN rule.
+    Where the values cannot be read on the host (torch.compile, torch.export, vmap) the same
+    rule runs as tensor operations (`_traced_magnitudes`) and True is returned: the NaN rule
+    then runs as tensor operations too, and leaves finite inputs as they are.
     """
-    if torch.compiler.is_compiling():
-        return False
+    if private_torch.host_unreadable(q, k, v, mask):
+        return True  # describe_problem runs `_traced_magnitudes` instead
+    if isinstance(bias_top, torch.Tensor):  # a traced bias bound; on the host it is a number
+        bias_top = float(bias_top)
     if known is None:
         magnitudes = _largest_magnitudes((q, k, v))
     else:
@@ -293,10 +305,51 @@ def _check_magnitudes(
     return not finite[2]
 
 
-def _check_float_mask(mask: torch.Tensor) -> None:
-    """A float mask adds finite values or -inf (hide); NaN and +inf have no meaning."""
-    if torch.compiler.is_compiling():
-        return  # a data-dependent check; see _check_magnitudes
+def _traced_magnitudes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | Mask | None,
+    scale: float,
+    softcap: float | None,
+    bias_top: float | torch.Tensor,
+) -> torch.Tensor:
+    """`_check_magnitudes`' refusal as tensor operations, for graphs whose values the host does
+    not see: the tight bound max(1, |scale|) * max_i ||q_i|| * max_j ||k_j|| (the loose bound
+    only saves time), checked by `private_torch.require`, which raises when the graph runs; the
+    gate it returns (1.0) multiplies q so that compilers keep the check. The message cannot name
+    the values, which exist only then."""
+    acc = accumulation_dtype(q.dtype)
+    limit = torch.finfo(acc).max / 2
+    with torch.no_grad():
+        q_norm = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=torch.float64).amax()
+        k_norm = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=torch.float64).amax()
+        finite = torch.isfinite(q_norm) & torch.isfinite(k_norm)  # else the NaN rule applies instead
+        scores = max(1.0, abs(scale)) * q_norm * k_norm
+        capped = scores if softcap is None else scores.clamp(max=softcap)
+        added = torch.as_tensor(bias_top, dtype=torch.float64, device=q.device)
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            added = added + compact(mask).detach().amax().to(torch.float64).clamp(min=0.0)
+        reach = torch.maximum(scores, capped + added)
+        return private_torch.require(
+            ~finite | (reach <= limit),
+            f"qkv.attention: the scaled scores (max(1, |scale|) * largest |q_i| * largest |k_j|, capped by the "
+            f"softcap, plus the largest bias and mask values) reach beyond half the largest "
+            f"{str(acc).removeprefix('torch.')} ({limit:.3g}): they would overflow to inf and the softmax would "
+            "return NaN; use float64 inputs or smaller q, k, scale or biases (checked inside a traced graph)",
+        )
+
+
+def _check_float_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A float mask adds finite values or -inf (hide); NaN and +inf have no meaning. Returns the
+    mask (times a gate of 1 while tracing, so that compilers keep the check)."""
+    if private_torch.host_unreadable(mask):
+        with torch.no_grad():
+            bad = (torch.isnan(mask) | torch.isposinf(mask)).any()
+        gate = private_torch.require(
+            ~bad, "qkv.attention: the float mask holds NaN or +inf; a float mask adds finite values to the scores, "
+            "or -inf to hide a key (checked inside a traced graph)",
+        )
+        return mask * gate.to(mask.dtype)
     with torch.no_grad():
         top = float(mask.max())
         if math.isnan(top) or top == math.inf:
@@ -306,6 +359,7 @@ def _check_float_mask(mask: torch.Tensor) -> None:
                 f"the float mask holds {what} (first at indices {where}); a float mask adds finite values "
                 "to the scores, or -inf to hide a key"
             )
+    return mask
 
 
 def _check_scale(scale: object) -> float:
@@ -394,7 +448,7 @@ def normalize_mask(
     ):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (*batch, H, L, S) = {target}")
     if mask.is_floating_point():
-        _check_float_mask(mask)
+        mask = _check_float_mask(mask)
     full = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))  # (*batch | 1, H | 1, L | 1, S | 1)
     lead = full.shape[: len(batch_shape)]
     heads = full.shape[-3]

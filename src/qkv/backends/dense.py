@@ -275,7 +275,9 @@ def fused_attention(
     if mask is not None:
         visible = mask if mask.dtype == torch.bool else mask != _NEG_INF  # (N | 1, H | 1, L | 1, S)
         has_key = visible.any(dim=-1, keepdim=True)  # (N | 1, H | 1, L | 1, 1)
-        if not bool(has_key.all()):
+        # where the host cannot read has_key (torch.compile, export, vmap) the rows are opened
+        # and zeroed whatever it holds: the same result, without a branch on the data
+        if private_torch.host_unreadable(has_key) or not bool(has_key.all()):
             empty_rows = ~has_key
             # Open the empty rows so that the kernel computes something finite there; the
             # rows are zeroed below, which also zeroes their gradient.
@@ -294,7 +296,14 @@ def fused_attention(
         out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
     else:
         mask = _additive_mask(mask, q)
-        gqa = k.shape[1] != H
+        # a Python bool where a tracer makes shapes tensors (ONNX) or symbols (dynamic shapes): the
+        # branch guards on the head counts, which SDPA's enable_gqa must know as a constant
+        gqa = True if k.shape[1] != H else False  # noqa: SIM210
+        if gqa and torch.onnx.is_in_onnx_export():
+            # ONNX's TorchScript exporter has no enable_gqa: each key/value head is repeated for its queries
+            k = k.repeat_interleave(H // k.shape[1], dim=1)  # (N, H, S, E)
+            v = v.repeat_interleave(H // v.shape[1], dim=1)  # (N, H, S, Ev)
+            gqa = False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.masks._base import Device, Mask, batch_index
 from qkv.masks._layout import compose_states, states_from_dense
 
@@ -98,6 +99,9 @@ class Documents(Mask):
         return compose_states(full, overlap)[:, None]  # (B | 1, 1, nQ, nK)
 
     def describe(self) -> str:
+        if private_torch.host_unreadable(self.ids):
+            # the count needs the ids' values, and their shape may be symbolic (dynamic shapes)
+            return "documents(ids)"
         rows = self.ids.sort(dim=1).values  # (B | 1, L): each row's ids in order
         n_docs = int((rows[:, 1:] != rows[:, :-1]).sum()) + rows.shape[0]  # distinct ids, counted per row
         where = f" in {rows.shape[0]} rows" if rows.shape[0] > 1 else ""
@@ -156,7 +160,8 @@ class KeyPadding(Mask):
     def check_size(self, L: int, S: int) -> None:
         if self.valid is not None and self.valid.shape[1] != S:
             raise ValueError(f"key_padding(valid) has shape {tuple(self.valid.shape)}, the keys have length S={S}")
-        if self.lengths is not None and int(self.lengths.max()) > S:
+        # while tracing the lengths cannot be read: a length beyond S then hides no key, as S would
+        if self.lengths is not None and not private_torch.host_unreadable(self.lengths) and int(self.lengths.max()) > S:
             raise ValueError(f"key_padding(lengths) has a length {int(self.lengths.max())} > S={S}")
 
     def to(self, device: torch.device | str) -> KeyPadding:
@@ -197,6 +202,8 @@ class KeyPadding(Mask):
         return per_key_block.expand(-1, -1, n_q, -1)  # (B | 1, 1, nQ, nK)
 
     def describe(self) -> str:
+        if private_torch.host_unreadable(self.valid, self.lengths):
+            return "key_padding(valid)" if self.valid is not None else "key_padding(lengths)"  # sizes may be symbolic
         if self.valid is not None:
             return f"key_padding(valid {tuple(self.valid.shape)})"
         assert self.lengths is not None
@@ -220,6 +227,9 @@ def key_padding(valid: torch.Tensor) -> KeyPadding:
         raise TypeError(f"key_padding() takes bool (B, S) or integer lengths (B,), got dtype {valid.dtype}")
     if valid.ndim != 1 or valid.numel() == 0:
         raise ValueError(f"key_padding(lengths) takes a (B,) integer tensor, got shape {tuple(valid.shape)}")
+    if private_torch.host_unreadable(valid):
+        gate = private_torch.require((valid >= 0).all(), "qkv.masks.key_padding(lengths) must be >= 0 (checked inside a traced graph)")
+        return KeyPadding(lengths=valid.long() * gate.long())  # times 1: the check runs with the graph
     if bool((valid < 0).any()):
         raise ValueError(f"key_padding(lengths) must be >= 0, got {valid.tolist()}")
     return KeyPadding(lengths=valid.long())

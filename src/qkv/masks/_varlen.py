@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.masks._base import Device, Mask, batch_index, check_count
 from qkv.masks._interval import _FAR
 from qkv.masks._layout import states_from_intervals
@@ -21,13 +22,26 @@ def _check_lengths(lengths: object, name: str) -> torch.Tensor:
     if isinstance(lengths, (list, tuple)):
         if any(isinstance(x, bool) or not isinstance(x, int) for x in lengths):
             raise TypeError(f"{name} must hold ints, got {list(lengths)!r}")
-        lengths = torch.tensor(list(lengths), dtype=torch.long)
+        # checked as Python ints (no tensor read, so torch.compile traces a mask built inside it)
+        if not lengths:
+            raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape (0,)")
+        if min(lengths) < 0:
+            raise ValueError(f"{name} must be >= 0, got {list(lengths)}")
+        if sum(lengths) > _FAR:
+            raise ValueError(
+                f"{name} add up to {float(sum(lengths)):.4g} positions, more than 2**62: positions are int64, and no "
+                "sequence is that long"
+            )
+        return torch.tensor(list(lengths), dtype=torch.long)
     if not isinstance(lengths, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {type(lengths).__name__}")
     if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
         raise TypeError(f"{name} must hold integer lengths, got dtype {lengths.dtype}")
     if lengths.ndim != 1 or lengths.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(lengths.shape)}")
+    if private_torch.host_unreadable(lengths):
+        gate = private_torch.require((lengths >= 0).all(), f"qkv.masks: {name} must be >= 0 (checked inside a traced graph)")
+        return lengths.long() * gate.long()  # times 1: the check runs with the graph
     if bool((lengths < 0).any()):
         raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
     # in float64: an int64 sum of such lengths could wrap around to a small one
@@ -72,10 +86,13 @@ class _Lengths(Mask):
     k_lengths: torch.Tensor
     causal: bool = False
     window: tuple[int, int] | None = None
+    # the lengths as Python ints when they were given so: sizes known without reading a tensor,
+    # which torch.compile guards on instead of breaking its graph to read them
+    known: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     constructor: ClassVar[str]  # the function that builds the mask, for its name
 
     def to(self, device: torch.device | str) -> _Lengths:
-        return type(self)(self.q_lengths.to(device), self.k_lengths.to(device), self.causal, self.window)
+        return type(self)(self.q_lengths.to(device), self.k_lengths.to(device), self.causal, self.window, self.known)
 
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
         intervals = self.row_intervals(L, S, device)
@@ -83,7 +100,13 @@ class _Lengths(Mask):
         return states_from_intervals(*intervals, S, block_q, block_k)
 
     def describe(self) -> str:
-        return f"{self.constructor}({_lengths_text(self.q_lengths, self.k_lengths)}{_options_text(self.causal, self.window)})"
+        if self.known is not None:
+            lengths = _known_text(*self.known)
+        elif private_torch.host_unreadable(self.q_lengths, self.k_lengths):
+            lengths = "lengths"  # their values exist only when the traced graph runs
+        else:
+            lengths = _lengths_text(self.q_lengths, self.k_lengths)
+        return f"{self.constructor}({lengths}{_options_text(self.causal, self.window)})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,33 +120,43 @@ class Varlen(_Lengths):
 
     constructor: ClassVar[str] = "varlen"
 
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tables(self, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per query (1, L) each: its first and last visible key and its position, in packed
         coordinates. Built on first use, after `check_size` has matched the lengths to the
-        inputs: the lengths alone may describe far more tokens than any input holds."""
-        cached = self.__dict__.get("_cache")
+        inputs (L queries): the lengths alone may describe far more tokens than any input holds.
+        Where the host cannot read the lengths (torch.compile, export, vmap) the tables are
+        built anew each time: a traced graph keeps no Python cache."""
+        traced = private_torch.host_unreadable(self.q_lengths, self.k_lengths)
+        cached = None if traced else self.__dict__.get("_cache")
         if cached is not None:
             return cached
         q_starts = torch.cumsum(self.q_lengths, 0) - self.q_lengths  # (docs,)
         k_starts = torch.cumsum(self.k_lengths, 0) - self.k_lengths  # (docs,)
-        doc = torch.repeat_interleave(torch.arange(self.q_lengths.numel(), device=self.q_lengths.device), self.q_lengths)
+        docs = torch.arange(self.q_lengths.numel(), device=self.q_lengths.device)
+        doc = torch.repeat_interleave(docs, self.q_lengths, output_size=L)  # (L,): the output size needs no read
         i = torch.arange(doc.numel(), device=doc.device) - q_starts[doc]  # (L,): row inside the document
         k_len, k0 = self.k_lengths[doc], k_starts[doc]
         p = i + k_len - self.q_lengths[doc]
         lo, hi = _local_interval(p, k_len, self.causal, self.window)
         tables = (lo + k0)[None], (hi + k0)[None], (p + k0)[None]  # (1, L) each
-        object.__setattr__(self, "_cache", tables)
+        if not traced:
+            object.__setattr__(self, "_cache", tables)
         return tables
 
     @property
     def total_q(self) -> int:
-        return int(self.q_lengths.sum())
+        return sum(self.known[0]) if self.known is not None else int(self.q_lengths.sum())
 
     @property
     def total_k(self) -> int:
-        return int(self.k_lengths.sum())
+        return sum(self.known[1]) if self.known is not None else int(self.k_lengths.sum())
 
     def check_size(self, L: int, S: int) -> None:
+        if self.known is None and private_torch.host_unreadable(self.q_lengths, self.k_lengths):
+            # tensor lengths cannot be read while tracing (lengths given as Python ints are
+            # checked below); the tables are built for exactly L queries (`_tables`), and
+            # repeat_interleave refuses lengths that do not add up to L when the graph runs
+            return
         if self.total_q != L or self.total_k != S:
             raise ValueError(
                 f"varlen() packs {self.total_q} queries and {self.total_k} keys "
@@ -133,16 +166,16 @@ class Varlen(_Lengths):
     def visible(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, L: int, S: int
     ) -> torch.Tensor:
-        lo, hi, _ = self._tables()
+        lo, hi, _ = self._tables(L)
         lo, hi = lo[0].to(q_idx.device), hi[0].to(q_idx.device)
         return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
 
     def row_intervals(self, L: int, S: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi, _ = self._tables()
+        lo, hi, _ = self._tables(L)
         return lo.to(device), hi.to(device)
 
     def query_positions(self, L: int, S: int, device: Device = None) -> torch.Tensor:
-        return self._tables()[2].to(device)
+        return self._tables(L)[2].to(device)
 
 
 def varlen(
@@ -189,9 +222,15 @@ class Padded(_Lengths):
         return self.q_lengths.numel() if self.q_lengths.numel() > 1 else None
 
     def check_size(self, L: int, S: int) -> None:
-        if int(self.q_lengths.max()) > L or int(self.k_lengths.max()) > S:
+        if self.known is not None:
+            q_top, k_top = max(self.known[0]), max(self.known[1])
+        elif private_torch.host_unreadable(self.q_lengths, self.k_lengths):
+            return  # not readable while tracing; a longer row than L or S hides no more than L or S
+        else:
+            q_top, k_top = int(self.q_lengths.max()), int(self.k_lengths.max())
+        if q_top > L or k_top > S:
             raise ValueError(
-                f"padded() has rows of up to {int(self.q_lengths.max())} queries and {int(self.k_lengths.max())} "
+                f"padded() has rows of up to {q_top} queries and {k_top} "
                 f"keys, the inputs have L={L} and S={S}"
             )
 
@@ -254,13 +293,21 @@ def _lengths_text(q_lengths: torch.Tensor, k_lengths: torch.Tensor) -> str:
     return short(q_lengths) if same else f"{short(q_lengths)}, {short(k_lengths)}"
 
 
+def _known_text(q_lengths: tuple[int, ...], k_lengths: tuple[int, ...]) -> str:
+    """`_lengths_text` of lengths given as Python ints, without making tensors of them."""
+    def short(x: tuple[int, ...]) -> str:
+        return str(list(x)) if len(x) <= 8 else f"{len(x)} lengths, total {sum(x)}"
+
+    return short(q_lengths) if q_lengths == k_lengths else f"{short(q_lengths)}, {short(k_lengths)}"
+
+
 def _options_text(causal: bool, window: tuple[int, int] | None) -> str:
     return (", causal=True" if causal else "") + (f", window={window}" if window is not None else "")
 
 
 def _variable_lengths(
     q_lengths: object, k_lengths: object, causal: object, window: object, name: str
-) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[int, int] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[int, int] | None, tuple[tuple[int, ...], tuple[int, ...]] | None]:
     q = _check_lengths(q_lengths, "q_lengths")
     k = q if k_lengths is None else _check_lengths(k_lengths, "k_lengths")
     if k.shape != q.shape:
@@ -269,4 +316,7 @@ def _variable_lengths(
         raise ValueError(f"{name}: q_lengths are on {q.device} but k_lengths on {k.device}")
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
-    return q, k, causal, _check_window(window)
+    known = None
+    if isinstance(q_lengths, (list, tuple)) and (k_lengths is None or isinstance(k_lengths, (list, tuple))):
+        known = tuple(q_lengths), tuple(q_lengths if k_lengths is None else k_lengths)
+    return q, k, causal, _check_window(window), known

@@ -151,6 +151,11 @@ def cpu_features() -> CpuFeatures:
     return _features(os.environ.get(TIER_VARIABLE, ""))
 
 
+# probed now for the tier of the environment qkv is imported in: a first probe inside a function
+# torch.compile traces would break its graph (the probe calls PyTorch's CPU queries)
+cpu_features()
+
+
 def native_low_precision(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether products in ``dtype`` run natively on ``device`` (always True off the CPU and
     for float32 / float64).

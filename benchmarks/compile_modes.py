@@ -1,0 +1,120 @@
+"""qkv.attention under torch.compile: graphs, graph breaks and compiled / eager time, per path.
+
+For each path (no mask, causal, sliding_window, documents, varlen, ALiBi, softcap, score_mod)
+and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function that calls
+`qkv.attention`, prints its graph count, graph-break count and break reasons, the path
+`qkv.explain` names for the eager call (compiled calls take the dense paths: SDPA or the math
+path), and the fastest of a few compiled calls over the fastest of a few eager calls, the two
+alternating. One run per case on a shared machine: the ratios are noisy; read them as "about
+the same" or "several times slower", not as figures.
+
+Run: ``uv run python benchmarks/compile_modes.py`` (``--n 512`` sets L = S, default 512, which
+sends the structured masks to the CPU block engine; ``--dtype float32`` for one dtype;
+``--no-time`` for the graph counts only; ``--reasons N`` prints up to N break reasons per case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import qkv
+
+
+def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
+    """name -> the keyword arguments of `qkv.attention` beyond q, k, v, for every path."""
+    ids = torch.repeat_interleave(torch.arange(4), n // 4)  # (n,): four documents of n / 4 tokens
+    lengths = [n // 2, n // 4, n - n // 2 - n // 4]  # three packed sequences adding up to n
+
+    def distance_penalty(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return score - 0.01 * (i - j).abs()
+
+    return {
+        "no mask": {},
+        "causal": {"mask": qkv.masks.causal()},
+        "sliding_window": {"mask": qkv.masks.sliding_window(64)},
+        "documents": {"mask": qkv.masks.documents(ids)},
+        "varlen": {"mask": qkv.masks.varlen(lengths, causal=True)},
+        "alibi": {"mask": qkv.masks.causal(), "bias": qkv.bias.alibi()},
+        "softcap": {"mask": qkv.masks.causal(), "softcap": 20.0},
+        "score_mod": {"score_mod": distance_penalty},
+    }
+
+
+def inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v (1, 4, n, 32)."""
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 4, n, 32, generator=gen).to(dtype) for _ in range(3))
+
+
+def fastest_ratio(compiled: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], rounds: int) -> float:
+    """The fastest compiled call over the fastest eager call, the two alternating ``rounds`` times
+    (alternating spreads a load spike of a shared machine over both)."""
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for slot, fn in enumerate((compiled, eager)):
+            start = time.perf_counter()
+            fn(*args)
+            best[slot] = min(best[slot], time.perf_counter() - start)
+    return best[0] / best[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=512, help="L = S (default 512)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    parser.add_argument("--no-time", action="store_true", help="graph counts only")
+    parser.add_argument("--reasons", type=int, default=3, help="break reasons printed per case")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timed calls of each (fastest kept)")
+    parser.add_argument("--only", type=str, default=None, help="comma-separated case names")
+    args = parser.parse_args()
+    dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, L = S = {args.n}, B = 1, H = 4, E = 32")
+    print(f"time ratio = fastest compiled call / fastest eager call, {args.rounds} alternating rounds after a warm-up "
+          "(one run on a shared machine: noisy)")
+    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}"
+    print(header)
+    failures = 0
+    for dtype in dtypes:
+        qkv_inputs = inputs(args.n, dtype)
+        for name, kwargs in cases(args.n, dtype).items():
+            if args.only and name not in args.only.split(","):
+                continue
+
+            def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
+                return qkv.attention(q, k, v, **kwargs)
+
+            torch._dynamo.reset()
+            path = qkv.explain(*qkv_inputs, **kwargs).path
+            try:
+                report = torch._dynamo.explain(fn)(*qkv_inputs)
+            except Exception as error:  # a benchmark reports every case, failing or not
+                failures += 1
+                print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8} explain failed: {type(error).__name__}: {str(error)[:200]}")
+                continue
+            ratio = ""
+            if not args.no_time:
+                torch._dynamo.reset()
+                compiled = torch.compile(fn)
+                compiled(*qkv_inputs)  # compiles
+                fn(*qkv_inputs)  # warm-up of the eager path (plans, kernel builds)
+                try:
+                    ratio = f"{fastest_ratio(compiled, fn, qkv_inputs, args.rounds):.2f}"
+                except Exception as error:
+                    ratio = f"error {type(error).__name__}"
+            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>8}")
+            for reason in report.break_reasons[: args.reasons]:
+                frame = reason.user_stack[-1] if reason.user_stack else None
+                where = f" at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame is not None else ""
+                print(f"    - {reason.reason.splitlines()[0][:150]}{where}")
+            sys.stdout.flush()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
