@@ -15,11 +15,11 @@ under Inductor.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,12 +244,16 @@ def test_export_of_multihead_attention_equals_eager_and_the_math_path(case: str)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")  # the TorchScript exporter is deprecated
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("mask", [None, "causal", "sliding_window"])
-def test_onnx_export_of_the_dense_paths_or_the_missing_package_named(mask: str | None) -> None:
-    """With onnx and onnxscript installed both exporters must succeed. Without them (qkv adds no
-    dependency for ONNX) torch's exporters must get through tracing and conversion and stop only
-    at the missing package, which they name: the TorchScript exporter used to stop earlier, on
-    enable_gqa traced as a tensor and then on enable_gqa itself."""
+def test_onnx_export_of_the_dense_paths_runs_equal_to_eager(mask: str | None, exporter: str) -> None:
+    """Both of torch's ONNX exporters give a model that onnx's own reference evaluator (NumPy,
+    independent of PyTorch) runs to eager's output: grouped-query heads included (the
+    TorchScript exporter used to stop on enable_gqa traced as a tensor, then on enable_gqa
+    itself), and the traced NaN rule's prefix sums and gathers."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
     torch.manual_seed(0)
     structured = {None: None, "causal": qkv.masks.causal(), "sliding_window": qkv.masks.sliding_window(2)}[mask]
 
@@ -261,16 +265,21 @@ def test_onnx_export_of_the_dense_paths_or_the_missing_package_named(mask: str |
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.attention(x, mask=structured)
 
+    block = Block().eval()
     x = torch.randn(1, 6, 16)
-    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-    if missing:
-        with pytest.raises(Exception, match="Module onnx is not installed"):  # torch's OnnxExporterError, at serialization
-            torch.onnx.export(Block().eval(), (x,), io.BytesIO(), dynamo=False)
-        with pytest.raises(ImportError, match="No module named 'onnx"):  # the dynamo exporter imports onnxscript first
-            torch.onnx.export(Block().eval(), (x,), dynamo=True)
-        return
-    torch.onnx.export(Block().eval(), (x,), io.BytesIO(), dynamo=False)
-    assert torch.onnx.export(Block().eval(), (x,), dynamo=True) is not None
+    with torch.no_grad():
+        expected = block(x).numpy()
+    if exporter == "dynamo":
+        program = torch.onnx.export(block, (x,), dynamo=True)
+        assert program is not None
+        model = program.model_proto
+    else:
+        buffer = io.BytesIO()
+        torch.onnx.export(block, (x,), buffer, dynamo=False)
+        model = onnx.load_from_string(buffer.getvalue())
+    evaluator = ReferenceEvaluator(model)
+    (got,) = evaluator.run(None, {evaluator.input_names[0]: x.numpy()})
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
 
 
 def test_vmap_over_the_batch_equals_a_loop() -> None:

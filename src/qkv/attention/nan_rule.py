@@ -79,7 +79,8 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
         before = torch.nn.functional.pad(bad.long().cumsum(dim=-1), (1, 0))  # (N, H, S + 1): bad keys before j
         first = lo.clamp(0, S)[:, None, :].expand(N, H, L)  # (N, H, L)
         stop = torch.maximum((hi + 1).clamp(0, S)[:, None, :].expand(N, H, L), first)  # (N, H, L)
-        return before.gather(-1, stop) > before.gather(-1, first)
+        # dim 2, not -1: ONNX's reference evaluator mishandles GatherElements with a negative axis
+        return before.gather(2, stop) > before.gather(2, first)
     sees = _visible_columns(problem, torch.arange(S, device=bad.device))  # (N | 1, H | 1, L, S)
     return (sees & bad[:, :, None, :]).any(dim=-1)
 
