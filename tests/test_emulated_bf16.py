@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.attention import problem as attention_problem
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.native import onednn_linear
@@ -220,3 +221,43 @@ def test_attention_with_gradients_does_not_use_the_kept_buffer() -> None:
     for got, want in zip((q, k, v), exact, strict=True):
         assert got.grad is not None and want.grad is not None
         assert torch.allclose(got.grad.double(), want.grad, atol=0.05, rtol=0.05)
+
+
+def test_emulated_call_scans_k_and_v_in_bf16_and_not_their_float32_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the widened call bounds k and v from the bf16 tensors (half the bytes); only q's copy is scanned after
+    scanned: list[torch.dtype] = []
+    original = attention_problem._largest_magnitudes
+
+    def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+        scanned.extend(t.dtype for t in tensors)
+        return original(tensors)
+
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", spy)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert scanned == [torch.bfloat16, torch.bfloat16, torch.float32]
+    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_emulated_call_keeps_the_nan_rule_for_bad_keys_and_values(bad: float, where: str) -> None:
+    # key 10 holds a non-finite entry: under a causal mask rows 10.. read it and become NaN, rows 0..9 are exact
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=gen).bfloat16() for _ in range(3))
+    (k if where == "k" else v)[0, 1, 10, 3] = bad
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert bool(got[0, 1, 10:].isnan().all()) and not bool(got[0, 0].isnan().any()) and not bool(got[0, 1, :10].isnan().any())
+    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")  # the same rule in float64
+    _within_bf16_rounding(got[0, 1, :10], want[0, 1, :10])
+    _within_bf16_rounding(got[0, 0], want[0, 0])
+
+
+def test_emulated_call_refuses_scores_that_overflow_float32() -> None:
+    # max|q| * max|k| * E far beyond float32 (bf16 holds such values; its float32 scores would be inf)
+    q = torch.full((1, 1, 4, 8), 1e30).bfloat16()
+    with pytest.raises(ValueError, match="overflow"):
+        qkv.attention(q, q.clone(), q.clone())

@@ -31,7 +31,7 @@ from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, w
 from qkv.attention.execute import pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
-from qkv.attention.problem import autocast_dtype, check_indices, describe_problem
+from qkv.attention.problem import autocast_dtype, check_indices, describe_problem, scan_magnitudes
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native.machine import compute_dtype, emulation_note
@@ -247,12 +247,13 @@ def attention(
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
+        narrow_bounds = _narrow_kv_bounds(k, v, kv_bounds)
         (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
         try:
             result = attention(
                 q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
                 dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
-                kv_bounds=None if kv_bounds is None else kv_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
+                kv_bounds=None if narrow_bounds is None else narrow_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
             )  # fmt: skip
         finally:
             if kept is not None:
@@ -317,6 +318,18 @@ def _widened(wide: torch.dtype, *tensors: torch.Tensor) -> tuple[tuple[torch.Ten
         copies.append(buffer[start : start + t.numel()].view(t.shape).copy_(t))
         start += t.numel()
     return tuple(copies), buffer
+
+
+def _narrow_kv_bounds(k: torch.Tensor, v: torch.Tensor, kv_bounds: KVBounds | None) -> KVBounds | None:
+    """Bounds of k and v for a call about to widen them: the caller's when they describe k and
+    v, else scanned now in k's and v's own dtype, which reads half the bytes of their float32
+    copies (the input checks would scan those otherwise; the decisions are the same, the copies
+    being exact). None under torch.compile, whose checks are skipped anyway."""
+    if kv_bounds is not None and kv_bounds.describes(k, v):
+        return kv_bounds
+    if torch.compiler.is_compiling():
+        return None
+    return KVBounds.of(k, v, *scan_magnitudes((k, v)))
 
 
 def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:

@@ -24,7 +24,9 @@ from qkv.masks import Mask
 from qkv.native import magnitude_bf16
 from qkv.scores import ScoreMod, ScoreTerms, check_softcap
 
-__all__ = ["AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask"]
+__all__ = [
+    "AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask", "scan_magnitudes",
+]
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,12 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
     as much as the attention itself for bf16 inputs of the block engine)."""
     return largest_magnitude(compact(x))
+
+
+def scan_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+    """max |x_i| of each tensor (inf when it holds an infinity or a NaN), as the input checks
+    scan them (`_largest_magnitudes`), for a caller that scans before it copies the tensors."""
+    return _largest_magnitudes(tensors)
 
 
 def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
