@@ -12,10 +12,15 @@ Cases (B = 1, H = 8, E = 64), each timed against its peers in one run by `qkv.be
 
 Every table is printed with the CPU model and the tier qkv uses (`qkv.native.machine`), and
 each dtype's GFLOP/s is given as a fraction of the matmul rate, measured in the same run, of
-the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed). ``--tier avx2`` makes qkv behave as on an AVX2 machine (QKV_CPU_TIER) to measure that
-tier on a higher machine.
+the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed).
+A dtype whose products are emulated (bf16 on AVX2, about a GFLOP/s) has its rate measured on
+a product of at most a second (`qkv.native.rates.affordable_side`; the sides are printed), so
+that the run takes minutes there too. ``--tier avx2`` makes qkv behave as on an AVX2 machine
+(QKV_CPU_TIER); PyTorch itself follows with the variables below, set before it starts:
 
     uv run python benchmarks/every_cpu.py [--quick] [--tier avx2] [--threads 2] [--reps 3]
+    QKV_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        uv run python benchmarks/every_cpu.py --tier avx2
 """
 
 from __future__ import annotations
