@@ -16,6 +16,7 @@ import torch
 
 import qkv
 from qkv.attention import problem as attention_problem
+from qkv.attention.bounds import KVBounds
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.native import onednn_linear
@@ -223,8 +224,8 @@ def test_attention_with_gradients_does_not_use_the_kept_buffer() -> None:
         assert torch.allclose(got.grad.double(), want.grad, atol=0.05, rtol=0.05)
 
 
-def test_emulated_call_scans_k_and_v_in_bf16_and_not_their_float32_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the widened call bounds k and v from the bf16 tensors (half the bytes); only q's copy is scanned after
+def test_emulated_call_scans_q_k_v_in_bf16_and_not_their_float32_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the widened call bounds q, k and v from the bf16 tensors: half the bytes of their float32 copies
     scanned: list[torch.dtype] = []
     original = attention_problem._largest_magnitudes
 
@@ -237,7 +238,7 @@ def test_emulated_call_scans_k_and_v_in_bf16_and_not_their_float32_copies(monkey
     q, k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(3))
     with torch.no_grad():
         got = qkv.attention(q, k, v, qkv.masks.causal())
-    assert scanned == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert scanned == [torch.bfloat16] * 3  # q, k, v; their float32 copies are not scanned again
     _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
 
 
@@ -261,3 +262,35 @@ def test_emulated_call_refuses_scores_that_overflow_float32() -> None:
     q = torch.full((1, 1, 4, 8), 1e30).bfloat16()
     with pytest.raises(ValueError, match="overflow"):
         qkv.attention(q, q.clone(), q.clone())
+
+
+def test_emulated_call_keeps_the_nan_rule_for_a_bad_query() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=gen).bfloat16() for _ in range(3))
+    q[0, 1, 10, 3] = math.inf
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    nan_rows = got.isnan().all(dim=-1)  # (1, 2, 20)
+    assert nan_rows[0, 1, 10] and int(nan_rows.sum()) == 1 and not bool(got.isnan().any(dim=-1)[~nan_rows].any())
+    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")
+    keep = ~nan_rows[0]
+    _within_bf16_rounding(got[0][keep], want[0][keep])
+
+
+def test_emulated_call_with_cache_bounds_scans_only_the_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    scanned: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    original = attention_problem._largest_magnitudes
+
+    def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+        scanned.extend((t.dtype, tuple(t.shape)) for t in tensors)
+        return original(tensors)
+
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 2, 3, 8, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(2))
+    bounds = KVBounds.of(k, v)
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", spy)
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, kv_bounds=bounds)
+    assert scanned == [(torch.bfloat16, (1, 2, 3, 8))]
+    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), backend="math"))

@@ -247,13 +247,14 @@ def attention(
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
-        narrow_bounds = _narrow_kv_bounds(k, v, kv_bounds)
+        q_max, narrow_bounds = _narrow_bounds(q, k, v, kv_bounds)
         (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
         try:
-            result = attention(
+            result = _attend(
                 q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
                 dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
                 kv_bounds=None if narrow_bounds is None else narrow_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
+                q_max=q_max,
             )  # fmt: skip
         finally:
             if kept is not None:
@@ -261,9 +262,35 @@ def attention(
         if isinstance(result, torch.Tensor):
             return result.to(q.dtype)
         return (result[0].to(q.dtype), *result[1:])  # weights and lse stay float32, as for q's dtype
+    return _attend(
+        q, k, v, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale, dropout=dropout,
+        return_weights=return_weights, return_lse=return_lse, backend=backend, kv_bounds=kv_bounds, sinks=sinks,
+    )
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Mask | None,
+    *,
+    bias: Bias | torch.Tensor | None,
+    softcap: float | None,
+    score_mod: ScoreMod | None,
+    scale: float | None,
+    dropout: float,
+    return_weights: bool,
+    return_lse: bool,
+    backend: Backend,
+    kv_bounds: KVBounds | None,
+    sinks: torch.Tensor | None,
+    q_max: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`attention` on inputs in the dtype they are computed in: validate, plan, run, the NaN
+    rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`)."""
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
-        sinks=sinks,
+        sinks=sinks, q_max=q_max,
     )
     plan = choose_path(problem, backend, return_weights, return_lse)
     if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
@@ -320,16 +347,20 @@ def _widened(wide: torch.dtype, *tensors: torch.Tensor) -> tuple[tuple[torch.Ten
     return tuple(copies), buffer
 
 
-def _narrow_kv_bounds(k: torch.Tensor, v: torch.Tensor, kv_bounds: KVBounds | None) -> KVBounds | None:
-    """Bounds of k and v for a call about to widen them: the caller's when they describe k and
-    v, else scanned now in k's and v's own dtype, which reads half the bytes of their float32
-    copies (the input checks would scan those otherwise; the decisions are the same, the copies
-    being exact). None under torch.compile, whose checks are skipped anyway."""
-    if kv_bounds is not None and kv_bounds.describes(k, v):
-        return kv_bounds
+def _narrow_bounds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_bounds: KVBounds | None
+) -> tuple[float | None, KVBounds | None]:
+    """max |q| and the bounds of k and v for a call about to widen them, scanned now in their
+    own dtype: half the bytes of the float32 copies, which the input checks would scan
+    otherwise (the decisions are the same: the copies are exact). The caller's ``kv_bounds``
+    when they describe k and v. (None, None) under torch.compile, whose checks are skipped."""
     if torch.compiler.is_compiling():
-        return None
-    return KVBounds.of(k, v, *scan_magnitudes((k, v)))
+        return None, None
+    if kv_bounds is not None and kv_bounds.describes(k, v):
+        (q_max,) = scan_magnitudes((q,))
+        return q_max, kv_bounds
+    q_max, k_max, v_max = scan_magnitudes((q, k, v))
+    return q_max, KVBounds.of(k, v, k_max, v_max)
 
 
 def _widened_dtype(q: object, k: object, v: object) -> torch.dtype | None:

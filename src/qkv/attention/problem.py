@@ -113,10 +113,13 @@ def describe_problem(
     score_mod: ScoreMod | None = None,
     kv_bounds: KVBounds | None = None,
     sinks: torch.Tensor | None = None,
+    q_max: float | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
     mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
-    describes exactly k and v, replaces the scan of k and v by the data checks."""
+    describes exactly k and v, replaces the scan of k and v by the data checks; ``q_max``
+    (max |q|, inf when q is not finite), given by a caller that scanned q itself (a widened
+    call, on the bf16 tensor it copied exactly), replaces the scan of q."""
     if kv_bounds is not None and not isinstance(kv_bounds, KVBounds):
         raise TypeError(f"kv_bounds must be None or a KVBounds (KVCache.bounds), got {type(kv_bounds).__name__}")
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
@@ -161,7 +164,7 @@ def describe_problem(
     sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
     known = kv_bounds if kv_bounds is not None and kv_bounds.describes(k, v) else None
     bias_top = 0.0 if terms.bias is None else terms.bias.largest(L, S)
-    nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known)
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known, q_max)
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
@@ -248,6 +251,7 @@ def _check_magnitudes(
     softcap: float | None = None,
     bias_top: float = 0.0,
     known: KVBounds | None = None,
+    q_max: float | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
@@ -259,17 +263,20 @@ def _check_magnitudes(
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
     ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
-    are the same (the tight bound, when needed, still reads k).
+    are the same (the tight bound, when needed, still reads k). ``q_max``: max |q| found by the
+    caller; q is then not scanned here.
 
     Under torch.compile these data-dependent checks are skipped (they would break the graph):
     compiled code gets neither the refusal nor the NaN rule.
     """
     if torch.compiler.is_compiling():
         return False
-    if known is None:
-        magnitudes = _largest_magnitudes((q, k, v))
-    else:
-        magnitudes = [*_largest_magnitudes((q,)), known.k_max, known.v_max]
+    unknown = ((q,) if q_max is None else ()) + ((k, v) if known is None else ())
+    scanned = iter(_largest_magnitudes(unknown) if unknown else [])
+    magnitudes = [
+        next(scanned) if q_max is None else q_max,
+        *((next(scanned), next(scanned)) if known is None else (known.k_max, known.v_max)),
+    ]
     finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
