@@ -249,6 +249,8 @@ def attention(
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
         q_max, narrow_bounds = _narrow_bounds(q, k, v, kv_bounds)
         plain = bias is None and score_mod is None and sinks is None and dropout == 0.0 and not (return_weights or return_lse)
+        # FlexAttention would compile once per group size; decode takes few queries, widened by itself
+        plain = plain and backend in ("auto", "fused", "math", "blocks")
         rows = _rows_per_chunk(wide, q, k, v, mask) if plain and q_max is not None else None
         if rows is not None:
             assert q_max is not None and narrow_bounds is not None
