@@ -12,10 +12,15 @@ Cases (B = 1, H = 8, E = 64), each timed against its peers in one run by `qkv.be
 
 Every table is printed with the CPU model and the tier qkv uses (`qkv.native.machine`), and
 each dtype's GFLOP/s is given as a fraction of the matmul rate, measured in the same run, of
-the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed). ``--tier avx2`` makes qkv behave as on an AVX2 machine (QKV_CPU_TIER) to measure that
-tier on a higher machine.
+the dtype its products run in (float32 for bf16 where bf16 is emulated; both rates printed).
+A dtype whose products are emulated (bf16 on AVX2, about a GFLOP/s) has its rate measured on
+a product of at most a second (`qkv.native.rates.affordable_side`; the sides are printed), so
+that the run takes minutes there too. ``--tier avx2`` makes qkv behave as on an AVX2 machine
+(QKV_CPU_TIER); PyTorch itself follows with the variables below, set before it starts:
 
     uv run python benchmarks/every_cpu.py [--quick] [--tier avx2] [--threads 2] [--reps 3]
+    QKV_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        uv run python benchmarks/every_cpu.py --tier avx2
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.bench import FORWARD_ROUND_SECONDS, fastest, matmul_gflops, random_qkv
+from qkv.bench import FORWARD_ROUND_SECONDS, LIMIT_SIDES, fastest, matmul_gflops, random_qkv
 from qkv.native.machine import TIER_VARIABLE, compute_dtype, machine_line
+from qkv.native.rates import affordable_side
 
 B, H, E = 1, 8, 64
 DTYPES = (torch.float32, torch.bfloat16)
@@ -41,6 +47,15 @@ def _name(dtype: torch.dtype) -> str:
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _rate(dtype: torch.dtype) -> tuple[float, str]:
+    """The dtype's matmul limit (GFLOP/s), the best over `LIMIT_SIDES`, and the sides measured.
+    A dtype whose products are emulated here (bf16 on AVX2, ~0.3 GFLOP/s: a 2048^2 product
+    takes a minute) is measured on the largest side whose product takes at most a second."""
+    sides = sorted({affordable_side(dtype, n) for n in LIMIT_SIDES})
+    rate = max(matmul_gflops(dtype, side=n) for n in sides)
+    return rate, ", ".join(f"{n}^2" for n in sides)
 
 
 def _flops(n: int, mask: object) -> int:
@@ -139,8 +154,10 @@ def main() -> None:
     reps = 2 if args.quick else args.reps
     n_dense, n_window, sentences = (1024, 2048, 64) if args.quick else (4096, 16384, 256)
     print(machine_line())
-    rates = {dtype: matmul_gflops(dtype) for dtype in DTYPES}
-    print("matmul rates: " + ", ".join(f"{_name(d)} {r:.1f} GFLOP/s" for d, r in rates.items()) + f" (load {_load()})")
+    measured = {dtype: _rate(dtype) for dtype in DTYPES}
+    rates = {dtype: rate for dtype, (rate, _) in measured.items()}
+    print("matmul rates: " + ", ".join(f"{_name(d)} {r:.1f} GFLOP/s (best of {sides})" for d, (r, sides) in measured.items())
+          + f" (load {_load()})")
     versus_sdpa(n_dense, n_window, reps)
     bf16_attention(n_dense, n_window, reps, rates)
     encoder(sentences, reps)

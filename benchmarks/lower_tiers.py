@@ -3,8 +3,11 @@
 qkv's compiled bf16 kernels (the fused interval forward and backward, `qkv.native.interval_bf16`
 and `interval_bf16_backward`, and the short-sequence kernel, `qkv.native.short_bf16`) are
 built for the ``amx`` tier. On a lower tier (AVX-512 without AMX, AVX2 + FMA) bf16 products
-are emulated, and qkv computes a bf16 request in float32 with bf16 storage (the block engine
-widens each call's rows, `qkv.backends.blocks.calls.WideViews`; other paths widen q, k, v).
+are emulated, and qkv computes a bf16 request in float32 with bf16 storage: `qkv.attention`
+widens q, k and v once per call (into a buffer kept per thread when no gradient is recorded;
+a call of many small batch rows a few rows at a time, `CHUNK_BYTES_PER_THREAD`) and rounds the
+output once (`qkv.attention.functional`), every path alike; the input checks scan the bf16
+tensors, not their float32 copies.
 A lower-tier kernel is not needed when that fallback is as fast as float32 itself on the
 same problem: this script measures it, case by case, bf16 over float32 (goal >= 1.0x; the
 bf16 run returns bf16, so it also pays the rounding of its output).

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import qkv
+from qkv.attention import problem as attention_problem
+from qkv.attention.bounds import KVBounds
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
 from qkv.native import onednn_linear
@@ -220,3 +222,157 @@ def test_attention_with_gradients_does_not_use_the_kept_buffer() -> None:
     for got, want in zip((q, k, v), exact, strict=True):
         assert got.grad is not None and want.grad is not None
         assert torch.allclose(got.grad.double(), want.grad, atol=0.05, rtol=0.05)
+
+
+def test_emulated_call_scans_q_k_v_in_bf16_and_not_their_float32_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the widened call bounds q, k and v from the bf16 tensors: half the bytes of their float32 copies
+    scanned: list[torch.dtype] = []
+    original = attention_problem._largest_magnitudes
+
+    def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+        scanned.extend(t.dtype for t in tensors)
+        return original(tensors)
+
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", spy)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert scanned == [torch.bfloat16] * 3  # q, k, v; their float32 copies are not scanned again
+    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_emulated_call_keeps_the_nan_rule_for_bad_keys_and_values(bad: float, where: str) -> None:
+    # key 10 holds a non-finite entry: under a causal mask rows 10.. read it and become NaN, rows 0..9 are exact
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=gen).bfloat16() for _ in range(3))
+    (k if where == "k" else v)[0, 1, 10, 3] = bad
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert bool(got[0, 1, 10:].isnan().all()) and not bool(got[0, 0].isnan().any()) and not bool(got[0, 1, :10].isnan().any())
+    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")  # the same rule in float64
+    _within_bf16_rounding(got[0, 1, :10], want[0, 1, :10])
+    _within_bf16_rounding(got[0, 0], want[0, 0])
+
+
+def test_emulated_call_refuses_scores_that_overflow_float32() -> None:
+    # max|q| * max|k| * E far beyond float32 (bf16 holds such values; its float32 scores would be inf)
+    q = torch.full((1, 1, 4, 8), 1e30).bfloat16()
+    with pytest.raises(ValueError, match="overflow"):
+        qkv.attention(q, q.clone(), q.clone())
+
+
+def test_emulated_call_keeps_the_nan_rule_for_a_bad_query() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=gen).bfloat16() for _ in range(3))
+    q[0, 1, 10, 3] = math.inf
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    nan_rows = got.isnan().all(dim=-1)  # (1, 2, 20)
+    assert nan_rows[0, 1, 10] and int(nan_rows.sum()) == 1 and not bool(got.isnan().any(dim=-1)[~nan_rows].any())
+    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")
+    keep = ~nan_rows[0]
+    _within_bf16_rounding(got[0][keep], want[0][keep])
+
+
+def test_emulated_call_with_cache_bounds_scans_only_the_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    scanned: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    original = attention_problem._largest_magnitudes
+
+    def spy(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+        scanned.extend((t.dtype, tuple(t.shape)) for t in tensors)
+        return original(tensors)
+
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 2, 3, 8, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 2, 30, 8, generator=gen).bfloat16() for _ in range(2))
+    bounds = KVBounds.of(k, v)
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", spy)
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, kv_bounds=bounds)
+    assert scanned == [(torch.bfloat16, (1, 2, 3, 8))]
+    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), backend="math"))
+
+
+def _count_groups(monkeypatch: pytest.MonkeyPatch, group_bytes: int) -> list[int]:
+    """Groups of batch rows of `CHUNK_BYTES_PER_THREAD` bytes: the batch size of each computed part."""
+    from qkv.attention import functional
+
+    monkeypatch.setattr(functional, "CHUNK_BYTES_PER_THREAD", group_bytes)
+    sizes: list[int] = []
+    original = functional._attend
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sizes.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "_attend", spy)
+    return sizes
+
+
+def _bf16_inputs(seed: int, batch: tuple[int, ...] = (5,), L: int = 24, S: int = 24) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*batch, 2, n, 8, generator=gen).bfloat16() for n in (L, S, S)]
+
+
+def _key_padding() -> torch.Tensor:
+    valid = torch.arange(24) < torch.tensor([24, 3, 17, 9, 1])[:, None]  # (5, 24): batch row b sees its first keys
+    return valid[:, None, None, :]  # (5, 1, 1, 24)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "padding", "float"])
+def test_emulated_call_in_groups_of_rows_equals_float64(monkeypatch: pytest.MonkeyPatch, mask: str) -> None:
+    q, k, v = _bf16_inputs(11)
+    m: object = {"none": None, "causal": qkv.masks.causal(), "window": qkv.masks.sliding_window(3, 2), "padding": _key_padding(),
+                 "float": torch.randn(5, 2, 24, 24, generator=torch.Generator().manual_seed(12))}[mask]  # fmt: skip
+    row_bytes = 3 * 2 * 24 * 8 * 4  # q, k, v of one batch row in float32
+    sizes = _count_groups(monkeypatch, 2 * row_bytes // torch.get_num_threads())
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, m)
+    assert sizes == [2, 2, 1]  # groups of two rows (one thread here or not, the test sets the bytes per thread)
+    want = qkv.attention(q.double(), k.double(), v.double(), m, backend="math")  # type: ignore[arg-type]
+    _within_bf16_rounding(got, want)
+
+
+def test_emulated_groups_follow_several_batch_dims_and_grouped_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 3, 4, 10, 8, generator=gen).bfloat16()  # (B1, B2, H, L, E)
+    k, v = (torch.randn(2, 3, 2, 12, 8, generator=gen).bfloat16() for _ in range(2))  # G = 2
+    sizes = _count_groups(monkeypatch, (4 * 10 + 2 * 2 * 12) * 8 * 4 * 4 // torch.get_num_threads())  # four rows a group
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert sizes == [4, 2] and got.shape == (2, 3, 4, 10, 8)
+    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
+
+
+def test_emulated_groups_keep_the_nan_rule_per_batch_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _bf16_inputs(14)
+    v[3, 0, 10, 5] = math.nan  # batch row 3, head 0, key 10: under causal, rows 10.. of that head only
+    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, qkv.masks.causal())
+    assert sizes == [2, 2, 1]
+    nan_rows = got.isnan().all(dim=-1)  # (5, 2, 24)
+    expected = torch.zeros(5, 2, 24, dtype=torch.bool)
+    expected[3, 0, 10:] = True
+    assert torch.equal(nan_rows, expected) and not bool(got.isnan().any(dim=-1)[~expected].any())
+    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")
+    _within_bf16_rounding(got[~expected], want[~expected])
+
+
+def test_emulated_groups_refuse_an_overflow_before_any_group_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _bf16_inputs(15)
+    q[4], k[4] = 1e30, 1e30  # the last batch row alone overflows float32's scores (1e60)
+    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
+    with torch.no_grad(), pytest.raises(ValueError, match="overflow"):
+        qkv.attention(q, k, v)
+    assert sizes == []  # no group was computed before the refusal
+
+
+def test_emulated_call_with_gradients_is_not_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = (x.requires_grad_() for x in _bf16_inputs(16))
+    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
+    qkv.attention(q, k, v, qkv.masks.causal()).float().sum().backward()
+    assert sizes == [5] and q.grad is not None

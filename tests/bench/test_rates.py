@@ -68,5 +68,32 @@ def test_the_explain_rate_is_measured_once_on_the_threads_asked(monkeypatch: pyt
         assert machine_matmul_gflops(torch.float16, 1) == 123.0
     finally:
         machine_matmul_gflops.cache_clear()
-    assert seen == [(torch.float16, 1024, 1)]
+    # at 123 GFLOP/s every probe is quick: 256^2, 512^2, then the 1024^2 product measured, once
+    assert seen == [(torch.float16, 256, 1), (torch.float16, 512, 1), (torch.float16, 1024, 1)]
     assert torch.get_num_threads() == threads  # restored
+
+
+def _fake_rate(monkeypatch: pytest.MonkeyPatch, gflops: float) -> list[int]:
+    """matmul_gflops answering ``gflops`` at every side; the sides it was asked for."""
+    sides: list[int] = []
+
+    def fake(dtype: torch.dtype, *, side: int, repeats: int) -> float:
+        sides.append(side)
+        return gflops
+
+    monkeypatch.setattr(rates, "matmul_gflops", fake)
+    return sides
+
+
+def test_an_affordable_side_is_the_one_asked_for_when_its_product_is_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    sides = _fake_rate(monkeypatch, 100.0)  # 2 * 2048^3 FLOPs at 100 GFLOP/s: 0.17 s
+    assert rates.affordable_side(torch.float32, 2048, seconds=1.0) == 2048
+    assert sides == [256, 512, 1024]  # each probe's product 1/8 of the next one's
+
+
+def test_an_emulated_rate_gets_a_smaller_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    sides = _fake_rate(monkeypatch, 0.3)  # emulated bf16: 2 * 512^3 FLOPs take 0.9 s, 1024^3 7 s
+    assert rates.affordable_side(torch.bfloat16, 2048, seconds=1.0) == 512
+    assert sides == [256, 512]  # 8 x 0.11 s fits a second, 8 x 0.9 s does not
+    assert rates.affordable_side(torch.bfloat16, 2048, seconds=0.01) == 256  # never below the probe's side
+    assert rates.affordable_side(torch.bfloat16, 100, seconds=0.01) == 100  # a side below it is kept

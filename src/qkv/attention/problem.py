@@ -25,7 +25,9 @@ from qkv.masks import Mask
 from qkv.native import magnitude_bf16
 from qkv.scores import ScoreMod, ScoreTerms, check_softcap
 
-__all__ = ["AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask"]
+__all__ = [
+    "AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask", "scan_magnitudes",
+]
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,13 @@ def describe_problem(
     score_mod: ScoreMod | None = None,
     kv_bounds: KVBounds | None = None,
     sinks: torch.Tensor | None = None,
+    q_max: float | None = None,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
     mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
-    describes exactly k and v, replaces the scan of k and v by the data checks."""
+    describes exactly k and v, replaces the scan of k and v by the data checks; ``q_max``
+    (max |q|, inf when q is not finite), given by a caller that scanned q itself (a widened
+    call, on the bf16 tensor it copied exactly), replaces the scan of q."""
     if kv_bounds is not None and not isinstance(kv_bounds, KVBounds):
         raise TypeError(f"kv_bounds must be None or a KVBounds (KVCache.bounds), got {type(kv_bounds).__name__}")
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
@@ -162,7 +167,7 @@ def describe_problem(
     sink_logits = _check_sinks(sinks, q, batch_shape, H)  # (N | 1, H) or None
     known = kv_bounds if kv_bounds is not None and not private_torch.host_unreadable(k, v) and kv_bounds.describes(k, v) else None
     bias_top = 0.0 if terms.bias is None else terms.bias.largest(L, S)
-    nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known)
+    nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known, q_max)
     if private_torch.host_unreadable(q, k, v, normalized):
         # times the gate (1): the overflow check runs with the graph and raises there
         q = q * _traced_magnitudes(q, k, normalized, scale, terms.softcap, bias_top).to(q.dtype)
@@ -226,6 +231,12 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     return largest_magnitude(compact(x))
 
 
+def scan_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
+    """max |x_i| of each tensor (inf when it holds an infinity or a NaN), as the input checks
+    scan them (`_largest_magnitudes`), for a caller that scans before it copies the tensors."""
+    return _largest_magnitudes(tensors)
+
+
 def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
     """`_largest_magnitude` of each tensor; large bfloat16 ones by the compiled scan
     (`qkv.native.magnitude_bf16`: 2.5x torch.aminmax, the same answer)."""
@@ -249,6 +260,7 @@ def _check_magnitudes(
     softcap: float | None = None,
     bias_top: float | torch.Tensor = 0.0,
     known: KVBounds | None = None,
+    q_max: float | None = None,
 ) -> bool:
     """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
 
@@ -260,7 +272,8 @@ def _check_magnitudes(
     1.8e308 for float64) or exp and the softmax would see inf and return NaN.
 
     ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
-    are the same (the tight bound, when needed, still reads k).
+    are the same (the tight bound, when needed, still reads k). ``q_max``: max |q| found by the
+    caller; q is then not scanned here.
 
     Where the values cannot be read on the host (torch.compile, torch.export, vmap) the same
     rule runs as tensor operations (`_traced_magnitudes`) and True is returned: the NaN rule
@@ -270,10 +283,12 @@ def _check_magnitudes(
         return True  # describe_problem runs `_traced_magnitudes` instead
     if isinstance(bias_top, torch.Tensor):  # a traced bias bound; on the host it is a number
         bias_top = float(bias_top)
-    if known is None:
-        magnitudes = _largest_magnitudes((q, k, v))
-    else:
-        magnitudes = [*_largest_magnitudes((q,)), known.k_max, known.v_max]
+    unknown = ((q,) if q_max is None else ()) + ((k, v) if known is None else ())
+    scanned = iter(_largest_magnitudes(unknown) if unknown else [])
+    magnitudes = [
+        next(scanned) if q_max is None else q_max,
+        *((next(scanned), next(scanned)) if known is None else (known.k_max, known.v_max)),
+    ]
     finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():

@@ -16,7 +16,7 @@ import torch
 
 from qkv.native.timing import fastest
 
-__all__ = ["LIMIT_SIDES", "machine_matmul_gflops", "matmul_gflops", "matmul_words"]
+__all__ = ["LIMIT_SIDES", "PRODUCT_SECONDS", "affordable_side", "machine_matmul_gflops", "matmul_gflops", "matmul_words"]
 
 # Sides `matmul_gflops` tries when asked for the machine's limit. No single size is the BLAS's
 # best on every machine and thread count: here (2 cores, AMX) bf16 peaks at 1024^2 on one thread
@@ -26,10 +26,20 @@ LIMIT_SIDES = (1024, 2048)
 # 1 ms bf16 product gets as many tries as a slow float32 one (`fastest`'s round_seconds).
 _ROUND_SECONDS = 0.05
 
+# The longest one product may take where a side is chosen by `affordable_side`. A dtype whose
+# products this CPU emulates (bfloat16 on AVX2: about 0.3 GFLOP/s, one 2048^2 product a minute)
+# is measured on a smaller product instead; a native dtype's limit sides stay: float32 on two
+# AVX2 cores at 30 GFLOP/s does 2048^2 in 0.6 s.
+PRODUCT_SECONDS = 1.0
+# The first side `affordable_side` times: a tenth of a second where products are emulated.
+_PROBE_SIDE = 256
+
 # Side and rounds of the product `machine_matmul_gflops` measures for `qkv.explain`: large
-# enough for the BLAS's steady state on a few cores, well under a second in float32.
+# enough for the BLAS's steady state on a few cores, well under a second in float32; a smaller
+# side where one product would take longer than _EXPLAIN_PRODUCT_SECONDS (emulated dtypes).
 _EXPLAIN_SIDE = 1024
 _EXPLAIN_REPEATS = 5
+_EXPLAIN_PRODUCT_SECONDS = 0.2
 
 
 def matmul_gflops(
@@ -72,13 +82,30 @@ def matmul_words(side: int | None = None) -> str:
     return ("best of " if len(sides) > 1 else "") + ", ".join(f"{n}^2" for n in sides)
 
 
+def affordable_side(dtype: torch.dtype, side: int, seconds: float = PRODUCT_SECONDS) -> int:
+    """``side``, or a smaller one (at least 256) whose one ``dtype`` product takes at most
+    ``seconds``: from 256 the side doubles while eight times the time of the current side's
+    product, timed now, fits (a guess: the rate changes with the side, up for a BLAS's native
+    products, down past the cache for emulated ones). Each step times products of at most an
+    eighth of ``seconds``: where products are emulated this costs a second or two, not the
+    minute of one 2048^2 bf16 product."""
+    chosen = min(side, _PROBE_SIDE)
+    while chosen < side:
+        taken = 2 * chosen**3 / (matmul_gflops(dtype, side=chosen, repeats=1) * 1e9)  # seconds
+        if 8 * taken > seconds:
+            break
+        chosen = min(2 * chosen, side)
+    return chosen
+
+
 @functools.cache
 def machine_matmul_gflops(dtype: torch.dtype, threads: int) -> float:
-    """The rate of a 1024^2 ``dtype`` product on ``threads`` threads, measured once per process
-    and cached: what `qkv.explain(..., measure=True)` reports (benchmarks measure their own)."""
+    """The rate of a 1024^2 ``dtype`` product on ``threads`` threads (smaller where one such
+    product would take over 0.2 s, `affordable_side`), measured once per process and cached:
+    what `qkv.explain(..., measure=True)` reports (benchmarks measure their own)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return matmul_gflops(dtype, side=_EXPLAIN_SIDE, repeats=_EXPLAIN_REPEATS)
+        return matmul_gflops(dtype, side=affordable_side(dtype, _EXPLAIN_SIDE, _EXPLAIN_PRODUCT_SECONDS), repeats=_EXPLAIN_REPEATS)
     finally:
         torch.set_num_threads(previous)
