@@ -292,6 +292,13 @@ def decode_blocks(
     runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
     G = k_pool.shape[2]
+    if len(runs) == 1:
+        # one run is a contiguous cache (a strided view of the pool): the step of `qkv.attention`
+        # on it, the compiled kernel where it runs, so the two give equal bits
+        _, k, v = runs[0]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+        kernel = "native_decode" if native_reason(q, k, v, terms, grad) is None else "decode"
+        return decode_attention(q, k, v, scale, mask, terms, sinks, kernel=kernel)
     if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
         return decode_runs(q, runs, S, scale, mask, terms, sinks)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
