@@ -17,7 +17,8 @@
 // vector once per row group, the products accumulate in registers.
 //
 // The same source is compiled per CPU tier: AVX-512 (16 float lanes) when __AVX512F__, AVX2 +
-// FMA (8 lanes) when __AVX2__, plain C++ otherwise. exp is a polynomial (below), the same in
+// FMA (8 lanes) when __AVX2__, plain C++ otherwise; with __AVX512BF16__ (the amx tier) the
+// bf16 scores come from vdpbf16ps on the cache's bytes. exp is a polynomial (below), the same in
 // vector and scalar form up to rounding: the score of a key always takes the same form, so
 // results do not depend on where a block starts.
 //
@@ -37,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -58,6 +60,7 @@ inline vf vload(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf lane0(float x) { return _mm512_castps128_ps512(_mm_set_ss(x)); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -84,6 +87,7 @@ inline vf vload(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf lane0(float x) { return _mm256_castps128_ps256(_mm_set_ss(x)); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
@@ -116,6 +120,7 @@ inline vf vload(const uint16_t* p) {
   return x;
 }
 inline void vstore(float* p, vf x) { *p = x; }
+inline vf lane0(float x) { return x; }
 inline vf vfma(vf a, vf b, vf c) { return std::fma(a, b, c); }
 inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vsub(vf a, vf b) { return a - b; }
@@ -191,6 +196,29 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
+// The sums of NR accumulators into scores[r * kBlock] (r < NR), times `scale`. AVX-512: four
+// at a time by one transposed reduction (9 shuffles and adds for four sums, where one
+// _mm512_reduce_add_ps costs 8 for one).
+template <int NR>
+inline void store_sums(const vf* acc, float* scores, float scale) {
+  int r = 0;
+#if defined(__AVX512F__)
+  for (; r + 4 <= NR; r += 4) {
+    __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r], acc[r + 1], 0x44), _mm512_shuffle_f32x4(acc[r], acc[r + 1], 0xEE));
+    __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[r + 2], acc[r + 3], 0x44), _mm512_shuffle_f32x4(acc[r + 2], acc[r + 3], 0xEE));
+    // quarters: t0 = [a0, a0, a1, a1], t1 = [a2, a2, a3, a3] (halves of each row's sum)
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    // quarter i holds row r + i's four partial sums
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, u);
+    for (int i = 0; i < 4; ++i) scores[(r + i) * kBlock] = lanes[4 * i] * scale;
+  }
+#endif
+  for (; r < NR; ++r) scores[r * kBlock] = vsum(acc[r]) * scale;
+}
+
 // scores[r * kBlock + j] = q_r . k_j for the NR rows q (rows `q_stride` apart, E floats
 // padded with zeros to a multiple of W) and the keys k_0..k_{n-1} (k_stride apart). With
 // `ahead` > 0, the rows of k and v that many keys ahead are prefetched, key by key (without
@@ -212,12 +240,13 @@ void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, 
       vf kv = vload(key + e);
       for (int r = 0; r < NR; ++r) acc[r] = vfma(vload(q + r * q_stride + e), kv, acc[r]);
     }
-    float tail[NR] = {};
-    for (int e = body; e < E; ++e) {
-      float kv = scalar(key + e);
-      for (int r = 0; r < NR; ++r) tail[r] += q[r * q_stride + e] * kv;
+    if (body < E) {  // the head dim's last values: into lane 0 (one scalar product each)
+      for (int e = body; e < E; ++e) {
+        float kv = scalar(key + e);
+        for (int r = 0; r < NR; ++r) acc[r] = vadd(acc[r], lane0(q[r * q_stride + e] * kv));
+      }
     }
-    for (int r = 0; r < NR; ++r) scores[r * kBlock + j] = vsum(acc[r]) + tail[r];
+    store_sums<NR>(acc, scores + j, 1.0f);
   }
 }
 
@@ -242,6 +271,55 @@ void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// bfloat16 scores with vdpbf16ps (AVX-512 BF16): pairs of bf16 products summed into float32
+// lanes, straight from the cache's bytes (no widening); q rows are the unscaled bf16 inputs,
+// zero-padded to a multiple of 32, and the scale multiplies the float32 sum. The products of
+// two bf16 values are exact in float32, as in the widened path.
+constexpr int kPair = 32;  // bf16 values per 512-bit vector
+template <int NR>
+void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, int n, int E,
+                     float scale, float* scores, const uint16_t* v, int64_t v_stride, int Ev, int ahead) {
+  const int body = E / kPair * kPair;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (E - body)) - 1);
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* key = k + j * k_stride;
+    if (j < ahead) {
+      prefetch_row(key + ahead * k_stride, E * 2);
+      prefetch_row(v + (j + ahead) * v_stride, Ev * 2);
+    }
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int e = 0; e < body; e += kPair) {
+      __m512bh kv = (__m512bh)_mm512_loadu_si512(key + e);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(q + r * q_stride + e), kv);
+    }
+    if (body < E) {
+      __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(tail, key + body);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(q + r * q_stride + body), kv);
+    }
+    store_sums<NR>(acc, scores + j, scale);
+  }
+}
+
+void score_group_bf16(int rows, const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks, int n, int E, float scale,
+                      float* s, const uint16_t* v, int64_t vs, int Ev, int ahead) {
+  switch (rows) {
+    case 1: return score_rows_bf16<1>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 2: return score_rows_bf16<2>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 3: return score_rows_bf16<3>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 4: return score_rows_bf16<4>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 5: return score_rows_bf16<5>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 6: return score_rows_bf16<6>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 7: return score_rows_bf16<7>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    default: return score_rows_bf16<8>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+  }
+}
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
+#endif
 
 // The register-blocked kernels for a row group of `rows` <= kRows rows.
 template <typename T>
@@ -305,10 +383,14 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
   // the group's query rows (row r*L + i: head g*R + r, query i), scaled, float32, zero-padded
   std::vector<float> qrows(RL * Ep, 0.0f), scores(RL * kBlock);  // kBlock is a multiple of W
   const T* q = static_cast<const T*>(P.q);
+  constexpr bool dot = kDotBf16 && std::is_same_v<T, uint16_t>;
+  const int64_t Ep2 = (E + 31) / 32 * 32;
+  std::vector<uint16_t> qraw(dot ? RL * Ep2 : 0, 0);  // the bf16 rows as they are, for vdpbf16ps
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t i = 0; i < L; ++i) {
       const T* row = q + n * P.qs[0] + (g * R + r) * P.qs[1] + i * P.qs[2];
       for (int64_t e = 0; e < E; ++e) qrows[(r * L + i) * Ep + e] = scalar(row + e) * P.scale;
+      if constexpr (dot) std::memcpy(qraw.data() + (r * L + i) * Ep2, row, E * sizeof(uint16_t));
     }
   }
   // each row's visible keys within [a, b): [first, last)
@@ -334,6 +416,14 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
     const int ahead = static_cast<int>(std::clamp<int64_t>(highest - j0 - kBlock, 0, std::min<int64_t>(kBlock, cnt)));
     for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
+#if defined(__AVX512BF16__)
+      if constexpr (dot) {
+        score_group_bf16(rows, qraw.data() + r0 * Ep2, Ep2, k + j0 * P.ks[2], P.ks[2], cnt, static_cast<int>(E), P.scale,
+                         scores.data() + r0 * kBlock, v + j0 * P.vs[2], P.vs[2], static_cast<int>(Ev),
+                         r0 == 0 ? ahead : 0);
+        continue;
+      }
+#endif
       score_group<T>(rows, qrows.data() + r0 * Ep, Ep, k + j0 * P.ks[2], P.ks[2], cnt, static_cast<int>(E),
                      scores.data() + r0 * kBlock, v + j0 * P.vs[2], P.vs[2], static_cast<int>(Ev), r0 == 0 ? ahead : 0);
     }

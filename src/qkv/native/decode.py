@@ -12,8 +12,9 @@ sliding windows, key padding) and sinks; no bias, softcap or gradient (those kee
 path).
 
 Tiers. The source is written for each of ``TIERS`` and compiled per tier with that tier's
-flags only (`qkv.native.build.TIER_CFLAGS`): AVX2 + FMA (8 float lanes, AMD EPYC) or AVX-512
-(16 lanes, the ``avx512`` and ``amx`` machines). The build that runs is the machine's
+flags only (`qkv.native.build.TIER_CFLAGS`): AVX2 + FMA (8 float lanes, AMD EPYC), AVX-512
+(16 lanes) and, on ``amx`` machines, AVX-512 with the bf16 dot product ``vdpbf16ps`` for the
+bfloat16 scores (read from the cache's bytes, no widening). The build that runs is the machine's
 (`qkv.native.machine.cpu_features`, which ``QKV_CPU_TIER`` can lower), or the one ``tier=``
 asks for: a build for a lower tier runs on a higher machine, so the AVX2 build is tested on an
 AVX-512 one. Builds are kept per tier, each with the tier in its cache key.
@@ -39,12 +40,14 @@ import torch
 
 from qkv.native import build as compiled
 from qkv.native import switches
+from qkv.native.machine import cpu_features
 
 __all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "first_use_note", "forward", "unavailable_reason"]
 
 KERNEL_NAME = "native decode kernel"
-# the tiers it is written for, lowest first (the amx machines run the avx512 build)
-TIERS: tuple[str, ...] = ("avx2", "avx512")
+# the tiers it is written for, lowest first: the amx build adds vdpbf16ps (AVX-512 BF16) for
+# the bf16 scores; an avx512 machine without those instructions runs the avx512 build
+TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("decode.cpp")
 
@@ -59,8 +62,12 @@ def _kernel(tier: str) -> compiled.NativeKernel:
 
 
 def _tier(tier: str | None) -> str | None:
-    """The tier whose build runs for ``tier`` (None: the tier qkv uses now)."""
-    return compiled.build_tier(TIERS, tier)
+    """The tier whose build runs for ``tier`` (None: the tier qkv uses now; its amx build needs
+    AVX-512 BF16, which every AMX CPU so far has: without it, the avx512 build)."""
+    built = compiled.build_tier(TIERS, tier)
+    if built == "amx" and tier is None and not cpu_features().avx512_bf16:
+        return "avx512"
+    return built
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | None = None) -> str | None:
@@ -248,7 +255,7 @@ def forward(
     if tier is not None and tier not in TIERS:
         raise ValueError(f"tier={tier!r}: the {KERNEL_NAME} is built for {', '.join(TIERS)}")
     if tier is not None and compiled.build_tier((tier,), None) is None:
-        raise ValueError(f"tier={tier!r} is above this machine's tier ({compiled.cpu_features().describe()})")
+        raise ValueError(f"tier={tier!r} is above this machine's tier ({cpu_features().describe()})")
     if unavailable_reason(q.dtype, q.device, tier) is not None:
         return None
     built = _tier(tier)
