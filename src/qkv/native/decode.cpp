@@ -222,8 +222,8 @@ inline void store_sums(const vf* acc, float* scores, float scale) {
 // scores[r * kBlock + j] = q_r . k_j for the NR rows q (rows `q_stride` apart, E floats
 // padded with zeros to a multiple of W) and the keys k_0..k_{n-1} (k_stride apart). With
 // `ahead` > 0, the rows of k and v that many keys ahead are prefetched, key by key (without
-// it the value pass, which walks the block's rows column by column, waits on memory: a
-// single-thread decode step read 4.6 GB/s of bf16, not the 10 it reads with it).
+// it the value pass, which walks the block's rows column by column, waits on memory: one
+// thread, bf16, R = 4, E = 128, 256k keys, loaded machine: 175 ns a key without, 91 with).
 template <int NR, typename T>
 void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, int n, int E, float* scores,
                 const T* v = nullptr, int64_t v_stride = 0, int Ev = 0, int ahead = 0) {
