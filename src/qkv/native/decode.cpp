@@ -477,8 +477,8 @@ void run_all(const Problem& P, const float* sinks, int64_t sink_rows, float* out
     }
   }
   if (failed) return;
-  // the merge, splits in order: M = max(max_c m_c, sink), den = sum_c e^(m_c - M) l_c + e^(sink - M)
-#pragma omp parallel for num_threads(threads) schedule(static)
+  // the merge, splits in order: M = max(max_c m_c, sink), den = sum_c e^(m_c - M) l_c + e^(sink - M);
+  // on this thread: R*L rows of Ev values per (row, KV head), less than a thread's start-up
   for (int64_t ng = 0; ng < P.N * P.G; ++ng) {
     const int64_t n = ng / P.G, g = ng % P.G;
     const float* states = P.scratch + ng * P.splits * state;
