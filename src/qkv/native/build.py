@@ -23,6 +23,13 @@ into place, so two processes building at once never load half a file. Nothing he
 a kernel that cannot be built is one sentence saying why (the compiler is missing, or the
 compiler's first error line), and its caller falls back to a path that needs no compiler.
 Each build is noted on the ``qkv`` logger: ``building <stem> ... done in X s``.
+
+Tiers. The AMX kernels are written for `REQUIRED_TIER` only (`static_reason`). A kernel written
+for several tiers (the decode kernel, `qkv.native.decode`) is built once per tier it runs at,
+with that tier's flags only (`TIER_CFLAGS`), as its own library (``NativeKernel.tier``, in the
+cache key): `build_tier` picks the highest tier it supports at or below the one qkv uses now
+(``QKV_CPU_TIER`` lowers it, so an AVX2 build runs and is tested on an AMX machine), and
+`tier_reason` says why it cannot run without building.
 """
 
 from __future__ import annotations
