@@ -146,6 +146,49 @@ inline float scalar(const uint16_t* p) {
   return x;
 }
 
+// bf16 values are read 2W at a time as two float vectors, the even-indexed values (the low
+// halves of the 32-bit lanes, shifted up) and the odd ones (the high halves, masked): two
+// cheap integer operations for 2W values, where widening W of them costs a cross-lane
+// shuffle and a shift. The columns 0 .. paired(n) - 1 are then held in that order, per group
+// of 2W: the W even columns, then the W odd ones (`interleave` restores the order).
+template <typename T>
+constexpr int paired(int n) {
+  return std::is_same_v<T, uint16_t> && W > 1 ? n / (2 * W) * (2 * W) : 0;
+}
+
+inline void vload_pairs(const uint16_t* p, vf& even, vf& odd) {
+#if defined(__AVX512F__)
+  __m512i x = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#elif defined(__AVX2__)
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  even = scalar(p);
+  odd = scalar(p + 1);
+#endif
+}
+
+// Columns 0 .. count - 1 of x from the paired order (per 2W: evens, then odds) to the natural
+// one (inverse = false), or back (inverse = true).
+inline void interleave(float* x, int count, bool inverse) {
+  float tmp[2 * W];
+  for (int e = 0; e < count; e += 2 * W) {
+    for (int i = 0; i < W; ++i) {
+      if (inverse) {
+        tmp[i] = x[e + 2 * i];
+        tmp[W + i] = x[e + 2 * i + 1];
+      } else {
+        tmp[2 * i] = x[e + i];
+        tmp[2 * i + 1] = x[e + W + i];
+      }
+    }
+    std::memcpy(x + e, tmp, sizeof tmp);
+  }
+}
+
 // exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r, |r| <= ln2 / 2, e^r by
 // its degree-6 Taylor polynomial (relative error < 2e-7 on that range), times 2^n. Below
 // -87.3 (2^-126, the smallest normal float) it gives 0, and so for -inf (a hidden key).
@@ -244,7 +287,18 @@ void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, 
     }
     vf acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = vzero();
-    for (int e = 0; e < body; e += W) {
+    const int two = paired<T>(E);  // q's columns below it are in the paired order
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      for (int e = 0; e < two; e += 2 * W) {
+        vf even, odd;
+        vload_pairs(key + e, even, odd);
+        for (int r = 0; r < NR; ++r) {
+          acc[r] = vfma(vload(q + r * q_stride + e), even, acc[r]);
+          acc[r] = vfma(vload(q + r * q_stride + e + W), odd, acc[r]);
+        }
+      }
+    }
+    for (int e = two; e < body; e += W) {
       vf kv = vload(key + e);
       for (int r = 0; r < NR; ++r) acc[r] = vfma(vload(q + r * q_stride + e), kv, acc[r]);
     }
@@ -259,10 +313,44 @@ void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, 
 }
 
 // acc[r] += sum_j p[r * kBlock + j] v_j for NR rows (acc rows `acc_stride` apart, Ev floats).
+// Columns below paired<T>(Ev) are in the paired order (`vload_pairs`).
 template <int NR, typename T>
 void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev, float* acc, int64_t acc_stride) {
-  const int body = Ev / W * W;
-  for (int e = 0; e < body; e += W) {
+  const int body = Ev / W * W, two = paired<T>(Ev);
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    // 2 NR sums + 3 operands: AVX2's 16 registers take four rows at a time
+    constexpr int kAt = W == 8 && NR > 4 ? 4 : NR;
+    for (int r0 = 0; r0 < NR; r0 += kAt) {
+      const int rows = std::min(kAt, NR - r0);
+      for (int e = 0; e < two; e += 2 * W) {
+        vf even[kAt], odd[kAt];
+        for (int r = 0; r < kAt; ++r) {
+          if (r < rows) {
+            even[r] = vload(acc + (r0 + r) * acc_stride + e);
+            odd[r] = vload(acc + (r0 + r) * acc_stride + e + W);
+          }
+        }
+        for (int j = 0; j < n; ++j) {
+          vf ve, vo;
+          vload_pairs(v + j * v_stride + e, ve, vo);
+          for (int r = 0; r < kAt; ++r) {
+            if (r < rows) {
+              vf w = vset(p[(r0 + r) * kBlock + j]);
+              even[r] = vfma(w, ve, even[r]);
+              odd[r] = vfma(w, vo, odd[r]);
+            }
+          }
+        }
+        for (int r = 0; r < kAt; ++r) {
+          if (r < rows) {
+            vstore(acc + (r0 + r) * acc_stride + e, even[r]);
+            vstore(acc + (r0 + r) * acc_stride + e + W, odd[r]);
+          }
+        }
+      }
+    }
+  }
+  for (int e = two; e < body; e += W) {
     vf sum[NR];
     for (int r = 0; r < NR; ++r) sum[r] = vload(acc + r * acc_stride + e);
     for (int j = 0; j < n; ++j) {
@@ -399,6 +487,7 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
       const T* row = q + n * P.qs[0] + (g * R + r) * P.qs[1] + i * P.qs[2];
       for (int64_t e = 0; e < E; ++e) qrows[(r * L + i) * Ep + e] = scalar(row + e) * P.scale;
       if constexpr (dot) std::memcpy(qraw.data() + (r * L + i) * Ep2, row, E * sizeof(uint16_t));
+      interleave(qrows.data() + (r * L + i) * Ep, paired<T>(static_cast<int>(E)), true);  // as the keys are read
     }
   }
   // each row's visible keys within [a, b): [first, last)
@@ -467,6 +556,13 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
 }
 
 template <typename T>
+void run_split_ordered(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, float* state) {
+  run_split<T>(P, n, g, a, b, state);
+  const int64_t RL = P.H / P.G * P.L;
+  for (int64_t r = 0; r < RL; ++r) interleave(state + 2 * RL + r * P.Ev, paired<T>(static_cast<int>(P.Ev)), false);
+}
+
+template <typename T>
 void run_all(const Problem& P, const float* sinks, int64_t sink_rows, float* out, float* lse, int threads, int& failed) {
   const int64_t R = P.H / P.G, RL = R * P.L, Ev = P.Ev;
   const int64_t keys = P.stop - P.start;
@@ -479,7 +575,7 @@ void run_all(const Problem& P, const float* sinks, int64_t sink_rows, float* out
     try {
       const int64_t c = t % P.splits, ng = t / P.splits;
       const int64_t a = std::min(P.stop, P.start + c * chunk), b = std::min(P.stop, a + chunk);
-      run_split<T>(P, ng / P.G, ng % P.G, a, b, P.scratch + t * state);
+      run_split_ordered<T>(P, ng / P.G, ng % P.G, a, b, P.scratch + t * state);
     } catch (...) {  // nothing may leave an OpenMP region
       failed = 1;
     }
