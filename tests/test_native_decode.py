@@ -201,7 +201,7 @@ def test_bad_arguments_are_named_before_the_kernel_reads_memory() -> None:
         torch.ops.qkv.decode(q, k, v, 0.25, 0, 32, 1, torch.zeros(1, 2), torch.zeros(1, 2), None, None, "")
 
 
-def test_the_operator_gives_what_the_direct_call_gives(ran: list[str]) -> None:
+def test_the_operator_gives_what_the_direct_call_gives() -> None:
     if _skip_reason(torch.float32, None) is not None:
         pytest.skip("the native decode kernel cannot run here")
     q, k, v = _inputs(1, 4, 2, 2, 300, 16, 16, torch.float32, seed=5)
