@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.native import build as compiled
+from qkv.native import decode as native_decode
 from qkv.native import interval_bf16, interval_bf16_backward, inventory, short_bf16
 
 BF16 = torch.bfloat16
@@ -67,6 +68,15 @@ def _magnitude_args(seed: int = 4) -> tuple:  # type: ignore[type-arg]
     return ([torch.randn(3, 50, 45, generator=g).to(BF16).transpose(0, 1), torch.randn(1000, generator=g).to(BF16)],)
 
 
+def _decode_args(seed: int = 5) -> tuple:  # type: ignore[type-arg]
+    g = _gen(seed)
+    q = torch.randn(2, 6, 3, 40, generator=g).to(BF16)  # (N, H, L, E)
+    k = torch.randn(2, 2, 300, 40, generator=g).to(BF16)  # (N, G, S, E)
+    v = torch.randn(2, 2, 300, 24, generator=g).to(BF16)  # (N, G, S, Ev)
+    lo, hi = torch.tensor([[0, 10, 20]]), torch.tensor([[280, 290, 299]])  # (1, L)
+    return (q, k, v, 0.15, 0, 300, 2, lo, hi, torch.rand(2, 300, generator=g) < 0.8, torch.zeros(1, 6), "")
+
+
 # stem -> (operator name, example arguments, the shapes and dtypes its outputs must have)
 CASES: dict[str, tuple[str, Callable[[], tuple], list[tuple[tuple[int, ...], torch.dtype]]]] = {  # type: ignore[type-arg]
     "interval_bf16": ("interval_bf16_forward", _interval_args, [((1, 2, 70, 40), torch.float32), ((1, 2, 70), torch.float32)]),
@@ -76,11 +86,14 @@ CASES: dict[str, tuple[str, Callable[[], tuple], list[tuple[tuple[int, ...], tor
     "short_bf16": ("short_bf16", _short_args, [((2, 4, 7, 20), BF16)]),
     "add_norm_bf16": ("add_norm_bf16", _add_norm_args, [((3, 5, 45), torch.float32), ((3, 5, 45), BF16)]),
     "magnitude_bf16": ("magnitude_bf16", _magnitude_args, [((2,), torch.int32)]),
+    "decode": ("decode", _decode_args, [((2, 6, 3, 24), torch.float32), ((2, 6, 3), torch.float32)]),
 }
 
 
 def _static_reason(stem: str) -> str | None:
     """Why this kernel cannot run on this machine, from facts that need no build."""
+    if stem == "decode":  # float32 and bf16, from AVX2 up
+        return compiled.tier_reason(native_decode.TIERS, BF16, CPU, native_decode.DTYPES)
     return compiled.static_reason(BF16, CPU, needs_onednn=stem in ("interval_bf16", "interval_bf16_backward"))
 
 
@@ -89,8 +102,11 @@ def _outputs(result: object) -> list[torch.Tensor]:
 
 
 def test_every_kernel_is_an_operator_of_the_qkv_namespace() -> None:
-    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES)
-    for stem, name in inventory.OPERATORS.items():
+    # the decode kernel is built per tier (stems decode_<tier>), one operator for all; the
+    # inventory (`qkv doctor`) lists the kernels built for one tier
+    assert native_decode._kernel("avx2").stem == "decode_avx2"
+    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - {"decode"}
+    for stem, name in [*inventory.OPERATORS.items(), ("decode", "decode")]:
         assert CASES[stem][0] == name
         assert getattr(torch.ops.qkv, name).default._schema.name == f"qkv::{name}"
 

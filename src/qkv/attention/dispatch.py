@@ -38,7 +38,7 @@ from qkv.backends.blocks.planner import (
 from qkv.backends.blocks.scored import closes_over_grad
 from qkv.backends.dense import flash_kernel_available, fused_lse_available
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
-from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_reason
+from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, KeyPadding, Mask
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
 
@@ -286,7 +286,7 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
     ``backend="decode"`` it raises a ValueError naming what it cannot take; with "auto" it
     returns None unless the problem is a decode step on CPU (L <= `decode.MAX_QUERIES`,
     S >= `DECODE_MIN_KEYS`)."""
-    L, S, terms = problem.L, problem.S, problem.terms
+    L, S = problem.L, problem.S
     refusal = decode_reason(problem)
     if refusal is None and return_weights:
         refusal = "it returns no weights (return_weights=True)"
@@ -297,9 +297,7 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
     if backend == "decode":
         if refusal is not None:
             raise ValueError(f"backend='decode': {refusal}; use 'auto'")
-        return Plan("decode", "backend='decode' was requested", mask="chunks" if problem.mask is not None else "none",
-                    scores="chunks" if terms.active else "none", lse="kernel", forward_kernel="decode",
-                    backward_kernel="decode")
+        return _decode_plan(problem, "backend='decode' was requested")
     if refusal is not None or problem.q.device.type != "cpu" or S < DECODE_MIN_KEYS:
         return None
     reason = (
@@ -307,9 +305,16 @@ def decode_plan(problem: AttentionProblem, backend: str, return_weights: bool) -
         "the decode kernel splits the keys into chunks across threads, reads each K/V chunk once for "
         "all query heads of its group and merges the chunks by lse"
     )
+    return _decode_plan(problem, reason)
+
+
+def _decode_plan(problem: AttentionProblem, reason: str) -> Plan:
+    """The decode path's Plan: the compiled kernel forward where it runs (it has no backward:
+    it runs only without a gradient), else the PyTorch ops both ways."""
+    kernel, absent = decode_kernel(problem)
     return Plan("decode", reason, mask="chunks" if problem.mask is not None else "none",
-                scores="chunks" if terms.active else "none", lse="kernel", forward_kernel="decode",
-                backward_kernel="decode")
+                scores="chunks" if problem.terms.active else "none", lse="kernel", forward_kernel=kernel,
+                backward_kernel="none" if kernel == "native_decode" else "decode", forward_absent=absent)
 
 
 def decode_widens_itself(

@@ -32,7 +32,7 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
     if plan.path in ("blocks", "flex"):
         return _run_tiles(problem, plan)
     if plan.path == "decode":
-        return _run_decode(problem)
+        return _run_decode(problem, plan.forward_kernel)
     q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
     mask = _mask_tensor(problem, plan.mask)
     if plan.path == "math":
@@ -62,13 +62,13 @@ def run(problem: AttentionProblem, plan: Plan) -> Result:
     return out, weights, lse
 
 
-def _run_decode(problem: AttentionProblem) -> Result:
-    """The decode kernel: (output (N, H, L, Ev), no weights, lse (N, H, L))."""
+def _run_decode(problem: AttentionProblem, kernel: str) -> Result:
+    """The decode kernel the Plan names: (output (N, H, L, Ev), no weights, lse (N, H, L))."""
     mask = problem.mask
     assert mask is None or isinstance(mask, Mask)  # dispatch.decode_plan takes no tensor mask
     out, lse = decode_attention(
         problem.q, problem.k, problem.v, problem.scale, None if mask is None else mask.to(problem.q.device),
-        problem.terms, problem.sinks,
+        problem.terms, problem.sinks, kernel=kernel,
     )
     return out, None, lse
 

@@ -33,6 +33,12 @@ interval are never read, so a window reads only its own keys. A row with no visi
 zeros and lse -inf, with a sink too (as the math path). The chunk count depends on S and
 the thread count only, never on timing: two calls at one thread count are bitwise equal.
 
+The compiled kernel. Without a gradient or a bias, with one dtype (float32 or bfloat16) and unit
+strides along the head dims, a call runs ``qkv.native.decode`` instead (the Plan names it
+``native_decode``; `native_reason` says why not): the same splits and merge in one C++ call per
+step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers. Its build is tried
+once per process; when it fails, these PyTorch ops run (one note on the ``qkv`` logger).
+
 Low-precision inputs whose products this CPU emulates are widened to the compute dtype
 (`qkv.native.machine.compute_dtype`) one wave of chunks at a time, never the whole cache.
 Gradients flow through the PyTorch ops (autograd keeps the scores and exponentials,
@@ -49,11 +55,12 @@ import torch
 from qkv._private.torch import cpu_flash_attention
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
+from qkv.native import decode as native
 from qkv.native.machine import compute_dtype
 from qkv.scores import ScoreTerms
 
 __all__ = [
-    "MAX_QUERIES", "MIN_CHUNK", "block_runs", "decode_attention", "decode_blocks", "decode_extra_bytes", "decode_runs", "default_splits", "fused_splits", "supports_mask",
+    "MAX_QUERIES", "MIN_CHUNK", "block_runs", "decode_attention", "decode_blocks", "decode_extra_bytes", "decode_runs", "default_splits", "fused_splits", "native_reason", "supports_mask",
 ]  # fmt: skip
 
 # At most this many queries: beyond it a query-parallel kernel has enough rows to share out,
@@ -109,16 +116,59 @@ def decode_attention(
     terms: ScoreTerms | None = None,
     sinks: torch.Tensor | None = None,
     splits: int | None = None,
+    kernel: str = "decode",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + bias, masked) v with the keys split into chunks, merged by lse.
 
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev); ``mask``: None, `qkv.masks.causal`,
     `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a bias only (no softcap or
     score_mod); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
-    (`default_splits` when None). Returns (output (N, H, L, Ev) in q's dtype, lse (N, H, L)
-    in the accumulation dtype).
+    (`default_splits` when None; the compiled kernel's splits per KV head, `fused_splits`).
+    ``kernel``: "native_decode" runs the compiled kernel (the caller checked `native_reason`),
+    these PyTorch ops when its build failed; "decode" runs the PyTorch ops. Returns (output
+    (N, H, L, Ev) in q's dtype, lse (N, H, L) in the accumulation dtype).
     """
+    if kernel == "native_decode":
+        result = _native_attention(q, k, v, scale, mask, sinks, splits)
+        if result is not None:
+            return result
+        # its build or self-check failed just now (noted once): the PyTorch ops below
     return decode_runs(q, [(0, k, v)], k.shape[2], scale, mask, terms, sinks, splits)
+
+
+def native_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms | None, grad: bool
+) -> str | None:
+    """Why the compiled kernel (`qkv.native.decode`) cannot take this decode step, or None:
+    it runs forward only, applies no bias, reads one dtype with a contiguous head dim. Never builds."""
+    if grad:
+        return "a gradient is needed (it runs forward only)"
+    if terms is not None and terms.active:
+        return f"it applies no score terms, got {terms.describe()}"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
+    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+        return "the keys or values are strided along their head dim"
+    return native.unavailable_reason(q.dtype, q.device)
+
+
+def _native_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None, sinks: torch.Tensor | None,
+    splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The compiled kernel: (output (N, H, L, Ev) in q's dtype, lse (N, H, L) float32), or None
+    when its build failed. Splits per KV head: `fused_splits` (one task per (row, KV head,
+    split), like the fused path's)."""
+    N, _, L, _ = q.shape
+    G, S = k.shape[1], k.shape[2]
+    start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    count = fused_splits(stop - start, N * G) if splits is None else splits
+    count = max(1, min(count, stop - start))
+    result = native.forward(q, k, v, scale, start, stop, count, lo, hi, valid, sinks)
+    if result is None:
+        return None
+    out, lse = result  # (N, H, L, Ev), (N, H, L) float32
+    return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
 
 def decode_runs(
@@ -242,6 +292,13 @@ def decode_blocks(
     runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
     G = k_pool.shape[2]
+    if len(runs) == 1:
+        # one run is a contiguous cache (a strided view of the pool): the step of `qkv.attention`
+        # on it, the compiled kernel where it runs, so the two give equal bits
+        _, k, v = runs[0]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+        kernel = "native_decode" if native_reason(q, k, v, terms, grad) is None else "decode"
+        return decode_attention(q, k, v, scale, mask, terms, sinks, kernel=kernel)
     if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
         return decode_runs(q, runs, S, scale, mask, terms, sinks)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)

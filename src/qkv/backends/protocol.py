@@ -41,6 +41,7 @@ from qkv.backends.dense import (
 from qkv.backends.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_extra_bytes
 from qkv.masks import Mask
 from qkv.native import build as compiled
+from qkv.native import decode as native_decode
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
 from qkv.scores import ScoreTerms
 
@@ -53,6 +54,7 @@ __all__ = [
     "COMPILED_KERNELS",
     "FORWARD_KERNELS",
     "Backend",
+    "decode_kernel",
     "decode_reason",
     "kernel_words",
 ]
@@ -64,6 +66,7 @@ FORWARD_KERNELS: dict[str, str] = {
     "math": "the explicit formula in PyTorch ops",
     "flex": "FlexAttention with qkv's BlockMask",
     "decode": "the split-key decode kernel in PyTorch ops",
+    "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, built for this CPU's tier)",
     "interval_bf16": f"the {interval_bf16.KERNEL_NAME} (C++, AMX micro-kernels)",
     "cpu_flash_tiles": "PyTorch's CPU flash kernel per tile",
     # the block engine with score terms: a bias alone on PyTorch's CPU flash kernel with a bias
@@ -91,9 +94,10 @@ COMPILED_KERNELS: dict[str, Any] = {
     "short_bf16": short_bf16,
     "interval_bf16": interval_bf16,
     "interval_bf16_backward": interval_bf16_backward,
+    "native_decode": native_decode,
 }
 # the compiled kernel that a portable one stands in for (`Plan.forward_absent` says why)
-_STANDS_IN_FOR = {"sdpa": "short_bf16", "cpu_flash_tiles": "interval_bf16", "engine_per_call": "interval_bf16_backward"}
+_STANDS_IN_FOR = {"decode": "native_decode", "sdpa": "short_bf16", "cpu_flash_tiles": "interval_bf16", "engine_per_call": "interval_bf16_backward"}
 
 
 def kernel_words(name: str, absent: str | None = None) -> str:
@@ -101,8 +105,8 @@ def kernel_words(name: str, absent: str | None = None) -> str:
     why the compiled kernel that ``name`` stands in for does not run."""
     words = FORWARD_KERNELS.get(name) or BACKWARD_KERNELS[name]
     module = COMPILED_KERNELS.get(name)
-    if module is not None:
-        words += compiled.first_use_note(module._built)
+    if module is not None:  # a kernel built per tier says its own note
+        words += module.first_use_note() if hasattr(module, "first_use_note") else compiled.first_use_note(module._built)
     if absent is not None:
         words += f" (the {COMPILED_KERNELS[_STANDS_IN_FOR[name]].KERNEL_NAME} does not run: {absent})"
     return words
@@ -209,6 +213,13 @@ def decode_reason(problem: AttentionProblem) -> str | None:
     if problem.dropout > 0.0:
         return f"it has no dropout (got dropout={problem.dropout})"
     return None
+
+
+def decode_kernel(problem: AttentionProblem) -> tuple[str, str | None]:
+    """The decode path's forward kernel for ``problem`` and why the compiled one does not run:
+    ("native_decode", None) or ("decode", the reason)."""
+    why = decode_module.native_reason(problem.q, problem.k, problem.v, problem.terms, _grad(problem))
+    return ("decode", why) if why is not None else ("native_decode", None)
 
 
 def _math_memory(problem: AttentionProblem) -> int:

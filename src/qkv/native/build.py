@@ -23,6 +23,13 @@ into place, so two processes building at once never load half a file. Nothing he
 a kernel that cannot be built is one sentence saying why (the compiler is missing, or the
 compiler's first error line), and its caller falls back to a path that needs no compiler.
 Each build is noted on the ``qkv`` logger: ``building <stem> ... done in X s``.
+
+Tiers. The AMX kernels are written for `REQUIRED_TIER` only (`static_reason`). A kernel written
+for several tiers (the decode kernel, `qkv.native.decode`) is built once per tier it runs at,
+with that tier's flags only (`TIER_CFLAGS`), as its own library (``NativeKernel.tier``, in the
+cache key): `build_tier` picks the highest tier it supports at or below the one qkv uses now
+(``QKV_CPU_TIER`` lowers it, so an AVX2 build runs and is tested on an AMX machine), and
+`tier_reason` says why it cannot run without building.
 """
 
 from __future__ import annotations
@@ -46,17 +53,19 @@ import torch.nn.functional as F
 
 from qkv._log import note_once
 from qkv._private import torch as private_torch
-from qkv.native.machine import cpu_features
+from qkv.native.machine import TIERS, cpu_features
 
 __all__ = [
     "AMX_FLAGS",
     "CFLAGS",
     "HEAD_MULTIPLE",
     "REQUIRED_TIER",
+    "TIER_CFLAGS",
     "NativeKernel",
     "build",
     "build_failure",
     "build_folder",
+    "build_tier",
     "built_once",
     "cache_key",
     "compile_command",
@@ -67,6 +76,7 @@ __all__ = [
     "padded_heads",
     "static_reason",
     "strides",
+    "tier_reason",
 ]
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
@@ -79,6 +89,18 @@ REQUIRED_TIER = "amx"
 CFLAGS = ["-O3", "-fPIC", "-shared", "-std=c++20", "-fopenmp", "-ffp-contract=off",
           "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]  # fmt: skip
+# Kernels written for several tiers (`NativeKernel.tier`) are compiled with their tier's flags
+# only, so that a build for a lower tier runs on any higher machine (an AVX2 build on an AMX
+# Xeon, as on an AMD EPYC): the source chooses its code by the compiler's macros (__AVX2__,
+# __AVX512F__, __AVX512BF16__). F16C is left out: no kernel needs it and qkv's tiers do not probe it.
+_COMMON_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c++20", "-fopenmp", "-ffp-contract=off")
+_AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+TIER_CFLAGS: dict[str, tuple[str, ...]] = {
+    "default": _COMMON_FLAGS,
+    "avx2": (*_COMMON_FLAGS, "-mavx2", "-mfma"),
+    "avx512": (*_COMMON_FLAGS, *_AVX512_FLAGS),
+    "amx": (*_COMMON_FLAGS, *_AVX512_FLAGS, "-mavx512bf16"),
+}
 # for kernels that program the AMX tiles themselves
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 # a compiler that runs longer than this is stuck (a cold build takes seconds)
@@ -132,6 +154,42 @@ def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool =
         return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
     if needs_onednn and not torch.backends.mkldnn.enabled:
         return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
+    return _toolchain_reason(_compiler_name())
+
+
+def build_tier(supported: tuple[str, ...], tier: str | None = None) -> str | None:
+    """The tier whose build of a kernel written for the ``supported`` tiers runs for ``tier``
+    (None: the tier qkv uses now, `cpu_features`, which ``QKV_CPU_TIER`` can lower): the
+    highest supported tier at or below it, or None when there is none.
+
+    >>> build_tier(("avx2", "avx512"), "amx"), build_tier(("avx2", "avx512"), "avx2"), build_tier(("avx2",), "default")
+    ('avx512', 'avx2', None)
+    """
+    wanted = cpu_features().tier if tier is None else tier
+    rank = TIERS.index(wanted)
+    below = [t for t in supported if TIERS.index(t) <= rank]
+    return max(below, key=TIERS.index) if below else None
+
+
+def tier_reason(supported: tuple[str, ...], dtype: torch.dtype, device: torch.device, dtypes: tuple[torch.dtype, ...],
+                tier: str | None = None) -> str | None:
+    """Why a compiled kernel written for the ``supported`` tiers and ``dtypes`` cannot run for
+    inputs of ``dtype`` on ``device`` at ``tier`` (None: the tier qkv uses now), from facts
+    that need no build, or None.
+
+    >>> tier_reason(("avx2",), torch.float16, torch.device("cpu"), (torch.float32,))
+    'it runs float32 only (inputs are float16)'
+    """
+    if dtype not in dtypes:
+        names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"it runs {names} only (inputs are {str(dtype).removeprefix('torch.')})"
+    if device.type != "cpu":
+        return "it runs on CPU only"
+    if os.environ.get("QKV_NO_COMPILED_KERNELS", "") not in ("", "0"):
+        return "QKV_NO_COMPILED_KERNELS is set"
+    if build_tier(supported, tier) is None:
+        now = cpu_features().describe() if tier is None else tier
+        return f"this CPU's tier is {now}; the kernel is built for {' or '.join(supported)}"
     return _toolchain_reason(_compiler_name())
 
 
@@ -206,6 +264,10 @@ class NativeKernel:
     # and whether it calls into libtorch_cpu (then linked with it and c10)
     torch_headers: bool = False
     links_torch: bool = False
+    # the tier this build is for, when the kernel is written for several (`build_tier`; its
+    # flags are then ``TIER_CFLAGS[tier]``); None: a kernel for `REQUIRED_TIER` only, with the
+    # flags given, keyed by the tier qkv uses now
+    tier: str | None = None
 
     def folder(self) -> Path:
         """Its folder in the build cache (`build_folder`)."""
@@ -250,7 +312,7 @@ def cache_key(kernel: NativeKernel) -> str:
         kernel.source.read_text(encoding="utf-8"),
         _compiler_identity(_compiler_name()),
         " ".join(flags),
-        f"tier {cpu_features().tier}",
+        f"tier {kernel.tier or cpu_features().tier}",
         f"torch {torch.__version__} {torch.version.git_version}",
         f"python {abi}",
     ])  # fmt: skip

@@ -26,6 +26,7 @@ NAMES: dict[str, str] = {
     "add_norm_bf16": "the residual add + LayerNorm kernel of qkv.models; the eager ops run",
     "magnitude_bf16": "the bf16 largest-magnitude scan; torch.aminmax runs",
     "onednn_linear": "oneDNN's fused linear of qkv.models; torch.nn.functional.linear runs",
+    "native_decode": "the decode backend's compiled kernel; the decode backend's PyTorch ops run",
     "decode": "the decode backend for backend='auto' (backend='decode' raises)",
     "blocks": "the CPU block engine for backend='auto' (backend='blocks' raises)",
     "flex": "FlexAttention for backend='auto' (backend='flex' raises)",
