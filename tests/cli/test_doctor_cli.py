@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from qkv.cli import app
 from qkv.native import (
     add_norm_bf16,
+    decode,
     interval_bf16,
     interval_bf16_backward,
     machine,
@@ -23,7 +24,17 @@ from qkv.native import (
 )
 from qkv.native import build as compiled
 
+# the bf16 kernels, which share one reason where they cannot run (`compiled.static_reason`)
 KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16", "magnitude_bf16"}
+CPU = torch.device("cpu")
+
+
+def _decode_stem() -> str:
+    """The decode kernel's entry: its build for the tier qkv uses now (float32 and bf16, AVX2 up)."""
+    tier = decode.TIERS[0] if compiled.build_tier(decode.TIERS) is None else compiled.build_tier(decode.TIERS)
+    if tier == "amx" and not machine.cpu_features().avx512_bf16:
+        tier = "avx512"
+    return f"decode_{tier}"
 
 
 @pytest.fixture(autouse=True)
@@ -45,11 +56,13 @@ def test_json_names_the_tier_and_every_kernel() -> None:
     assert report["tier"] == machine.cpu_features().tier
     assert report["native"]["bfloat16"] == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     assert report["torch"] == torch.__version__
-    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS
-    static = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem()}
+    static = compiled.static_reason(torch.bfloat16, CPU)
     for kernel in report["kernels"]:
         assert kernel["available"] == (kernel["reason"] is None)
-        if static is not None:  # the machine's reason stops every kernel alike
+        if kernel["stem"].startswith("decode_"):
+            assert kernel["reason"] == decode.unavailable_reason(torch.float32, CPU)
+        elif static is not None:  # the machine's reason stops every bf16 kernel alike
             assert kernel["reason"] == static and not kernel["available"]
 
 
@@ -58,7 +71,12 @@ def test_a_forced_tier_turns_the_kernels_off_and_says_why(monkeypatch: pytest.Mo
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")
     report = _report()
     assert report["tier"] == "avx2" and not report["native"]["bfloat16"]
-    assert all(not k["available"] and "tier is avx2" in k["reason"] for k in report["kernels"])
+    bf16_kernels = [k for k in report["kernels"] if not k["stem"].startswith("decode_")]
+    assert len(bf16_kernels) == len(KERNEL_STEMS)
+    assert all(not k["available"] and "tier is avx2" in k["reason"] for k in bf16_kernels)
+    # the decode kernel has an AVX2 build: it stays, as on an AVX2 machine
+    (decoding,) = [k for k in report["kernels"] if k["stem"].startswith("decode_")]
+    assert decoding["stem"] == "decode_avx2" and decoding["reason"] == decode.unavailable_reason(torch.float32, CPU)
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
     assert all(k["reason"] == "QKV_NO_COMPILED_KERNELS is set" for k in _report()["kernels"])
 
@@ -71,7 +89,8 @@ def test_text_output_is_one_line_per_fact(monkeypatch: pytest.MonkeyPatch) -> No
     assert any(line.startswith("tier: default") for line in lines)
     assert "bfloat16: not native: qkv computes its products in float32" in lines
     kernel_lines = [line for line in lines if line.startswith("- ")]
-    assert len(kernel_lines) == len(KERNEL_STEMS) and all("does not run here" in line for line in kernel_lines)
+    # the bf16 kernels and the decode kernel, whose lowest build needs AVX2
+    assert len(kernel_lines) == len(KERNEL_STEMS) + 1 and all("does not run here" in line for line in kernel_lines)
 
 
 def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +100,9 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
+    monkeypatch.setattr(decode, "_builds", {})  # the decode kernel keeps one attempt per tier
     report = _report("--build")
+    assert len(report["kernels"]) == len(KERNEL_STEMS) + 1
     for kernel in report["kernels"]:
         assert kernel["reason"] == FAILED_BUILD
         assert kernel["seconds"] is not None and not kernel["built"]
@@ -94,13 +115,18 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
         monkeypatch.setattr(module, "_built", {})
+    monkeypatch.setattr(decode, "_builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]
-    assert len(lines) == len(KERNEL_STEMS)
-    static = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
+    assert len(lines) == len(KERNEL_STEMS) + 1
+    static = compiled.static_reason(torch.bfloat16, CPU)
+    decoding = decode.unavailable_reason(torch.float32, CPU)
     for line in lines:
-        if static is None:
+        if line.startswith(f"- {decode.KERNEL_NAME}"):
+            expected = ": runs here, built in " if decoding is None else f"does not run here: {decoding}"
+            assert expected in line and (decoding is not None or f", {tmp_path}/qkv_decode_" in line), line
+        elif static is None:
             assert ": runs here, built in " in line and f", {tmp_path}/qkv_" in line, line
         else:
             assert line.endswith(f"does not run here: {static}")

@@ -48,7 +48,7 @@ from qkv.native import build as compiled
 from qkv.native import switches
 from qkv.native.machine import cpu_features
 
-__all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "first_use_note", "forward", "unavailable_reason"]
+__all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "build_now", "first_use_note", "forward", "machine_build", "unavailable_reason"]
 
 KERNEL_NAME = "native decode kernel"
 # the tiers it is written for, lowest first: the amx build adds vdpbf16ps (AVX-512 BF16) for
@@ -95,6 +95,20 @@ def first_use_note(tier: str | None = None) -> str:
     """What `qkv.explain` adds to the kernel's name before its first build (at this tier) in this process."""
     built = _tier(tier)
     return "" if built is None else compiled.first_use_note(_builds.setdefault(built, {}))
+
+
+def machine_build() -> compiled.NativeKernel:
+    """The build this machine runs now (`_tier`; the avx2 one where no tier of ``TIERS`` runs),
+    for `qkv.native.inventory`."""
+    return _kernel(_tier(None) or TIERS[0])
+
+
+def build_now() -> None:
+    """Build (or load) and self-check the machine's build now, if it may run here; a failure
+    becomes its reason (`unavailable_reason`), never an exception (`qkv doctor --build`)."""
+    tier = _tier(None)
+    if tier is not None and compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES) is None:
+        _module(tier)
 
 
 def _module(tier: str) -> ctypes.CDLL | str:

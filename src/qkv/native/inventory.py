@@ -21,6 +21,7 @@ import torch
 
 from qkv.native import (
     add_norm_bf16,
+    decode,
     interval_bf16,
     interval_bf16_backward,
     magnitude_bf16,
@@ -68,13 +69,23 @@ def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
     )  # fmt: skip
 
 
+def _decode_status(seconds: float | None = None) -> KernelStatus:
+    """The decode kernel, built per tier (`qkv.native.decode`): the build this machine runs."""
+    kernel = decode.machine_build()
+    return KernelStatus(
+        name=f"{decode.KERNEL_NAME} ({kernel.tier} build)", stem=kernel.stem,
+        reason=decode.unavailable_reason(torch.float32, torch.device("cpu")), built=kernel.is_built(),
+        folder=str(kernel.folder()), seconds=seconds,
+    )  # fmt: skip
+
+
 def kernel_statuses() -> list[KernelStatus]:
     """Each compiled kernel: may it run here, and is its build cached. Builds nothing.
 
     >>> sorted(s.stem for s in kernel_statuses())[:2]
     ['add_norm_bf16', 'interval_bf16']
     """
-    return [_status(module) for module in _MODULES]
+    return [*(_status(module) for module in _MODULES), _decode_status()]
 
 
 def build_all() -> list[KernelStatus]:
@@ -89,5 +100,13 @@ def build_all() -> list[KernelStatus]:
         compiled.built_once(module._built, module._build)
         return _status(module, time.perf_counter() - started)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES), os.cpu_count() or 1))) as pool:
-        return list(pool.map(attempt, _MODULES))
+    def attempt_decode() -> KernelStatus:
+        if _decode_status().reason is not None:
+            return _decode_status()
+        started = time.perf_counter()
+        decode.build_now()
+        return _decode_status(time.perf_counter() - started)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES) + 1, os.cpu_count() or 1))) as pool:
+        decoded = pool.submit(attempt_decode)
+        return [*pool.map(attempt, _MODULES), decoded.result()]
