@@ -417,3 +417,19 @@ def test_a_callers_4d_mask_is_used_as_given() -> None:
     float_mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
     ours = models[NAME](input_ids=ids, attention_mask=float_mask).logits
     torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=float_mask).logits, **TOL)
+
+
+def test_continuous_batching_still_refuses_a_registered_implementation() -> None:
+    """What keeps qkv out of transformers' continuous batching (the package docstring names it):
+    generate_batch accepts only paged|eager, sdpa and names containing "flash", and such a name
+    is looked up as a FlashAttention kernel. When this test fails, transformers has opened the
+    door: serve generate_batch on qkv.PagedKVCache's semantics."""
+    from qkv.integrations.transformers import register
+
+    model = tiny.trio(tiny.llama())[NAME]
+    config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1)
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        model.generate_batch([[1, 2, 3]], generation_config=config)
+    register("qkv_flash")
+    with pytest.raises(ValueError, match="flash attention implementation at `qkv_flash`"):
+        model.set_attn_implementation("qkv_flash")
