@@ -1,6 +1,6 @@
 """Where a greedy decoding step's time goes: qkv's transformers backend vs sdpa, attention against the rest.
 
-    uv run python benchmarks/generation_steps.py [--context 8192 32768] [--steps 6] [--rounds 2]
+    uv run python benchmarks/generation_steps.py [--context 8192 32768] [--steps 6] [--rounds 2] [--cache static]
 
 The model of `qkv.bench.generation` (random Llama-shaped, 4 layers, hidden 2,048, 32 / 8 heads
 of 128, float32, one batch row), but its DynamicCache is filled with random keys and values of
@@ -10,6 +10,10 @@ minutes of a 32k prompt. Per step, from cProfile: the attention function (qkv's
 (``torch.cat`` in ``DynamicLayer.update``, the same for both) and the linear layers (the same),
 so that the end-to-end ratio can be read against what attention alone can change. The
 implementations alternate ``--rounds`` times; the ratios come from the same round.
+
+``--cache static``: a StaticCache sized for the context and the steps (what ``generate`` sizes
+for a prompt and its new tokens) instead: it writes in place (no concatenation), and both
+implementations get all its slots with a mask hiding the empty ones.
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ def _model(context: int, steps: int) -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _steps(model: transformers.PreTrainedModel, implementation: str, kv: list, steps: int) -> dict[str, float]:
+def _steps(model: transformers.PreTrainedModel, implementation: str, kv: list, steps: int, kind: str) -> dict[str, float]:
     """Milliseconds per step: total, attention function, cache concatenation, linear layers."""
     model.set_attn_implementation(implementation)
-    cache = transformers.DynamicCache()
+    context = kv[0][0].shape[2]
+    cache = (
+        transformers.DynamicCache() if kind == "dynamic"
+        else transformers.StaticCache(config=model.config, max_cache_len=context + steps + 2)
+    )  # fmt: skip
     for layer, (k, v) in enumerate(kv):
         cache.update(k.clone(), v.clone(), layer)
     token = torch.tensor([[5]])  # (1, 1)
@@ -74,6 +82,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
     args = parser.parse_args()
     name = register()
     print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -84,17 +93,17 @@ def main() -> None:
         kv = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
         ratios, attention_ratios = [], []
         for round_ in range(args.rounds):
-            rows = {impl: _steps(model, impl, kv, args.steps) for impl in ("sdpa", name)}
+            rows = {impl: _steps(model, impl, kv, args.steps, args.cache) for impl in ("sdpa", name)}
             for impl, row in rows.items():
                 print(
-                    f"S={context:,} round {round_} {impl:5s}: {1e3 / row['total']:.3f} tok/s; ms per step: total "
+                    f"S={context:,} {args.cache} round {round_} {impl:5s}: {1e3 / row['total']:.3f} tok/s; ms per step: total "
                     f"{row['total']:.0f}, attention {row['attention']:.0f}, cache cat {row['cat']:.0f}, "
                     f"linear {row['linear']:.0f}"
                 )
             ratios.append(rows["sdpa"]["total"] / rows[name]["total"])
             attention_ratios.append(rows["sdpa"]["attention"] / rows[name]["attention"])
         print(
-            f"S={context:,}: tokens/s qkv vs sdpa {statistics.median(ratios):.2f}x (rounds {[round(r, 2) for r in ratios]}); "
+            f"S={context:,} {args.cache}: tokens/s qkv vs sdpa {statistics.median(ratios):.2f}x (rounds {[round(r, 2) for r in ratios]}); "
             f"attention function alone {statistics.median(attention_ratios):.2f}x"
         )
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
