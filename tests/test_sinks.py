@@ -375,3 +375,20 @@ def test_the_fold_function_by_gradcheck() -> None:
     expected = torch.logaddexp(lse[0, 0, 0], sinks[0, 0])
     torch.testing.assert_close(folded_lse[0, 0, 0], expected)
     torch.testing.assert_close(o[0, 0, 0], out[0, 0, 0] * torch.exp(lse[0, 0, 0] - expected))
+
+
+@pytest.mark.parametrize("case", [*ENGINE_CASES[:5], (2, 6, 2, 7, 5, 4, 3, NO_ROW_TWO, {})], ids=[f"case{i}" for i in range(6)])
+def test_attention_weights_of_chosen_rows_keep_the_sinks_share(case: tuple) -> None:
+    """qkv.attention_weights with sinks: the chosen heads' and rows' weights equal the float64
+    reference's (the sink in every denominator), so a row with a visible key sums below 1."""
+    B, H, L = case[0], case[1], case[3]
+    mask, terms = case[7], case[8]
+    q, k, v, sinks = _inputs(case, torch.float64, seed=len(str(case)) + 1)
+    trace = _reference(case, q, k, v, sinks)
+    heads, rows = [H - 1, 0], sorted({0, L // 2, L - 1})
+    weights = qkv.attention_weights(q, k, v, mask, heads=heads, rows=rows, sinks=sinks, **terms)
+    expected = trace.weights[:, heads][:, :, rows]  # (B, h, r, S)
+    np.testing.assert_allclose(weights.numpy(), expected, rtol=1e-10, atol=1e-12)
+    sums = weights.sum(-1)
+    assert bool((sums < 1 - 1e-6).any()) and bool((sums < 1).all())
+    assert weights.shape == (B, len(heads), len(rows), k.shape[2])

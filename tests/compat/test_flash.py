@@ -273,6 +273,52 @@ def test_flash_attn_with_kvcache_paged_equals_contiguous(lengths, causal, window
         torch.testing.assert_close(lse[b : b + 1], ref_lse, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("alibi", ["none", "per-row"])
+@pytest.mark.parametrize(("L", "causal", "window"), [(1, False, (-1, -1)), (2, True, (-1, -1)), (3, True, (700, -1))])
+def test_a_paged_decoding_step_attends_in_place(L, causal, window, alibi, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoding step over a long paged cache (decode path) reads the blocks where they lie:
+    no contiguous copy is made (the gathering call is forbidden), spare blocks of NaN are never
+    read, and out / lse equal the float64 rules and the contiguous cache's."""
+    from qkv.compat import _flash_kvcache
+
+    lengths, P, new, H, G, E = [1100, 1500, 1029], 16, 1, 4, 2, 8
+    q, k_cache, v_cache, k, v = _cache_case(seed=L, B=3, S_cache=1504, L=L, new=new, H=H, G=G, E=E)
+    k_paged, v_paged, table = _paged(k_cache, v_cache, P=P, seed=L)  # shuffled blocks, NaN spares
+    slopes = _slopes(alibi, 3, H)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kwargs = {"cache_seqlens": seqlens, "causal": causal, "window_size": window, "alibi_slopes": slopes, "return_softmax_lse": True}
+    want, want_lse = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, **kwargs)  # contiguous
+    gathered = []
+    monkeypatch.setattr(_flash_kvcache, "attention", lambda *a, **kw: gathered.append(1))
+    out, lse = flash_attn_with_kvcache(q, k_paged, v_paged, k, v, block_table=table, **kwargs)
+    assert not gathered
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+    for b, m in enumerate(lengths):
+        t = torch.arange(m + new)
+        keys, values = k_paged[table[b].long()[t // P], t % P], v_paged[table[b].long()[t // P], t % P]  # (m + 1, G, E)
+        assert torch.equal(keys[m:], k[b]) and torch.equal(values[m:], v[b])  # the new key written in its block
+        row_slopes = None if slopes is None else slopes[b]
+        ref_out, ref_lse, _ = reference(q[b : b + 1], keys[None], values[None], causal, window, 0.0, row_slopes)
+        torch.testing.assert_close(out[b : b + 1], ref_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse[b : b + 1], ref_lse, atol=1e-10, rtol=0)
+
+
+def test_a_short_or_non_finite_paged_cache_is_gathered() -> None:
+    """Below the decode path (a short cache) and with a NaN in the keys (the NaN rule reads the
+    data), the blocks are gathered and `qkv.attention` decides: the same result as contiguous."""
+    q, k_cache, v_cache, k, v = _cache_case(seed=5, B=2, S_cache=1504, L=1, new=1)
+    k_cache[1, 3, 0, 0] = float("nan")  # row 1's key head 0 holds a NaN: its query heads 0, 1 give NaN
+    k_paged, v_paged, table = _paged(k_cache, v_cache, P=16, seed=2)
+    for lengths in ([5, 1100], [1100, 1200]):
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        out = flash_attn_with_kvcache(q, k_paged, v_paged, k, v, cache_seqlens=seqlens, block_table=table)
+        want = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=0, equal_nan=True)
+        assert bool(torch.isfinite(out[0]).all()) and bool(torch.isfinite(out[1, :, 2:]).all())
+        assert bool(torch.isnan(out[1, :, :2]).all())  # (L, heads of key head 0, Ev)
+
+
 def test_flash_attn_with_kvcache_reads_a_paged_kv_cache() -> None:
     """qkv.PagedKVCache's storage, block table and lengths go to the drop-in as they are."""
     gen = torch.Generator().manual_seed(8)

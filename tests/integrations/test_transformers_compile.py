@@ -28,6 +28,8 @@ def test_sliding_window_model_compiles_fullgraph_and_equals_transformers_eager(f
     ids = torch.randint(3, tiny.VOCAB, (2, 12))  # 12 tokens: the window of 5 hides keys
     with torch.no_grad():
         expected = models["eager"](ids).logits  # transformers' own attention, the independent source
+        ours(ids)  # an eager call installs the backend's cache hook on every attention module: it traces too
+        assert all(len(layer.self_attn._forward_pre_hooks) == 1 for layer in ours.model.layers)
         report = torch._dynamo.explain(ours)(ids)
         assert report.graph_break_count == 0, [r.reason for r in report.break_reasons]
         torch._dynamo.reset()

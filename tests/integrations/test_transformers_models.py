@@ -304,10 +304,16 @@ def test_gpt_oss_greedy_generate_equals_eager() -> None:
     assert tokens[NAME].shape == (2, 15) and torch.equal(tokens[NAME], tokens["eager"])
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """track_bounds: every decoding step's input checks scan the new query only (the keys and
-    values come with their bounds), and greedy generation equals eager's with its own cache."""
+@pytest.mark.parametrize(
+    ("kind", "tracking"),
+    [("dynamic", "by hand"), ("static", "by hand"), ("dynamic", "automatic"), ("static", "automatic"), ("generate's own", "automatic")],
+)
+def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(
+    kind: str, tracking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """track_bounds, by hand or by the backend's hook: every decoding step's input checks scan
+    the new query only (the keys and values come with their bounds), and greedy generation
+    equals eager's with its own cache."""
     from qkv.attention import problem
     from qkv.integrations.transformers import track_bounds
 
@@ -315,17 +321,58 @@ def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(kind: str, 
     ids, mask = tiny.padded_batch(7, (0, 3), "left")
     eager = models["eager"].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     config = models[NAME].config
-    cache = transformers.DynamicCache(config=config) if kind == "dynamic" else transformers.StaticCache(config=config, max_cache_len=16)
+    caches = {
+        "dynamic": lambda: transformers.DynamicCache(config=config),
+        "static": lambda: transformers.StaticCache(config=config, max_cache_len=16),
+        "generate's own": lambda: None,
+    }
+    cache = caches[kind]()
+    if tracking == "by hand" and cache is not None:
+        cache = track_bounds(cache)
     scanned: list[tuple[int, ...]] = []
     original = problem._largest_magnitudes
     monkeypatch.setattr(problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
-    ours = models[NAME].generate(
-        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache=track_bounds(cache)
-    )
+    given = {} if cache is None else {"cache": cache}
+    ours = models[NAME].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **given)
     assert torch.equal(ours, eager)
     steps = [shape for shape in scanned if shape[-2] == 1 and shape[1] == 4]  # the query (B, H, 1, E) of a decoding step
     assert len(steps) == 2 * 5  # two layers, five steps after the prompt
-    assert all(shape[1] == 4 for shape in scanned)  # queries (H = 4) only: no key or value (G = 2) is scanned
+    # queries (H = 4) only on every decoding step: no key or value (G = 2) is scanned there;
+    # automatic tracking starts at the second forward: the prompt's keys and values are scanned
+    # there, once per layer
+    assert len([shape for shape in scanned if shape[1] == 2]) == (0 if tracking == "by hand" else 2 * 2)
+
+
+def test_a_cache_wrapped_late_bounds_the_rows_it_held_before() -> None:
+    """The first write a wrapper sees scans the whole layer: a large key written before the
+    cache was wrapped is inside the bound."""
+    from qkv.integrations.transformers import track_bounds
+    from qkv.integrations.transformers._bounds import noted_bounds
+
+    cache = transformers.DynamicCache()
+    k = torch.zeros(1, 2, 3, 4)  # (B, G, S, E)
+    k[0, 1, 2, 3] = -(2.0**100)  # exact in float32
+    cache.update(k, torch.ones(1, 2, 3, 4), 0)
+    track_bounds(cache)
+    keys, values = cache.update(torch.full((1, 2, 1, 4), 2.0), torch.full((1, 2, 1, 4), -3.0), 0)
+    bounds = noted_bounds(keys, values)
+    assert bounds is not None and (bounds.k_max, bounds.v_max) == (2.0**100, 3.0)
+    keys, values = cache.update(torch.full((1, 2, 1, 4), 9.0), torch.zeros(1, 2, 1, 4), 0)
+    bounds = noted_bounds(keys, values)
+    assert bounds is not None and (bounds.k_max, bounds.v_max) == (2.0**100, 3.0)  # the running max, not the new rows'
+
+
+def test_the_hook_leaves_the_cache_alone_once_the_model_runs_on_another_implementation() -> None:
+    models = _gpt_oss_models(window=4)
+    ids, mask = tiny.padded_batch(7, (0, 3), "left")
+    model = models[NAME]
+    model(input_ids=ids, attention_mask=mask)  # installs the hooks
+    ours, theirs = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask, cache=ours)
+    assert getattr(ours, "_qkv_tracks_bounds", False)
+    model.set_attn_implementation("eager")
+    model(input_ids=ids, attention_mask=mask, cache=theirs)
+    assert not getattr(theirs, "_qkv_tracks_bounds", False)
 
 
 def test_track_bounds_refuses_what_is_not_a_cache() -> None:
@@ -370,3 +417,19 @@ def test_a_callers_4d_mask_is_used_as_given() -> None:
     float_mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
     ours = models[NAME](input_ids=ids, attention_mask=float_mask).logits
     torch.testing.assert_close(ours, models["eager"](input_ids=ids, attention_mask=float_mask).logits, **TOL)
+
+
+def test_continuous_batching_still_refuses_a_registered_implementation() -> None:
+    """What keeps qkv out of transformers' continuous batching (the package docstring names it):
+    generate_batch accepts only paged|eager, sdpa and names containing "flash", and such a name
+    is looked up as a FlashAttention kernel. When this test fails, transformers has opened the
+    door: serve generate_batch on qkv.PagedKVCache's semantics."""
+    from qkv.integrations.transformers import register
+
+    model = tiny.trio(tiny.llama())[NAME]
+    config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1)
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        model.generate_batch([[1, 2, 3]], generation_config=config)
+    register("qkv_flash")
+    with pytest.raises(ValueError, match="flash attention implementation at `qkv_flash`"):
+        model.set_attn_implementation("qkv_flash")

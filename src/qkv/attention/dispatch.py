@@ -113,7 +113,11 @@ _FLASH_GRAD_MAX_MASK_SPAN = 1e3
 
 # 'auto' sends L <= decode.MAX_QUERIES queries on CPU to the decode kernel from this many keys:
 # below it one thread reads the cache in microseconds and the split does not repay its set-up
-# (benchmarks/decode.py).
+# (benchmarks/decode.py). Re-measured at the threshold (H 32 / G 8, E 128, causal, kv_bounds
+# given, 2 busy cores, best of 100): float32's decode kernel ties the fused path at 1,024 keys
+# (0.96-0.99x its time) and leads from 1,280 (1.07-1.19x), so the threshold stays; bfloat16's
+# (chunks widened to float32) trails the fused path up to about 3,000 keys (0.80-0.91x at
+# 1,024-2,048), which a native bfloat16 decode kernel, not a later threshold, should settle.
 DECODE_MIN_KEYS = 1024
 
 

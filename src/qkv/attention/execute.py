@@ -189,7 +189,10 @@ def run_weights(problem: AttentionProblem, plan: Plan, heads: torch.Tensor, rows
     by `qkv.attention.dispatch.weights_plan`, without gradient."""
     if plan.weights == "tiles":
         assert plan.tiles is not None
-        return block_weights(problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, heads, rows, terms=problem.terms)
+        return block_weights(
+            problem.q, problem.k, _structured(problem), plan.tiles, problem.scale, heads, rows, terms=problem.terms,
+            sinks=problem.sinks,
+        )
     mask = _mask_tensor(problem, plan.mask)
     assert mask is not None
     heads_of_mask = heads if mask.shape[1] > 1 else heads[:1] * 0
@@ -197,8 +200,11 @@ def run_weights(problem: AttentionProblem, plan: Plan, heads: torch.Tensor, rows
     G, H = problem.G, problem.H
     q_sel = problem.q[:, heads][:, :, rows]  # (N, h, r, E)
     k_sel = problem.k[:, heads // (H // G)]  # (N, h, S, E)
+    sinks = None if problem.sinks is None else problem.sinks[:, heads]  # (N | 1, h): one per chosen head
     with torch.no_grad():
-        weights, _ = attention_weights_dense(q_sel, k_sel, picked, problem.scale, terms=problem.terms, heads=heads, rows=rows)
+        weights, _ = attention_weights_dense(
+            q_sel, k_sel, picked, problem.scale, terms=problem.terms, heads=heads, rows=rows, sinks=sinks
+        )
     return weights
 
 

@@ -522,6 +522,7 @@ def attention_weights(
     softcap: float | None = None,
     score_mod: ScoreMod | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact attention probabilities of chosen heads and query rows, and nothing more.
 
@@ -534,6 +535,8 @@ def attention_weights(
     Args:
         q, k, v, mask, bias, softcap, score_mod, scale: as `qkv.attention` (v is validated
             and otherwise unused).
+        sinks: as `qkv.attention`: each head's sink joins every row's denominator, so the
+            weights over the keys sum to less than 1 (the sink keeps the rest).
         heads: query head indices, default every head.
         rows: query row indices (a sequence, range, slice or 1-D integer tensor), default
             every row.
@@ -554,12 +557,13 @@ def attention_weights(
         q, k, v = _cast_for_autocast(low, q, k, v)
         with torch.autocast(q.device.type, enabled=False):
             return attention_weights(
-                q, k, v, mask, heads=heads, rows=rows, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale
+                q, k, v, mask, heads=heads, rows=rows, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
+                sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
     if wide is not None:  # the weights are float32 either way; only the products' speed differs
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
-    problem = describe_problem(q, k, v, mask, scale, 0.0, bias=bias, softcap=softcap, score_mod=score_mod)
+    problem = describe_problem(q, k, v, mask, scale, 0.0, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks)
     heads_idx = check_indices(heads, problem.H, "heads", q.device)
     rows_idx = check_indices(rows, problem.L, "rows", q.device)
     weights = run_weights(problem, weights_plan(problem), heads_idx, rows_idx)  # (N, h, r, S)

@@ -12,7 +12,14 @@ Paged cache (``block_table`` (B, max_blocks) int32): k_cache / v_cache are (num_
 block_size, G, E) and position t of row b lives at ``k_cache[block_table[b, t // block_size],
 t % block_size]`` (FlashAttention's and vLLM's layout; `qkv.PagedKVCache` keeps one). Any
 block_size works here (FlashAttention's CUDA kernel wants a multiple of 256). Entries of a row
-past its ceil(n_b / block_size) blocks are never read.
+past its ceil(n_b / block_size) blocks are never read, nor are blocks no row names.
+
+A paged decoding step (few queries, many keys: where `qkv.attention` would take the decode
+path) attends in place over the pool, as `qkv.PagedKVCache.attend` does: each row's runs of
+consecutive blocks are strided views that the decode kernel reads chunk by chunk and merges by
+lse, nothing gathered. Other calls (long query blocks, short caches, score terms the decode
+kernel does not take, non-finite data for the NaN rule) gather each row's blocks into one
+contiguous copy and run `qkv.attention` on it.
 
 Refused with a clear error: ``cache_batch_idx`` together with ``block_table``, ``rotary_cos`` / ``rotary_sin`` (rotate q and k first, e.g. with `qkv.nn.positional.RotaryEmbedding`)
 and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes nothing here.
@@ -20,14 +27,26 @@ and ``cache_leftpad``. ``num_splits`` is a kernel scheduling knob and changes no
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
 
+from qkv.attention.bounds import KVBounds, largest_magnitude
+from qkv.attention.dispatch import choose_path
 from qkv.attention.functional import attention
+from qkv.attention.problem import describe_problem
+from qkv.backends.decode import block_runs, decode_runs
+from qkv.backends.softmax import accumulation_dtype
 from qkv.compat._alibi import alibi_from_slopes
-from qkv.compat._args import check_flag, flash_mask_options, flash_softcap, tensor_of_rank
-from qkv.masks import padded
+from qkv.compat._args import (
+    check_flag,
+    flash_mask,
+    flash_mask_options,
+    flash_softcap,
+    tensor_of_rank,
+)
+from qkv.masks import Mask, padded
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -276,6 +295,18 @@ def flash_attn_with_kvcache(
         saved = k_cache[slots].clone(), v_cache[slots].clone()  # (B, L_new, G, E | Ev): restored on error
         k_cache[slots], v_cache[slots] = k, v
     if table is not None:
+        try:
+            in_place = _paged_in_place(
+                q, k_cache, v_cache, table, n, causal, window_size, alibi_slopes, softcap, softmax_scale, want_lse
+            )
+        except Exception:
+            if slots is not None:
+                k_cache[slots], v_cache[slots] = saved
+            raise
+        if in_place is not None:
+            out, lse = in_place  # (B, H, L, Ev), (B, H, L)
+            out = out.transpose(1, 2).contiguous()  # (B, L, H, Ev)
+            return (out, lse) if want_lse else out
         read = table[:, : (S + P - 1) // P]  # (B, nb): the blocks that hold positions 0 .. S - 1
         keys = k_cache[read].flatten(1, 2)[:, :S]  # (B, nb, P, G, E) -> (B, nb * P, G, E) -> (B, S, G, E)
         values = v_cache[read].flatten(1, 2)[:, :S]  # (B, S, G, Ev)
@@ -303,3 +334,55 @@ def flash_attn_with_kvcache(
         return result.transpose(1, 2).contiguous()  # (B, L, H, Ev)
     out, lse = result
     return out.transpose(1, 2).contiguous(), lse  # (B, L, H, Ev), (B, H, L)
+
+
+def _paged_in_place(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    n: torch.Tensor,
+    causal: object,
+    window_size: object,
+    alibi_slopes: torch.Tensor | None,
+    softcap: object,
+    scale: float | None,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every row's attention over its blocks where they lie in the pools (num_blocks, P, G, E | Ev),
+    by the decode kernel: (out (B, H, L, Ev), lse (B, H, L)); None when some row would not take
+    the decode path of `qkv.attention` (the caller then gathers). Each row is checked as
+    `qkv.attention` checks it, on a stand-in of its shape without storage (stride 0) whose data
+    checks the bounds scanned over its runs replace."""
+    B, L, H, E = q.shape
+    G, Ev, P = k_pool.shape[2], v_pool.shape[3], k_pool.shape[1]
+    if q.device.type != "cpu" or bool((n == 0).any()):
+        return None  # the decode kernel is a CPU one; a row with no key goes the general way
+    lengths, blocks = n.tolist(), table.tolist()
+    outs, lses = [], []
+    for b in range(B):
+        S = lengths[b]
+        runs = block_runs(k_pool, v_pool, blocks[b][: (S + P - 1) // P], S)  # (first, k (1, G, m, E), v) views
+        k_max = max(largest_magnitude(k) for _, k, _ in runs)
+        v_max = max(largest_magnitude(v) for _, _, v in runs)
+        if not (math.isfinite(k_max) and math.isfinite(v_max)):
+            return None  # the NaN rule needs the data: the gathered path applies it
+        q_row = q[b : b + 1].transpose(1, 2)  # (1, H, L, E)
+        factor = max(1.0, abs(1.0 / math.sqrt(E) if scale is None else float(scale)))
+        if factor * E * largest_magnitude(q_row) * k_max > torch.finfo(accumulation_dtype(q.dtype)).max / 2:
+            return None  # the overflow check would read the keys for its tight bound: gather
+        k_like = k_pool[0, 0][None, :, None, :].expand(1, G, S, E)  # (1, G, S, E), stride 0 along S
+        v_like = v_pool[0, 0][None, :, None, :].expand(1, G, S, Ev)  # (1, G, S, Ev)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
+        problem = describe_problem(
+            q_row, k_like, v_like, flash_mask(causal, window_size, L, S), scale,
+            bias=alibi_from_slopes(slopes, 1, H), softcap=flash_softcap(softcap),
+            kv_bounds=KVBounds.of(k_like, v_like, k_max, v_max),
+        )  # fmt: skip
+        if problem.nonfinite or choose_path(problem, "auto", False, want_lse).path != "decode":
+            return None
+        assert problem.mask is None or isinstance(problem.mask, Mask)  # flash_mask's, as the decode path takes it
+        out, lse = decode_runs(problem.q, runs, S, problem.scale, problem.mask, problem.terms)  # (1, H, L, Ev), (1, H, L)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)  # (B, H, L, Ev), (B, H, L)

@@ -317,16 +317,21 @@ def block_weights(
     rows: torch.Tensor,
     lse: torch.Tensor | None = None,
     terms: ScoreTerms | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact probabilities (N, len(heads), len(rows), S) of chosen heads and query rows.
 
     Computed block by block over the non-empty pieces of each query block only: with the
-    saved ``lse`` (N, H, L) of the forward pass as exp(s - lse), or, without it, from a
-    log-sum-exp over the same pieces first. No gradient; float32 or wider.
+    saved ``lse`` (N, H, L) of the forward pass (over the keys alone) as exp(s - lse), or,
+    without it, from a log-sum-exp over the same pieces first. With ``sinks`` (N | 1, H) each
+    row's sink joins its denominator: the weights over the keys then sum to the keys' share
+    exp(lse - logaddexp(lse, sink)) < 1. No gradient; float32 or wider.
     """
     N, S = q.shape[0], k.shape[2]
     acc = accumulation_dtype(q.dtype)
     weights = torch.zeros(N, len(heads), len(rows), S, dtype=acc, device=q.device)
+    # the keys' lse of every chosen row (-inf: no visible key), for the sinks' share
+    keys_lse = torch.full((N, len(heads), len(rows)), _NEG_INF, dtype=acc, device=q.device)
     with torch.no_grad():
         for n, where, scored in _piece_scores(q, k, mask, plan, scale, heads, rows, terms):
             if not scored:
@@ -335,6 +340,7 @@ def block_weights(
                 row_lse = torch.logsumexp(torch.cat([s for _, s in scored], dim=-1), dim=-1)  # (h, r)
             else:
                 row_lse = lse[n][heads][:, rows[where]].to(acc)  # (h, r)
+            keys_lse[n, :, where] = row_lse
             # rows with no visible key: every score is -inf, any finite normalizer gives 0
             safe = row_lse.masked_fill(row_lse == _NEG_INF, 0.0).unsqueeze(-1)  # (h, r, 1)
             for p, s in scored:
@@ -343,6 +349,11 @@ def block_weights(
         # row sum is 1 in exact arithmetic, so dividing by it removes that common error
         sums = weights.sum(dim=-1, keepdim=True)  # (N, h, r, 1)
         weights = weights / sums.masked_fill(sums == 0, 1.0)
+        if sinks is not None:
+            sink = sinks[:, heads].to(acc).unsqueeze(-1)  # (N | 1, h, 1)
+            folded = torch.logaddexp(keys_lse, sink)  # (N, h, r): the row's lse with its sink
+            share = torch.exp(keys_lse - folded)  # (N, h, r); 0 on rows with no visible key
+            weights = weights * share.unsqueeze(-1)  # (N, h, r, S)
     return weights
 
 

@@ -24,10 +24,16 @@ attention goes through that interface then run on qkv:
 - Gemma 2's soft-capping and T5's relative position bias reach qkv as ``softcap=`` and
   ``bias=``, gpt-oss's attention sinks as ``sinks=``;
 - `recording` lists every call with its `qkv.explain`;
-- `track_bounds(cache)` makes a transformers cache keep running bounds on its keys and values,
-  so that a decoding step's input checks read the new tokens only (``kv_bounds``);
+- the model's DynamicCache / StaticCache keeps running bounds on its keys and values (the
+  backend wraps it from the second forward on; `track_bounds(cache)` does it by hand for other
+  caches), so that a decoding step's input checks read the new tokens only (``kv_bounds``);
 - `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
   `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).
+
+Not served: transformers' continuous batching (``generate_batch`` and its paged cache). In
+transformers 5.24 ``switch_to_cb_friendly_attn`` (generation/continuous_batching/continuous_api.py)
+accepts only "paged|eager", "sdpa" or a name containing "flash", and a registered name containing
+"flash" is looked up as a FlashAttention kernel by ``set_attn_implementation`` and refused.
 
 Requires the ``qkv[transformers]`` extra; ``import qkv`` never imports transformers.
 """

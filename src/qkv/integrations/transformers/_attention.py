@@ -18,6 +18,10 @@ wider); their gradient reaches the model's parameter.
 
 A cache wrapped by `track_bounds` notes running bounds on what it returns; those tensors then
 reach `qkv.attention` with ``kv_bounds``, and a decoding step's input checks skip the cache.
+The first call of each attention module installs a forward pre-hook on it that wraps the
+model's own DynamicCache / StaticCache from its next forward on (`track_module_cache`): without it, every decoding
+step scanned the whole cache twice (max |k|, max |v|), which at 8k tokens took longer than
+the attention itself.
 
 What is refused, with a message, before any work: masks of a type qkv does not take.
 """
@@ -33,9 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from qkv import masks
-from qkv._private.transformers import attentions_collected
+from qkv._private.transformers import attentions_collected, registered_attention
 from qkv.attention.functional import attention, explain
-from qkv.integrations.transformers._bounds import noted_bounds
+from qkv.integrations.transformers._bounds import noted_bounds, track_module_cache
 from qkv.integrations.transformers._masks import StructuredMask
 from qkv.masks import Mask
 
@@ -188,6 +192,23 @@ def _qkv_mask(
     return None, "no mask", True
 
 
+def _track_cache(module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    """The forward pre-hook of an attention module: its cache gets running bounds while the
+    module runs on qkv (switched to another implementation, the cache is left alone)."""
+    del args
+    config = getattr(module, "config", None)
+    if registered_attention(str(getattr(config, "_attn_implementation", ""))) is attention_forward:
+        track_module_cache(kwargs)
+
+
+def _hook_once(module: torch.nn.Module) -> None:
+    """Install `_track_cache` on the module, once (its flag travels with the module)."""
+    if getattr(module, "_qkv_tracks_caches", False) or torch.compiler.is_compiling():
+        return
+    module.register_forward_pre_hook(_track_cache, with_kwargs=True)
+    module._qkv_tracks_caches = True  # type: ignore[assignment]
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -223,6 +244,7 @@ def attention_forward(
         query's dtype when the model returns attentions, else None.
     """
     sinks = _sinks(s_aux)
+    _hook_once(module)
     L, S = query.shape[-2], key.shape[-2]
     mask, source, recognised = _qkv_mask(attention_mask, module, is_causal, L, S)
     want_weights = _attentions_requested(kwargs)

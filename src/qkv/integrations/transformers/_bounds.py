@@ -10,21 +10,29 @@ cache nor the positions written (its keywords are ``dropout``, ``scaling``, ``po
 that layer's running max |k| and max |v| (one pass over the new rows, as the cache stores them),
 and the tensors ``update`` returns are noted with those bounds (`KVBounds`). Every row a layer
 returns was written through ``update`` (appended, kept by a window, reordered by a beam search,
-cropped) or is a static cache's zeros, so the running max bounds it. The backend passes the
-noted bounds as ``kv_bounds`` when it is handed exactly those tensors, unchanged since
-(`KVBounds.describes`); a tensor written by other means gets a new version and is scanned.
+cropped) or is a static cache's zeros, so the running max bounds it. The first write a wrapper
+sees for a layer scans everything the layer returns, so rows the cache held before it was
+wrapped are bounded too. The backend passes the noted bounds as ``kv_bounds`` when it is
+handed exactly those tensors, unchanged since (`KVBounds.describes`); a tensor written by
+other means gets a new version and is scanned.
+
+The backend wraps a model's own caches without being asked (`track_module_cache`, from a
+forward pre-hook on each attention module that runs on qkv: the module is handed the cache,
+the attention function is not), when it is a plain `DynamicCache` or
+`StaticCache` (their layers return exactly the rows written; a quantized cache returns
+dequantized ones, which the running max of the written rows need not bound).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
 from qkv.attention.bounds import KVBounds, largest_magnitude
 
-__all__ = ["noted_bounds", "track_bounds"]
+__all__ = ["noted_bounds", "track_bounds", "track_module_cache"]
 
 # id of the keys tensor a cache returned -> (a weak reference to it, the bounds of it and its
 # values); an entry goes with its tensor. Keyed by id, not by the tensor: a WeakKeyDictionary
@@ -64,10 +72,18 @@ def track_bounds(cache: CacheT) -> CacheT:
 
     def tracked(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):
         keys, values = cast("tuple[torch.Tensor, torch.Tensor]", update(key_states, value_states, layer_idx, *args, **kwargs))
-        k_max, v_max = running.get(layer_idx, (0.0, 0.0))
-        # the rows as stored: a cache in another dtype rounds them, which may raise |x|
-        k_max = max(k_max, largest_magnitude(key_states.to(keys.dtype)))
-        v_max = max(v_max, largest_magnitude(value_states.to(values.dtype)))
+        if torch.compiler.is_compiling():
+            # a scan would break the graph: the layer's bound is forgotten, and the next eager
+            # write scans what the layer then holds
+            running.pop(layer_idx, None)
+            return keys, values
+        if layer_idx in running:
+            k_max, v_max = running[layer_idx]
+            # the rows as stored: a cache in another dtype rounds them, which may raise |x|
+            k_max = max(k_max, largest_magnitude(key_states.to(keys.dtype)))
+            v_max = max(v_max, largest_magnitude(value_states.to(values.dtype)))
+        else:  # the layer's first write seen here: bound what it held before as well
+            k_max, v_max = largest_magnitude(keys), largest_magnitude(values)
         running[layer_idx] = (k_max, v_max)
         _note(keys, KVBounds.of(keys, values, k_max, v_max))
         return keys, values
@@ -83,3 +99,22 @@ def noted_bounds(key: torch.Tensor, value: torch.Tensor) -> KVBounds | None:
     if entry is None or entry[0]() is not key:
         return None
     return entry[1] if entry[1].describes(key, value) else None
+
+
+def _plain_cache(cache: object) -> bool:
+    """Whether ``cache`` is exactly transformers' DynamicCache or StaticCache (not a subclass:
+    those change what update returns)."""
+    import transformers
+
+    return type(cache) in (transformers.DynamicCache, transformers.StaticCache)
+
+
+def track_module_cache(kwargs: dict[str, Any]) -> None:
+    """Wrap the cache an attention module's forward is handed (``cache``, or ``past_key_values``
+    in older transformers) with `track_bounds`, when it is a plain DynamicCache / StaticCache,
+    so that each decoding step's checks scan its new rows only."""
+    if torch.compiler.is_compiling():
+        return
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and not getattr(cache, "_qkv_tracks_bounds", False) and _plain_cache(cache):
+        track_bounds(cache)
