@@ -1,6 +1,7 @@
 """Where a greedy decoding step's time goes: qkv's transformers backend vs sdpa, attention against the rest.
 
-    uv run python benchmarks/generation_steps.py [--context 8192 32768] [--steps 6] [--rounds 2] [--cache static]
+    uv run python benchmarks/generation_steps.py [--context 8192 32768] [--steps 6] [--rounds 2]
+        [--cache dynamic|static|growing] [--sdpa-cache dynamic|static|growing]
 
 The model of `qkv.bench.generation` (random Llama-shaped, 4 layers, hidden 2,048, 32 / 8 heads
 of 128, float32, one batch row), but its DynamicCache is filled with random keys and values of
@@ -13,7 +14,10 @@ implementations alternate ``--rounds`` times; the ratios come from the same roun
 
 ``--cache static``: a StaticCache sized for the context and the steps (what ``generate`` sizes
 for a prompt and its new tokens) instead: it writes in place (no concatenation), and both
-implementations get all its slots with a mask hiding the empty ones.
+implementations get all its slots with a mask hiding the empty ones. ``--cache growing``:
+`qkv.integrations.transformers.growing_cache`, a DynamicCache that appends in place (no
+concatenation, only the filled rows). ``--sdpa-cache``: another cache for sdpa than for qkv
+(default: the same), e.g. qkv on a growing cache against sdpa on transformers' default.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 import torch
 import transformers
 
-from qkv.integrations.transformers import register
+from qkv.integrations.transformers import growing_cache, register
 
 LAYERS, HIDDEN, HEADS, GROUPS, HEAD_DIM = 4, 2048, 32, 8, 128
 
@@ -46,10 +50,12 @@ def _steps(model: transformers.PreTrainedModel, implementation: str, kv: list, s
     """Milliseconds per step: total, attention function, cache concatenation, linear layers."""
     model.set_attn_implementation(implementation)
     context = kv[0][0].shape[2]
-    cache = (
-        transformers.DynamicCache() if kind == "dynamic"
-        else transformers.StaticCache(config=model.config, max_cache_len=context + steps + 2)
-    )  # fmt: skip
+    caches = {
+        "dynamic": lambda: transformers.DynamicCache(),
+        "static": lambda: transformers.StaticCache(config=model.config, max_cache_len=context + steps + 2),
+        "growing": lambda: growing_cache(),
+    }
+    cache = caches[kind]()
     for layer, (k, v) in enumerate(kv):
         cache.update(k.clone(), v.clone(), layer)
     token = torch.tensor([[5]])  # (1, 1)
@@ -82,8 +88,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--cache", choices=["dynamic", "static", "growing"], default="dynamic")
+    parser.add_argument("--sdpa-cache", choices=["dynamic", "static", "growing"], default=None)
     args = parser.parse_args()
+    kinds = {"sdpa": args.sdpa_cache or args.cache}
     name = register()
     print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for context in args.context:
@@ -93,17 +101,17 @@ def main() -> None:
         kv = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
         ratios, attention_ratios = [], []
         for round_ in range(args.rounds):
-            rows = {impl: _steps(model, impl, kv, args.steps, args.cache) for impl in ("sdpa", name)}
+            rows = {impl: _steps(model, impl, kv, args.steps, kinds.get(impl, args.cache)) for impl in ("sdpa", name)}
             for impl, row in rows.items():
                 print(
-                    f"S={context:,} {args.cache} round {round_} {impl:5s}: {1e3 / row['total']:.3f} tok/s; ms per step: total "
+                    f"S={context:,} {kinds.get(impl, args.cache)} round {round_} {impl:5s}: {1e3 / row['total']:.3f} tok/s; ms per step: total "
                     f"{row['total']:.0f}, attention {row['attention']:.0f}, cache cat {row['cat']:.0f}, "
                     f"linear {row['linear']:.0f}"
                 )
             ratios.append(rows["sdpa"]["total"] / rows[name]["total"])
             attention_ratios.append(rows["sdpa"]["attention"] / rows[name]["attention"])
         print(
-            f"S={context:,} {args.cache}: tokens/s qkv vs sdpa {statistics.median(ratios):.2f}x (rounds {[round(r, 2) for r in ratios]}); "
+            f"S={context:,} qkv on {args.cache}, sdpa on {kinds['sdpa']}: tokens/s qkv vs sdpa {statistics.median(ratios):.2f}x (rounds {[round(r, 2) for r in ratios]}); "
             f"attention function alone {statistics.median(attention_ratios):.2f}x"
         )
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -27,6 +27,9 @@ attention goes through that interface then run on qkv:
 - the model's DynamicCache / StaticCache keeps running bounds on its keys and values (the
   backend wraps it from the second forward on; `track_bounds(cache)` does it by hand for other
   caches), so that a decoding step's input checks read the new tokens only (``kv_bounds``);
+- `growing_cache(config)`: a DynamicCache that appends a step's rows in place instead of
+  copying the whole cache each step (``torch.cat``), which at long contexts costs more than
+  attention; any attention implementation gives the same results with it;
 - `inspect(model, tokenizer, text)` gives qkv's `Inspection` of any such model, and
   `load_model(directory)` opens a local model directory for it (``qkv inspect --model DIR``).
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 from qkv.integrations.transformers._attention import AttentionCall, attention_forward, recording
 from qkv.integrations.transformers._bounds import track_bounds
+from qkv.integrations.transformers._growing import growing_cache
 from qkv.integrations.transformers._inspect import TransformersModel, inspect, load_model
 from qkv.integrations.transformers._masks import StructuredMask, structured_mask
 from qkv.integrations.transformers._register import register
@@ -51,6 +55,7 @@ __all__ = [
     "StructuredMask",
     "TransformersModel",
     "attention_forward",
+    "growing_cache",
     "inspect",
     "load_model",
     "recording",
