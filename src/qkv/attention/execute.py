@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from qkv.attention.dispatch import MaskRoute, Plan, complete, key_padding
+from qkv._private import torch as private_torch
+from qkv.attention.dispatch import MaskRoute, Plan, complete, key_padding, needs_grad
 from qkv.attention.problem import AttentionProblem, compact, normalize_mask
 from qkv.backends.blocks.engine import block_attention, block_lse, block_weights
+from qkv.backends.blocks.ops import block_attention_op
 from qkv.backends.blocks.scored import scored_block_attention
 from qkv.backends.decode import decode_attention
 from qkv.backends.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
@@ -135,6 +137,14 @@ def _try_score_terms_eagerly(terms: ScoreTerms, q: torch.Tensor) -> None:
 
 def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
+    if plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v):
+        # traced (torch.compile, torch.export): the engine's operators plan the tiles when the
+        # graph runs; dispatch sends no weights here
+        traced = block_attention_op(
+            problem.q, problem.k, problem.v, _structured(problem), problem.scale, problem.terms, problem.sinks,
+            plan.forward_kernel, plan.backward_kernel, needs_grad(problem),
+        )
+        return traced[0], None, traced[1]
     plan = complete(problem, plan)  # a deferred plan's tiles are found now
     mask = _structured(problem)
     q, k, v, scale, terms, sinks = problem.q, problem.k, problem.v, problem.scale, problem.terms, problem.sinks
