@@ -3,9 +3,9 @@
 For each path (no mask, causal, sliding_window, documents, varlen, ALiBi, softcap, score_mod)
 and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function that calls
 `qkv.attention`, prints its graph count, graph-break count and break reasons, the path
-`qkv.explain` names for the eager call and the one it names while tracing (on fake tensors, as
-torch.compile sees them: the block engine runs there as its operators, `qkv.backends.blocks.ops`;
-a score_mod keeps to the math path), and the fastest of a few compiled calls over the fastest
+`qkv.explain` names for the eager call and the one torch.compile takes ("blocks" when the
+traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "dense" for SDPA or
+the math path, where a score_mod goes), and the fastest of a few compiled calls over the fastest
 of a few eager calls, the two alternating. One run per case on a shared machine: the ratios
 are noisy; read them as "about the same" or "several times slower", not as figures.
 
@@ -56,14 +56,19 @@ def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
     }
 
 
-def traced_path(args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> str:
-    """The path `qkv.explain` names on fake copies of the inputs, as torch.compile traces them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...]) -> str:
+    """"blocks" when the graph torch.compile traces for fn holds the block engine's operator
+    (`qkv.backends.blocks.ops`), "dense" when it holds none (SDPA or the math path)."""
+    targets: list[str] = []
 
-    mode = FakeTensorMode()
-    fakes = tuple(mode.from_tensor(x) for x in args)
-    with mode:
-        return qkv.explain(*fakes, **kwargs).path
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    torch._dynamo.reset()
+    return "blocks" if any("qkv.blocks_forward" in t for t in targets) else "dense"
 
 
 def inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -117,7 +122,7 @@ def main() -> int:
 
             torch._dynamo.reset()
             path = qkv.explain(*qkv_inputs, **kwargs).path
-            traced = traced_path(qkv_inputs, kwargs)
+            traced = traced_path(fn, qkv_inputs)
             try:
                 report = torch._dynamo.explain(fn)(*qkv_inputs)
             except Exception as error:  # a benchmark reports every case, failing or not

@@ -607,3 +607,26 @@ def test_onnx_dynamo_export_at_block_engine_sizes_gives_the_dense_graph() -> Non
     assert all("blocks" not in node.op_type for node in program.model.graph)
     with pytest.raises(Exception, match="backend='blocks'"):
         torch.onnx.export(Block("blocks"), (x,), dynamo=True)
+
+
+@pytest.mark.parametrize("ids_order", ["sorted", "shuffled"])
+def test_traced_nan_rule_for_documents_counts_bad_keys_per_document(ids_order: str) -> None:
+    """The traced NaN rule finds a document's rows without rendering the L x S mask; expected
+    rows from the rendered mask (`to_dense`), any order of ids."""
+    n = ENGINE_N
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.repeat_interleave(torch.arange(6), n // 6)
+    if ids_order == "shuffled":
+        ids = ids[torch.randperm(n, generator=gen)]
+    mask = qkv.masks.documents(ids)
+    q, k, v = _inputs(torch.float32, n=n)
+    v[0, 1, 77, 0] = float("nan")  # key 77 of kv head 1: query heads 2 and 3
+    q[0, 0, 5, 1] = float("-inf")
+    expected_bad = torch.zeros(1, H, n, dtype=torch.bool)
+    expected_bad[0, 2:, :] = mask.to_dense(n, n)[0, 0, :, 77]
+    expected_bad[0, 0, 5] = True
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out.isnan().any(dim=-1), expected_bad)
+    assert torch.equal(out.isnan().all(dim=-1), expected_bad)
+    torch.testing.assert_close(out, qkv.attention(q, k, v, mask), atol=0, rtol=0, equal_nan=True)
