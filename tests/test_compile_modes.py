@@ -543,7 +543,7 @@ def test_operators_pass_opcheck() -> None:
         q_, k_, v_ = (x.clone().requires_grad_(rest[-1]) for x in (q, k, v))
         torch.library.opcheck(torch.ops.qkv.blocks_forward.default, (q_, k_, v_, *rest))
     # the backward operator on a forward's saved outputs, with the lse's gradient and the sinks'
-    out, lse, shift, rest_, p_sink = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
+    out, lse, shift, rest_, p_sink, _ = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
                                                                   None, "cpu_flash_tiles", "engine_per_call", True)
     grad_out, grad_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
     torch.library.opcheck(torch.ops.qkv.blocks_backward.default, (
@@ -630,3 +630,33 @@ def test_traced_nan_rule_for_documents_counts_bad_keys_per_document(ids_order: s
     assert torch.equal(out.isnan().any(dim=-1), expected_bad)
     assert torch.equal(out.isnan().all(dim=-1), expected_bad)
     torch.testing.assert_close(out, qkv.attention(q, k, v, mask), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks"])
+def test_nan_rule_gradients_on_the_compiled_block_engine_equal_eager(name: str) -> None:
+    """The operators apply the NaN rule with the values at hand: the rows that read a bad entry
+    are NaN and pass no gradient, the bad entries get none, every other gradient is eager's."""
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    q[0, 1, 3, 0] = float("inf")
+    v[0, 0, 200, 2] = float("nan")
+    results = []
+    for compiled in (False, True):
+        t = _engine_tensors()
+        for leaf in _leaves(name, t).values():
+            leaf.requires_grad_(True)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: dict[str, torch.Tensor] = t) -> torch.Tensor:
+            out = qkv.attention(q, k, v, **_engine_kwargs(name, t))
+            return out.nan_to_num(nan=0.0).sin().sum(), out
+
+        run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+        total, out = run(*leaves)
+        total.backward()
+        results.append((out, [x.grad for x in leaves] + [x.grad for x in _leaves(name, t).values()]))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    assert eager_out.isnan().any()
+    torch.testing.assert_close(compiled_out, eager_out, atol=0, rtol=0, equal_nan=True)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        assert got is not None and want is not None and not want.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -24,7 +24,7 @@ from qkv.masks import Mask
 from qkv.native import short_bf16
 from qkv.scores import ScoreTerms
 
-__all__ = ["pack", "run", "run_weights"]
+__all__ = ["applies_nan_rule", "pack", "run", "run_weights"]
 
 Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -135,9 +135,16 @@ def _try_score_terms_eagerly(terms: ScoreTerms, q: torch.Tensor) -> None:
         terms.apply(score, index, index, index, index)
 
 
+def applies_nan_rule(problem: AttentionProblem, plan: Plan) -> bool:
+    """Whether running ``plan`` applies the NaN rule itself (`qkv.attention.nan_rule`): the block
+    engine's operators while torch.compile / torch.export trace, which find the rows with the
+    values at hand, as eagerly, instead of the traced rule's passes over q, k, v and the output."""
+    return plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v)
+
+
 def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
-    if plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v):
+    if applies_nan_rule(problem, plan):
         # traced (torch.compile, torch.export): the engine's operators plan the tiles when the
         # graph runs; dispatch sends no weights here
         traced = block_attention_op(

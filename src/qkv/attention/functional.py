@@ -28,7 +28,7 @@ import torch
 from qkv._log import note_once
 from qkv.attention.bounds import KVBounds
 from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
-from qkv.attention.execute import pack, run, run_weights
+from qkv.attention.execute import applies_nan_rule, pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
 from qkv.attention.problem import autocast_dtype, check_indices, describe_problem
@@ -283,7 +283,7 @@ def attention(
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
-    if not problem.nonfinite:
+    if not problem.nonfinite or applies_nan_rule(problem, plan):
         out, weights, lse = run(problem, plan)
         return pack(problem, out, weights, lse, return_weights, return_lse)
     # the NaN rule (qkv.attention.nan_rule): compute on finite inputs, then NaN the rows that read a bad entry

@@ -78,7 +78,7 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
         return bad.any(dim=-1, keepdim=True).expand(N, H, L)  # (N, H, L)
     if isinstance(mask, Documents):
         return _document_rows(mask, bad, L, S)
-    if _intervals_traceable(mask):
+    if isinstance(mask, Mask) and _intervals_traceable(mask):
         intervals = mask.row_intervals(L, S, bad.device)
         assert intervals is not None  # interval masks and their intersections always give them
         lo, hi = intervals  # (N | 1, L) each; lo > hi: no key

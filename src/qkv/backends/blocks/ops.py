@@ -84,7 +84,7 @@ _BIASES = {"alibi": ALiBi, "relative": Relative, "dense_bias": DenseBias, "sum":
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool need_grad) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor shift, "
@@ -127,11 +127,13 @@ def block_attention_op(
     mask_spec = spec_codec.encode(mask, mask_tensors)
     bias_spec = spec_codec.encode(terms.bias, bias_tensors)
     assert mask_spec is not None and bias_spec is not None  # dispatch checks `encodable`
-    out, lse, _, _, _ = torch.ops.qkv.blocks_forward(
+    out, lse, _, _, _, bad_rows = torch.ops.qkv.blocks_forward(
         q_, k_, v_, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, kernel_scale, terms.softcap,
         forward_kernel, backward_kernel, need_grad,
     )
-    return out[..., : v.shape[3]].to(q.dtype), lse
+    # the NaN rule's last step here, in the graph, so that autograd passes those rows no gradient
+    out = out[..., : v.shape[3]].to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+    return out, lse.masked_fill(bad_rows, float("nan"))
 
 
 # Runs at graph run time ---------------------------------------------------------------------------
@@ -211,6 +213,36 @@ def _row_major_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dt
     return like.new_empty((N, L, H, *rest), dtype=dtype).transpose(1, 2)
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """x with its non-finite entries replaced by 0 (x itself when it has none)."""
+    finite = torch.isfinite(x)
+    return x if bool(finite.all()) else torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+
+
+def _bad_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None) -> torch.Tensor | None:
+    """(N, H, L) bool: the rows that read a non-finite entry of q, k or v (N, H, *, Ep) by
+    `qkv.attention`'s NaN rule, found as eagerly (`qkv.attention.nan_rule.affected_rows`: a row
+    whose query holds one, and every row that may see a key whose k or v holds one); None when
+    every entry is finite (one pass over each tensor, as eager's check)."""
+    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
+        return None
+    N, H, L = q.shape[0], q.shape[1], q.shape[2]
+    S = k.shape[2]
+    rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
+    bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, H, S): key/value heads expanded
+    cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
+    if cols.numel() == 0:
+        return rows
+    if mask is None:
+        sees = torch.ones(1, 1, L, cols.numel(), dtype=torch.bool)
+    else:
+        B, Hm = mask.batch or 1, mask.heads or 1
+        b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(Hm).view(1, Hm, 1, 1)  # (B | 1, 1, 1, 1), (1, H | 1, 1, 1)
+        sees = mask.visible(b, h, torch.arange(L).view(1, 1, L, 1), cols.view(1, 1, 1, -1), L, S)  # (B | 1, H | 1, L, c)
+    del N, H
+    return rows | (sees & bad_keys[:, :, cols][:, :, None, :]).any(dim=-1)
+
+
 def _with_intervals(kernel: str, plan: BlockPlan) -> str:
     """The interval kernels need one key interval per query; a plan without falls back to the portable kernels
     (dispatch names them while tracing when the mask's data decides)."""
@@ -224,13 +256,21 @@ def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mask_tensors: Sequence[torch.Tensor],
     bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str, scale: float, softcap: float | None,
     forward_kernel: str, backward_kernel: str, need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
     sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
-    or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only."""
+    or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
+    Last, the rows (N, H, L) bool that the NaN rule makes NaN: the engine runs on the inputs with
+    their non-finite entries replaced by 0, and the caller sets those rows to NaN (the saved
+    output stays finite, as eager's autograd Function saves it)."""
     del backward_kernel
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
+    bad_rows = _bad_rows(q, k, v, mask)
+    if bad_rows is not None:
+        q, k, v = _finite(q), _finite(k), _finite(v)
+    else:
+        bad_rows = torch.zeros(q.shape[:3], dtype=torch.bool)
     L, S = q.shape[2], k.shape[2]
     acc = accumulation_dtype(q.dtype)
     plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, need_grad)
@@ -252,7 +292,8 @@ def _forward_op(
             shift, rest = _empty(q, acc), _empty(q, acc)
     if not need_grad:
         p_sink = _empty(q, acc)
-    return tuple(_row_major(x) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))  # type: ignore[return-value]
+    results = tuple(_row_major(x) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
+    return (*results, bad_rows.contiguous())  # type: ignore[return-value]
 
 
 @_forward_op.register_fake
@@ -265,7 +306,10 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
         return _row_major_empty(q, (N, H, L), acc) if present else q.new_empty((0,), dtype=acc)
 
     out = _row_major_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype)
-    return out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad)
+    return (
+        out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad),
+        q.new_empty((N, H, L), dtype=torch.bool),
+    )
 
 
 @torch.library.custom_op("qkv::blocks_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
@@ -281,6 +325,11 @@ def _backward_op(
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
     plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, True)
+    # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
+    # gradient where they were not finite (eager's torch.where); the caller's masked_fill has
+    # zeroed the gradients of the rows it made NaN
+    originals = (q, k, v)
+    q, k, v = _finite(q), _finite(k), _finite(v)
     lse_grad: torch.Tensor | None = grad_lse if bool(grad_lse.any()) else None  # autograd passes zeros for an unused lse
     d_sinks = _empty(q, q.dtype) if sinks is None else torch.zeros_like(sinks)
     if sinks is not None and sinks_grad:
@@ -304,6 +353,9 @@ def _backward_op(
             ]
     dq, dk, dv = grads[0], grads[1], grads[2]
     assert dq is not None and dk is not None and dv is not None
+    dq, dk, dv = (
+        g if cleaned is x else g.masked_fill(~torch.isfinite(x), 0.0) for g, cleaned, x in zip((dq, dk, dv), (q, k, v), originals, strict=True)
+    )
     # contiguous, as the fake kernel says (a gradient cut from a wider accumulator is a view)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), d_sinks.contiguous(), [g.contiguous() for g in d_bias]
 
@@ -318,7 +370,7 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
     q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad = inputs
-    out, lse, shift, rest, p_sink = output
+    out, lse, shift, rest, p_sink, _ = output
     ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
     ctx.has_sinks, ctx.mask_count = sinks is not None, len(mask_tensors)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad
@@ -327,8 +379,8 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.need_grad = need_grad
 
 
-def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink):  # type: ignore[no-untyped-def]
-    del grad_shift, grad_rest, grad_p_sink  # saved for the backward, not results: no gradient flows in
+def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows):  # type: ignore[no-untyped-def]
+    del grad_shift, grad_rest, grad_p_sink, grad_rows  # saved for the backward, not results: no gradient flows in
     if not ctx.need_grad:
         raise RuntimeError("qkv::blocks_forward ran with need_grad=False, it saved nothing for a backward pass")
     q, k, v, out, lse, shift, rest, p_sink, *saved = ctx.saved_tensors
