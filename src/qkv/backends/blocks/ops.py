@@ -29,6 +29,15 @@ costs what eager's backward costs (FlashAttention-2's recomputation from the fin
 lse). Gradients reach q, k, v, the sinks and the bias tensors (ALiBi slopes, relative tables,
 dense biases); mask tensors get none. Without a gradient those saved outputs are empty.
 
+The NaN rule (`qkv.attention.nan_rule`) runs inside the forward operator with the values at
+hand, as eagerly: one finiteness pass over q, k, v, and only when an entry is not finite the
+affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; the
+caller sets the rows to NaN in the graph, so autograd gives them no gradient, and the backward
+operator gives the non-finite entries none. The traced rule's tensor passes (finite copies of
+q, k, v, a mask over the output) cost more than the engine itself for narrow windows.
+`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`); the
+overflow refusal stays in the graph (`qkv.attention.problem`'s traced magnitudes).
+
 score_mod, a Python function, cannot cross an operator boundary: `qkv.attention.dispatch`
 keeps it off these operators (see its reason). Shapes: q, k, v (N, H, *, Ep) as
 `calls.kernel_inputs` returns them (key/value heads expanded, one head size Ep), output
