@@ -47,6 +47,7 @@ keeps it off these operators (see its reason). Shapes: q, k, v (N, H, *, Ep) as
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -222,10 +223,18 @@ def _row_major_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dt
     return like.new_empty((N, L, H, *rest), dtype=dtype).transpose(1, 2)
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of x is finite, in one read of x: its min and max are finite exactly
+    then (both carry a NaN, and an infinity is one of them)."""
+    low, high = torch.aminmax(x)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """x with its non-finite entries replaced by 0 (x itself when it has none)."""
-    finite = torch.isfinite(x)
-    return x if bool(finite.all()) else torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+    if _all_finite(x):
+        return x
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
 
 
 def _bad_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None) -> torch.Tensor | None:
@@ -233,7 +242,7 @@ def _bad_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | No
     `qkv.attention`'s NaN rule, found as eagerly (`qkv.attention.nan_rule.affected_rows`: a row
     whose query holds one, and every row that may see a key whose k or v holds one); None when
     every entry is finite (one pass over each tensor, as eager's check)."""
-    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
+    if _all_finite(q) and _all_finite(k) and _all_finite(v):
         return None
     N, H, L = q.shape[0], q.shape[1], q.shape[2]
     S = k.shape[2]
