@@ -3,19 +3,26 @@
 For each path (no mask, causal, sliding_window, documents, varlen, ALiBi, softcap, score_mod)
 and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function that calls
 `qkv.attention`, prints its graph count, graph-break count and break reasons, the path
-`qkv.explain` names for the eager call (compiled calls take the dense paths: SDPA or the math
-path), and the fastest of a few compiled calls over the fastest of a few eager calls, the two
-alternating. One run per case on a shared machine: the ratios are noisy; read them as "about
-the same" or "several times slower", not as figures.
+`qkv.explain` names for the eager call and the one torch.compile takes ("blocks" when the
+traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "dense" for SDPA or
+the math path, where a score_mod goes), and the fastest of a few compiled calls over the fastest
+of a few eager calls, the two alternating. One run per case on a shared machine: the ratios
+are noisy; read them as "about the same" or "several times slower", not as figures.
 
 Run: ``uv run python benchmarks/compile_modes.py`` (``--n 512`` sets L = S, default 512, which
 sends the structured masks to the CPU block engine; ``--dtype float32`` for one dtype;
-``--no-time`` for the graph counts only; ``--reasons N`` prints up to N break reasons per case).
+``--grad`` times forward and backward; ``--no-time`` for the graph counts only; ``--reasons N``
+prints up to N break reasons per case). The block engine's rows at a long sequence, where a
+dense mask would cost O(n^2) memory::
+
+    uv run python benchmarks/compile_modes.py --n 16384 --only sliding_window,alibi,relative,sinks,documents,varlen
+    uv run python benchmarks/compile_modes.py --n 4096 --grad --dtype float32 --only sliding_window,alibi,documents
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +50,25 @@ def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
         "alibi": {"mask": qkv.masks.causal(), "bias": qkv.bias.alibi()},
         "softcap": {"mask": qkv.masks.causal(), "softcap": 20.0},
         "score_mod": {"score_mod": distance_penalty},
+        "relative": {"mask": qkv.masks.sliding_window(256), "bias": qkv.bias.relative(torch.randn(4, 32) * 0.1)},
+        "sinks": {"mask": qkv.masks.sliding_window(256), "sinks": torch.zeros(4)},
+        "key_padding": {"mask": qkv.masks.key_padding(torch.arange(n).view(1, n) < n - n // 8) & qkv.masks.sliding_window(256)},
     }
+
+
+def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...]) -> str:
+    """"blocks" when the graph torch.compile traces for fn holds the block engine's operator
+    (`qkv.backends.blocks.ops`), "dense" when it holds none (SDPA or the math path)."""
+    targets: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    torch._dynamo.reset()
+    return "blocks" if any("qkv.blocks_forward" in t for t in targets) else "dense"
 
 
 def inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -72,16 +97,17 @@ def main() -> int:
     parser.add_argument("--reasons", type=int, default=3, help="break reasons printed per case")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timed calls of each (fastest kept)")
     parser.add_argument("--only", type=str, default=None, help="comma-separated case names")
+    parser.add_argument("--grad", action="store_true", help="time forward and backward (q, k, v require grad)")
     args = parser.parse_args()
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, L = S = {args.n}, B = 1, H = 4, E = 32")
     print(f"time ratio = fastest compiled call / fastest eager call, {args.rounds} alternating rounds after a warm-up "
           "(one run on a shared machine: noisy)")
-    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}"
+    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'traced':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}"
     print(header)
     failures = 0
     for dtype in dtypes:
-        qkv_inputs = inputs(args.n, dtype)
+        qkv_inputs = tuple(x.requires_grad_(args.grad) for x in inputs(args.n, dtype))
         for name, kwargs in cases(args.n, dtype).items():
             if args.only and name not in args.only.split(","):
                 continue
@@ -89,8 +115,14 @@ def main() -> int:
             def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
                 return qkv.attention(q, k, v, **kwargs)
 
+            def with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: Callable[..., torch.Tensor] = fn) -> torch.Tensor:
+                out = fn(q, k, v)
+                out.sum().backward()
+                return out
+
             torch._dynamo.reset()
             path = qkv.explain(*qkv_inputs, **kwargs).path
+            traced = traced_path(fn, qkv_inputs)
             try:
                 report = torch._dynamo.explain(fn)(*qkv_inputs)
             except Exception as error:  # a benchmark reports every case, failing or not
@@ -101,13 +133,15 @@ def main() -> int:
             if not args.no_time:
                 torch._dynamo.reset()
                 compiled = torch.compile(fn)
-                compiled(*qkv_inputs)  # compiles
-                fn(*qkv_inputs)  # warm-up of the eager path (plans, kernel builds)
+                run_compiled = functools.partial(with_grad, fn=compiled) if args.grad else compiled
+                run_eager = with_grad if args.grad else fn
+                run_compiled(*qkv_inputs)  # compiles
+                run_eager(*qkv_inputs)  # warm-up of the eager path (plans, kernel builds)
                 try:
-                    ratio = f"{fastest_ratio(compiled, fn, qkv_inputs, args.rounds):.2f}"
+                    ratio = f"{fastest_ratio(run_compiled, run_eager, qkv_inputs, args.rounds):.2f}"
                 except Exception as error:
                     ratio = f"error {type(error).__name__}"
-            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>8}")
+            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{traced:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>8}")
             for reason in report.break_reasons[: args.reasons]:
                 frame = reason.user_stack[-1] if reason.user_stack else None
                 where = f" at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame is not None else ""

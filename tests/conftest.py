@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Inductor's on-disk cache does not tell apart code built while ATEN_CPU_CAPABILITY holds ATen
-# to a lower tier (.ci/run's forced-AVX2 run) from code built without it: loading one kind in a
-# run of the other returned NaN or aborted in malloc (torch 2.15 on an AMX Xeon, 2026-12-05).
-# Each ATen capability gets its own cache folder, unless the caller chose one.
+# Inductor's on-disk cache keys leave out two things these tests change: whether
+# ATEN_CPU_CAPABILITY holds ATen to a lower tier (.ci/run's forced-AVX2 run; code built under
+# one setting and loaded under the other returned NaN or aborted in malloc, torch 2.15 on an
+# AMX Xeon, 2026-12-05), and the fake implementations of qkv's own operators (code traced
+# against an older one failed its stride assertions). So each ATen capability and each state
+# of qkv's source gets its own cache folder, unless the caller chose one.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _source = hashlib.sha256()
+    for _path in sorted((Path(__file__).parents[1] / "src" / "qkv").rglob("*.py")):
+        _source.update(_path.read_bytes())
     _uid = os.getuid() if hasattr(os, "getuid") else "user"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"qkv-tests-inductor-{_uid}", torch.backends.cpu.get_cpu_capability().lower()
-    )
+        tempfile.gettempdir(), f"qkv-tests-inductor-{_uid}",
+        f"{torch.backends.cpu.get_cpu_capability().lower()}-{torch.__version__}-{_source.hexdigest()[:16]}",
+    )  # fmt: skip
 
 settings.register_profile(
     "ci",

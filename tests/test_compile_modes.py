@@ -200,7 +200,7 @@ def test_bad_score_terms_are_refused_in_compiled_code(kind: str) -> None:
         compiled(q, k, v, bad)
 
 
-@pytest.mark.parametrize("backend", ["blocks", "decode"])
+@pytest.mark.parametrize("backend", ["flex", "decode"])
 def test_engines_planned_on_the_host_refuse_tracing_by_name(backend: str) -> None:
     q, k, v = _inputs(torch.float32)
     fn = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal(), backend=backend), backend="eager", fullgraph=True)
@@ -324,7 +324,7 @@ def test_grad_and_jacrev_equal_finite_differences_and_the_math_path() -> None:
         torch.testing.assert_close(jac[0, 1, 7, 0], probe.grad, atol=1e-12, rtol=0, msg=name)
 
 
-def test_the_dense_paths_are_chosen_while_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     real = dispatch.choose_path
 
@@ -338,7 +338,14 @@ def test_the_dense_paths_are_chosen_while_tracing(monkeypatch: pytest.MonkeyPatc
     qkv.attention(*big, qkv.masks.sliding_window(16))
     assert seen == ["blocks"]  # eagerly: the block engine
     torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(16)), backend="eager", fullgraph=True)(*big)
-    assert seen[1:] == ["fused"]  # traced: SDPA with the window as a dense mask
+    assert seen[1:] == ["blocks"]  # traced: the same engine, as its operator
+    # what cannot enter the operator keeps to the dense paths: a predicate (SDPA with the
+    # rendered mask) and a score_mod (the math path)
+    seen.clear()
+    band = qkv.masks.predicate(lambda b, h, i, j: (i - j).abs() <= 16)
+    torch.compile(lambda q, k, v: qkv.attention(q, k, v, band), backend="eager", fullgraph=True)(*big)
+    torch.compile(lambda q, k, v: qkv.attention(q, k, v, score_mod=_distance_penalty), backend="eager", fullgraph=True)(*big)
+    assert seen == ["fused", "math"]
 
 
 def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
@@ -357,3 +364,308 @@ def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
     compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
     expected = qkv.attention(q.double(), k.double(), v.double(), mask, sinks=sinks.double(), backend="math")
     torch.testing.assert_close(compiled.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# The block engine under tracing ---------------------------------------------------------------
+# At n = 384 tokens (147,456 pairs per head) eager 'auto' takes the CPU block engine for these
+# cases; traced, the same engine runs as the qkv::blocks_forward / qkv::blocks_backward operators.
+ENGINE_N = 384
+
+
+def _engine_tensors(seed: int = 5) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "slopes": torch.rand(H, generator=gen, dtype=torch.float64) * 0.2,
+        "table": torch.randn(H, 16, generator=gen) * 0.5,
+        "sinks": torch.randn(H, generator=gen),
+        "valid": torch.arange(ENGINE_N).view(1, -1) < 300,
+    }
+
+
+def _engine_kwargs(name: str, t: dict[str, torch.Tensor]) -> dict[str, Any]:
+    n = ENGINE_N
+    return {
+        "sliding_window": lambda: {"mask": qkv.masks.sliding_window(n // 8)},
+        "prefix_lm window": lambda: {"mask": qkv.masks.sliding_window(40, 8) & qkv.masks.prefix_lm(16)},
+        "documents": lambda: {"mask": qkv.masks.documents(_ids(n))},
+        "varlen": lambda: {"mask": qkv.masks.varlen([n // 2, n // 3, n - n // 2 - n // 3], causal=True)},
+        "key_padding": lambda: {"mask": qkv.masks.key_padding(t["valid"]) & qkv.masks.sliding_window(64)},
+        "alibi": lambda: {"mask": qkv.masks.causal(), "bias": qkv.bias.alibi(t["slopes"])},
+        "relative": lambda: {"mask": qkv.masks.sliding_window(64), "bias": qkv.bias.relative(t["table"], num_buckets=16)},
+        "softcap": lambda: {"mask": qkv.masks.causal(), "softcap": 2.0},
+        "sinks": lambda: {"mask": qkv.masks.sliding_window(48), "sinks": t["sinks"]},
+    }[name]()
+
+
+ENGINE_CASES = ["sliding_window", "prefix_lm window", "documents", "varlen", "key_padding", "alibi", "relative", "softcap", "sinks"]
+
+
+def _ops_in_graph(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The qkv operators in the graph that torch.compile(fullgraph=True) traces for fn."""
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function" and "qkv" in str(node.target))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ENGINE_CASES)
+def test_the_block_engine_compiles_whole_and_equals_eager(name: str, dtype: torch.dtype) -> None:
+    t = _engine_tensors()
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, **_engine_kwargs(name, t))
+
+    q, k, v = _inputs(dtype, n=ENGINE_N)
+    plan = dispatch.choose_path(
+        functional.describe_problem(q, k, v, _engine_kwargs(name, t).get("mask"), None, 0.0,
+                                    **{key: value for key, value in _engine_kwargs(name, t).items() if key != "mask"}),
+        "auto", False, False,
+    )
+    assert plan.path == "blocks"  # eagerly the engine runs: the traced graph must hold it too
+    report = torch._dynamo.explain(fn)(q, k, v)
+    assert report.graph_break_count == 0, [r.reason for r in report.break_reasons]
+    assert report.graph_count == 1
+    assert "qkv.blocks_forward" in _ops_in_graph(fn, q, k, v)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert compiled.dtype == dtype
+    # the same engine code runs on the same inputs: equal to eager, and both near float64
+    torch.testing.assert_close(compiled, fn(q, k, v), atol=0, rtol=0)
+    expected = qkv.attention(q.double(), k.double(), v.double(), backend="math",
+                             **_engine_kwargs(name, {key: x.double() if x.is_floating_point() else x for key, x in t.items()}))
+    torch.testing.assert_close(compiled.double(), expected, atol=TOLERANCE[dtype] if dtype == torch.bfloat16 else 5e-6, rtol=0)
+
+
+def _leaves(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of a case that take gradients beyond q, k, v."""
+    return {"alibi": {"slopes": t["slopes"]}, "relative": {"table": t["table"]}, "sinks": {"sinks": t["sinks"]}}.get(name, {})
+
+
+# every case under aot_eager; Inductor (a minute a compile on 2 cores) on three that cover the
+# operators' autograd: the plain engine, a bias gradient, the sinks' gradient
+_GRADIENT_CASES = [
+    *((name, "aot_eager") for name in ("sliding_window", "documents", "alibi", "relative", "softcap", "sinks")),
+    *((name, "inductor") for name in ("sliding_window", "alibi", "sinks")),
+]
+
+
+@pytest.mark.parametrize(("name", "compiler"), _GRADIENT_CASES)
+def test_compiled_block_engine_gradients_equal_eager(name: str, compiler: str) -> None:
+    eager_t, compiled_t = _engine_tensors(), _engine_tensors()
+    for leaf in (*_leaves(name, eager_t).values(), *_leaves(name, compiled_t).values()):
+        leaf.requires_grad_(True)
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    eager_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, lse = qkv.attention(q, k, v, return_lse=True, **_engine_kwargs(name, t))
+        return out.sin().sum() + 0.1 * lse.sum()  # lse's gradient too
+
+    loss(*eager_in, eager_t).backward()
+    compiled = torch.compile(loss, backend=compiler, fullgraph=True)
+    assert "qkv.blocks_forward" in _ops_in_graph(loss, *compiled_in, compiled_t)
+    compiled(*compiled_in, compiled_t).backward()
+    for want, got in zip(eager_in, compiled_in, strict=True):
+        assert want.grad is not None and got.grad is not None
+        # the same backward code on the same saved tensors; Inductor may reorder the loss's own sums
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5 if compiler == "inductor" else 0, rtol=0)
+    for key in _leaves(name, eager_t):
+        want, got = eager_t[key].grad, compiled_t[key].grad
+        assert want is not None and got is not None
+        # sums over every row: the gradients' memory order may change the order of the sum (an ulp)
+        torch.testing.assert_close(got, want, atol=1e-5 if compiler == "inductor" else 1e-6, rtol=1e-6)
+
+
+def test_nan_rule_and_overflow_refusal_on_the_compiled_block_engine() -> None:
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(32)), fullgraph=True)
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    q[0, 1, 3, 0] = float("inf")  # row 3 of head 1
+    k[0, 0, 200, 2] = float("nan")  # key 200 of kv head 0: rows 200..232 of query heads 0 and 1
+    out = compiled(q, k, v)
+    bad = out.isnan().any(dim=-1)  # (1, H, n)
+    expected_bad = torch.zeros(1, H, ENGINE_N, dtype=torch.bool)
+    expected_bad[0, 1, 3] = True
+    expected_bad[0, :2, 200:233] = True
+    assert torch.equal(bad, expected_bad)
+    assert out.isnan().all(dim=-1).eq(bad).all()
+    torch.testing.assert_close(out, qkv.attention(q, k, v, qkv.masks.sliding_window(32)), atol=0, rtol=0, equal_nan=True)
+    big_q, big_k, _ = _inputs(torch.float32, n=ENGINE_N)
+    with pytest.raises(RuntimeError, match="reach beyond half the largest float32"):
+        compiled(big_q * 1e19, big_k * 1e19, v)
+    with pytest.raises(ValueError, match="beyond half the largest float32"):
+        qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.sliding_window(32))
+
+
+def test_backend_blocks_compiles_and_refuses_what_cannot_enter_its_operator() -> None:
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    mask = qkv.masks.sliding_window(20)
+    fn = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask, backend="blocks"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), qkv.attention(q, k, v, mask, backend="blocks"), atol=0, rtol=0)
+    with_mod = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask, score_mod=_distance_penalty, backend="blocks"),
+                             backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="score_mod is a Python function"):
+        with_mod(q, k, v)
+    with pytest.raises(ValueError, match=r"torch\.compile, torch\.export and vmap"):
+        torch.func.vmap(lambda q, k, v: qkv.attention(q, k, v, mask, backend="blocks"))(q, k, v)
+
+
+def test_explain_while_tracing_names_the_operator_and_where_score_mod_goes() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    q, k, v = (fake_mode.from_tensor(x) for x in _inputs(torch.float32, n=ENGINE_N))
+    with fake_mode:
+        window = qkv.explain(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8))
+        modded = qkv.explain(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8), score_mod=_distance_penalty)
+        wide = qkv.explain(q, k, v, qkv.masks.sliding_window(ENGINE_N, ENGINE_N))
+    assert window.path == "blocks" and "qkv::blocks_forward" in window.reason and window.upper_bound
+    visible = int(qkv.masks.sliding_window(ENGINE_N // 8).to_dense(ENGINE_N, ENGINE_N).sum())
+    assert f"{visible / ENGINE_N**2:.1%} of the score matrix visible" in window.reason
+    assert window.tiles == "planned when the traced graph runs, from the mask's values"
+    assert modded.path == "math" and "score_mod" in modded.reason
+    assert wide.path == "fused"  # every key visible: SDPA, as eager
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # opcheck's own
+def test_operators_pass_opcheck() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, H, ENGINE_N, E, generator=gen) for _ in range(3))  # as kernel_inputs gives them
+    t = _engine_tensors()
+    slopes = t["slopes"].clone().requires_grad_(True)
+    sinks = t["sinks"].view(1, H).clone().requires_grad_(True)
+    ids = _ids(ENGINE_N).view(1, -1)
+    window, documents = "('!',('sliding_window',32,0,'bottom-right',),)", "('!',('documents','@',None,),)"
+    samples = [
+        (None, [], [], window, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True),
+        (sinks, [ids], [], documents, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True),
+        (None, [], [slopes], "('!',('causal','bottom-right',),)", "('!',('alibi','@',),)", 0.3, 3.0, "score_tiles", "scored_per_call", True),
+        (None, [], [], "None", "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", False),
+    ]
+    for rest in samples:
+        q_, k_, v_ = (x.clone().requires_grad_(rest[-1]) for x in (q, k, v))
+        torch.library.opcheck(torch.ops.qkv.blocks_forward.default, (q_, k_, v_, *rest))
+    # the backward operator on a forward's saved outputs, with the lse's gradient and the sinks'
+    out, lse, shift, rest_, p_sink, _ = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
+                                                                  None, "cpu_flash_tiles", "engine_per_call", True)
+    grad_out, grad_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    torch.library.opcheck(torch.ops.qkv.blocks_backward.default, (
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, [ids], [], documents, "None", 0.3, None,
+        "cpu_flash_tiles", "engine_per_call", True, [],
+    ))
+
+
+@pytest.mark.parametrize("case", ["sliding_window", "alibi", "bool tensor"])
+def test_export_of_multihead_attention_on_the_block_engine_saves_loads_and_equals_eager(case: str) -> None:
+    n = ENGINE_N
+    bool_mask = torch.ones(1, 1, n, n, dtype=torch.bool).tril(diagonal=-2) | torch.eye(n, dtype=torch.bool)
+    kwargs, mask = {
+        "sliding_window": ({}, qkv.masks.sliding_window(32)),
+        "alibi": ({"position_bias": qkv.bias.alibi()}, qkv.masks.sliding_window(64)),
+        "bool tensor": ({}, bool_mask),
+    }[case]
+    torch.manual_seed(0)
+    module = qkv.MultiHeadAttention(32, 4, **kwargs).eval()
+    x = torch.randn(1, n, 32)
+
+    class WithMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x, mask=mask)
+
+    exported = torch.export.export(WithMask(), (x,))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert ("qkv.blocks_forward.default" in targets) == (case != "bool tensor")  # a bool tensor stays on SDPA
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    with torch.no_grad():
+        eager = module(x, mask=mask)
+    torch.testing.assert_close(loaded.module()(x), eager, atol=1e-6, rtol=0)
+
+
+def test_onnx_dynamo_export_at_block_engine_sizes_gives_the_dense_graph() -> None:
+    """ONNX has no operator for qkv::blocks_forward: while torch.onnx exports, 'auto' keeps to the
+    dense paths at sizes where torch.export alone takes the engine's operator, and
+    backend='blocks' is refused by name. Needs onnx and onnxscript (qkv does not depend on them)."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self, backend: str) -> None:
+            super().__init__()
+            self.attention = qkv.MultiHeadAttention(32, 4, backend=backend).eval()  # type: ignore[arg-type]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, mask=qkv.masks.sliding_window(32))
+
+    x = torch.randn(1, ENGINE_N, 32)
+    program = torch.onnx.export(Block("auto"), (x,), dynamo=True)
+    assert program is not None
+    assert all("blocks" not in node.op_type for node in program.model.graph)
+    with pytest.raises(Exception, match="backend='blocks'"):
+        torch.onnx.export(Block("blocks"), (x,), dynamo=True)
+
+
+@pytest.mark.parametrize("ids_order", ["sorted", "shuffled"])
+def test_traced_nan_rule_for_documents_counts_bad_keys_per_document(ids_order: str) -> None:
+    """The traced NaN rule finds a document's rows without rendering the L x S mask; expected
+    rows from the rendered mask (`to_dense`), any order of ids."""
+    n = ENGINE_N
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.repeat_interleave(torch.arange(6), n // 6)
+    if ids_order == "shuffled":
+        ids = ids[torch.randperm(n, generator=gen)]
+    mask = qkv.masks.documents(ids)
+    q, k, v = _inputs(torch.float32, n=n)
+    v[0, 1, 77, 0] = float("nan")  # key 77 of kv head 1: query heads 2 and 3
+    q[0, 0, 5, 1] = float("-inf")
+    expected_bad = torch.zeros(1, H, n, dtype=torch.bool)
+    expected_bad[0, 2:, :] = mask.to_dense(n, n)[0, 0, :, 77]
+    expected_bad[0, 0, 5] = True
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    assert torch.equal(out.isnan().any(dim=-1), expected_bad)
+    assert torch.equal(out.isnan().all(dim=-1), expected_bad)
+    torch.testing.assert_close(out, qkv.attention(q, k, v, mask), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks"])
+def test_nan_rule_gradients_on_the_compiled_block_engine_equal_eager(name: str) -> None:
+    """The operators apply the NaN rule with the values at hand: the rows that read a bad entry
+    are NaN and pass no gradient, the bad entries get none, every other gradient is eager's."""
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    q[0, 1, 3, 0] = float("inf")
+    v[0, 0, 200, 2] = float("nan")
+    results = []
+    for compiled in (False, True):
+        t = _engine_tensors()
+        for leaf in _leaves(name, t).values():
+            leaf.requires_grad_(True)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: dict[str, torch.Tensor] = t) -> torch.Tensor:
+            out = qkv.attention(q, k, v, **_engine_kwargs(name, t))
+            return out.nan_to_num(nan=0.0).sin().sum(), out
+
+        run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+        total, out = run(*leaves)
+        total.backward()
+        results.append((out, [x.grad for x in leaves] + [x.grad for x in _leaves(name, t).values()]))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    assert eager_out.isnan().any()
+    torch.testing.assert_close(compiled_out, eager_out, atol=0, rtol=0, equal_nan=True)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        assert got is not None and want is not None and not want.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -90,6 +90,11 @@ class Bias(ABC):
         del tensors
         return self
 
+    def spec_fields(self) -> tuple[object, ...] | None:
+        """The bias's spec name and constructor arguments, for `qkv._private.spec` (the block
+        engine's operators rebuild it from them); None when it cannot be rebuilt from text."""
+        return None
+
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         """The bias ready for a (*batch_shape, H, L, S) problem: validated (ValueError naming
         the mismatch), defaults resolved (ALiBi's slopes for H heads), tensors brought to one
@@ -249,6 +254,9 @@ class ALiBi(Bias):
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Bias:
         return ALiBi(tensors[0]) if tensors else self
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("alibi", self.slopes)
+
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         super().bind(batch_shape, H, L, S)
         return self if self.slopes is not None else ALiBi(alibi_slopes(H))
@@ -358,6 +366,9 @@ class Relative(Bias):
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Bias:
         return Relative(tensors[0], self.num_buckets, self.max_distance, self.bidirectional)
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("relative", self.table, self.num_buckets, self.max_distance, self.bidirectional)
+
     def terms(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_pos: torch.Tensor
     ) -> torch.Tensor:
@@ -447,6 +458,9 @@ class Dense(Bias):
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Bias:
         return Dense(tensors[0])
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("dense_bias", self.tensor)
+
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         t = self.tensor
         target = (*batch_shape, H, L, S)
@@ -528,6 +542,9 @@ class Sum(Bias):
             parts.append(p.with_tensors(tensors[start : start + count]))
             start += count
         return Sum(tuple(parts))
+
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("sum", self.parts)
 
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         return Sum(tuple(p.bind(batch_shape, H, L, S) for p in self.parts))

@@ -12,6 +12,9 @@
   ``torch._subclasses.fake_tensor.is_fake``: whether a tensor's values can be read on the host
   now (not under vmap, not a fake tensor of torch.compile / export), and whether torch.func
   wraps it;
+- ``torch._C._dispatch_tls_local_include_set`` / ``_dispatch_tls_local_exclude_set`` and
+  ``torch._C._ForceDispatchKeyGuard``: autograd switched back on inside a custom operator's
+  implementation, which runs below autograd (`autograd_inside_operator`);
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
@@ -25,6 +28,9 @@ tests/_private/test_torch.py checks them against the installed torch.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
@@ -33,6 +39,7 @@ __all__ = [
     "CHECKED_WITH",
     "CPU_FEATURE_QUERIES",
     "PRIVATE_OPS",
+    "autograd_inside_operator",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cpu_supports",
@@ -207,6 +214,19 @@ def require(condition: torch.Tensor, message: str) -> torch.Tensor:
         # ONNX has no operator for this check: an ONNX graph carries none (documented in qkv.attention)
         return torch.ones((), dtype=torch.float32, device=condition.device)
     return _check_op(condition.detach(), message)
+
+
+@contextlib.contextmanager
+def autograd_inside_operator() -> Iterator[None]:
+    """Autograd recording again inside a ``torch.library`` operator's implementation, which the
+    dispatcher runs with the autograd keys excluded (``torch.enable_grad`` alone does not bring
+    them back): for a backward operator that differentiates tile by tile with torch.autograd.grad."""
+    keys = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
 
 
 def mode_active() -> bool:

@@ -16,6 +16,10 @@ structured mask. A `predicate` mask beyond `POINTWISE_BUDGET` points is not eval
 decide: it goes to the structured engine with a deferred Plan, which `complete` fills in when
 attention runs. `weights_plan` is the rule of `qkv.attention_weights`, and `ring_block_path`
 the sub-rule for one block of ring attention (`qkv.distributed.blockwise`).
+
+While torch.compile or torch.export trace (`_compile_tracing`), the mask's values do not exist:
+the block engine's Plan is deferred the same way and runs as its operators
+(`qkv.backends.blocks.ops`), chosen from the mask's Python parameters (`_traced_sparse`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
+from qkv.backends.blocks.ops import encodable
 from qkv.backends.blocks.planner import (
     BlockConfig,
     BlockPlan,
@@ -39,7 +44,7 @@ from qkv.backends.blocks.scored import closes_over_grad
 from qkv.backends.dense import flash_kernel_available, fused_lse_available
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
-from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, KeyPadding, Mask
+from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Dense, KeyPadding, Mask
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
 
 __all__ = [
@@ -165,6 +170,38 @@ def _traced(problem: AttentionProblem) -> bool:
     return private_torch.host_unreadable(problem.q, problem.k, problem.v)
 
 
+def _compile_tracing(problem: AttentionProblem) -> bool:
+    """Whether torch.compile or torch.export (not vmap, grad, or an ONNX export) is tracing this
+    call: the block engine may then stand in the graph as its operators
+    (`qkv.backends.blocks.ops`), which plan the tiles when the graph runs."""
+    if not _traced(problem) or torch.onnx.is_in_onnx_export():
+        return False
+    return torch.compiler.is_compiling() or not private_torch.under_torch_func(problem.q)
+
+
+def _traced_engine_refusal(problem: AttentionProblem, return_weights: bool) -> str | None:
+    """Why the block engine's operators cannot take this traced problem, or None when they can."""
+    if not _compile_tracing(problem):
+        return "vmap, grad and ONNX exports trace the tile plan's host code, which they cannot"
+    if problem.q.device.type != "cpu" or not flash_kernel_available() or switches.is_off("blocks"):
+        return "the CPU block engine does not run here"
+    if isinstance(problem.mask, torch.Tensor) or problem.dropout > 0.0:
+        return "it takes no tensor mask and no dropout"
+    if return_weights:
+        return "its weights come from tiles planned on the host"
+    if problem.terms.score_mod is not None:
+        return "a score_mod is a Python function, which cannot enter its operator"
+    if not encodable(problem.mask, problem.terms):
+        return "a predicate mask is a Python function, which cannot enter its operator"
+    return None
+
+
+_TRACED_OPERATOR = (
+    "traced: the CPU block engine runs as the qkv::blocks_forward operator (qkv::blocks_backward for "
+    "gradients), which plans its tiles from the mask's values when the graph runs"
+)
+
+
 _TRACED_REFUSAL = (
     "plans its tiles from the mask's values on the host, which torch.compile, torch.export and "
     "vmap do not give while they trace; use backend='auto' there (the dense paths), or call it outside "
@@ -264,6 +301,9 @@ def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
     if problem.L * problem.S < _SPARSE_MIN_PAIRS:
         return _math_plan(problem, f"{why}; below {_SPARSE_MIN_PAIRS:,} pairs per head the math path applies them faster than tiles", return_weights, return_lse)
     if _traced(problem):
+        if _traced_engine_refusal(problem, return_weights) is None:
+            return _sparse_plan(problem, "blocks", f"{why}; {_TRACED_OPERATOR}; it folds each row's sink into the merged lse",
+                                return_weights, return_lse, deferred=True)
         return _math_plan(problem, f"{why}; while tracing the tile paths cannot plan from the mask, the math path applies them", return_weights, return_lse)
     device = problem.q.device
     what = "no mask" if mask is None else mask.describe()
@@ -346,7 +386,8 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
     q = problem.q
     if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active or needs_grad(problem):
         return None
-    if _traced(problem):
+    traced = _traced(problem)
+    if traced and _traced_engine_refusal(problem, return_weights) is not None:
         return None
     if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L < _DENSE_BF16_KERNEL_MIN_QUERIES:
         return None
@@ -360,7 +401,9 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
         f"at least {_DENSE_BF16_KERNEL_MIN_QUERIES} queries and no gradient: "
         f"the block engine's {interval_bf16.KERNEL_NAME} beats PyTorch's CPU flash kernel here"
     )
-    return _sparse_plan(problem, "blocks", reason, False, return_lse)
+    if traced:
+        reason += f"; {_TRACED_OPERATOR}"
+    return _sparse_plan(problem, "blocks", reason, False, return_lse, deferred=traced)
 
 
 def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
@@ -637,7 +680,13 @@ def _sparse_plan(
     if switches.is_off(path):
         raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
     if _traced(problem):
-        raise ValueError(f"backend={path!r} {_TRACED_REFUSAL}")
+        refusal = _traced_engine_refusal(problem, return_weights) if path == "blocks" else None
+        if path != "blocks" or not _compile_tracing(problem):
+            raise ValueError(f"backend={path!r} {_TRACED_REFUSAL}")
+        if refusal is not None:
+            raise ValueError(f"backend='blocks' while torch.compile / torch.export trace: {refusal}; use backend='auto'")
+        if not deferred:
+            reason, deferred = f"{reason}; {_TRACED_OPERATOR}", True
     if path == "blocks":
         if device.type != "cpu":
             raise ValueError(f"backend='blocks' is the CPU block engine, the inputs are on {device}; use 'flex' or 'auto'")
@@ -686,7 +735,9 @@ def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
         scored = terms.softcap is not None or terms.score_mod is not None
         return replace(plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call")
     q = problem.q
-    has_intervals = plan.tiles is not None and plan.tiles.intervals is not None
+    # while tracing the plan is made when the graph runs: the interval kernels are named, and
+    # the operator falls back to the portable ones if the mask's data gives no intervals
+    has_intervals = plan.tiles.intervals is not None if plan.tiles is not None else _compile_tracing(problem)
     forward = interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals)
     backward = interval_bf16_backward.unavailable_reason(q.dtype, q.device, has_intervals)
     low = q.dtype in (torch.bfloat16, torch.float16)  # where the kernels are candidates, said
@@ -705,8 +756,14 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     weights, SDPA a rendered bias (float mask)."""
     terms = problem.terms
     mask = problem.mask
-    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS or _traced(problem):
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
         return None
+    if _traced(problem):
+        if _traced_engine_refusal(problem, return_weights) is not None:
+            return None
+        what = "no mask" if mask is None else mask.describe()
+        reason = f"{terms.describe()} with {what}: the CPU block engine applies them tile by tile; {_TRACED_OPERATOR}"
+        return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
     if terms.score_mod is not None and needs_grad(problem) and closes_over_grad(terms.score_mod):
         return None
     device = problem.q.device
@@ -737,8 +794,10 @@ def _flex_suits(problem: AttentionProblem) -> bool:
 def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
     L, S = problem.L, problem.S
-    if L * S < _SPARSE_MIN_PAIRS or _traced(problem):
+    if L * S < _SPARSE_MIN_PAIRS:
         return None
+    if _traced(problem):
+        return _traced_sparse(problem, return_weights, return_lse)
     device = problem.q.device
     if device.type == "cpu" and flash_kernel_available() and not switches.is_off("blocks"):
         path: Literal["blocks", "flex"] = "blocks"
@@ -766,6 +825,32 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
         "of the score matrix and skips the rest"
     )
     return _sparse_plan(problem, path, reason, return_weights, return_lse, layout, tiles)
+
+
+def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
+    """'auto' for a structured mask while torch.compile / torch.export trace: the block engine's
+    operators when eager would choose the engine, decided from the mask's Python parameters (the
+    values of its tensors are not known): an interval mask by its visible fraction, computed by
+    arithmetic (`Mask.visible_pairs`; eager counts the planned tiles, a little more); a mask given
+    by data (documents, varlen, key padding) by size alone. A bool tensor (`qkv.masks.dense`)
+    stays on SDPA, which reads it as it is."""
+    mask = problem.mask
+    assert isinstance(mask, Mask)
+    if isinstance(mask, Dense) or _traced_engine_refusal(problem, return_weights) is not None:
+        return None
+    L, S = problem.L, problem.S
+    pairs = mask.visible_pairs(L, S)
+    if pairs is None:
+        reason = f"{mask.describe()} at {L * S:,} pairs per head: the CPU block engine skips its empty tiles; {_TRACED_OPERATOR}"
+    else:
+        visited = pairs / (L * S)
+        if visited > _SPARSE_MAX_VISITED:
+            return None
+        reason = (
+            f"{mask.describe()} leaves {visited:.1%} of the score matrix visible (from its parameters); the CPU "
+            f"block engine computes about that and skips the rest; {_TRACED_OPERATOR}"
+        )
+    return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
 
 
 def weights_plan(problem: AttentionProblem) -> Plan:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from qkv.attention.dispatch import MaskRoute, Plan, complete, key_padding
+from qkv._private import torch as private_torch
+from qkv.attention.dispatch import MaskRoute, Plan, complete, key_padding, needs_grad
 from qkv.attention.problem import AttentionProblem, compact, normalize_mask
 from qkv.backends.blocks.engine import block_attention, block_lse, block_weights
+from qkv.backends.blocks.ops import block_attention_op
 from qkv.backends.blocks.scored import scored_block_attention
 from qkv.backends.decode import decode_attention
 from qkv.backends.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
@@ -22,7 +24,7 @@ from qkv.masks import Mask
 from qkv.native import short_bf16
 from qkv.scores import ScoreTerms
 
-__all__ = ["pack", "run", "run_weights"]
+__all__ = ["applies_nan_rule", "pack", "run", "run_weights"]
 
 Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -133,8 +135,23 @@ def _try_score_terms_eagerly(terms: ScoreTerms, q: torch.Tensor) -> None:
         terms.apply(score, index, index, index, index)
 
 
+def applies_nan_rule(problem: AttentionProblem, plan: Plan) -> bool:
+    """Whether running ``plan`` applies the NaN rule itself (`qkv.attention.nan_rule`): the block
+    engine's operators while torch.compile / torch.export trace, which find the rows with the
+    values at hand, as eagerly, instead of the traced rule's passes over q, k, v and the output."""
+    return plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v)
+
+
 def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
+    if applies_nan_rule(problem, plan):
+        # traced (torch.compile, torch.export): the engine's operators plan the tiles when the
+        # graph runs; dispatch sends no weights here
+        traced = block_attention_op(
+            problem.q, problem.k, problem.v, _structured(problem), problem.scale, problem.terms, problem.sinks,
+            plan.forward_kernel, plan.backward_kernel, needs_grad(problem),
+        )
+        return traced[0], None, traced[1]
     plan = complete(problem, plan)  # a deferred plan's tiles are found now
     mask = _structured(problem)
     q, k, v, scale, terms, sinks = problem.q, problem.k, problem.v, problem.scale, problem.terms, problem.sinks

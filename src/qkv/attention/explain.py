@@ -149,9 +149,11 @@ def explanation(
     pairs = _visible_pairs(problem, plan)
     blocks_visited = tiles = None
     if plan.deferred:
-        assert isinstance(problem.mask, Mask)
-        points = problem.mask.evaluated_points(L, S)
-        tiles = f"not evaluated: the layout takes {points:,} evaluations of the mask, done when attention runs"
+        points = problem.mask.evaluated_points(L, S) if isinstance(problem.mask, Mask) else 0
+        if points:
+            tiles = f"not evaluated: the layout takes {points:,} evaluations of the mask, done when attention runs"
+        else:  # traced (torch.compile, torch.export): the engine's operator plans them
+            tiles = "planned when the traced graph runs, from the mask's values"
     if plan.layout is not None:
         layout = plan.layout
         blocks_visited = layout.visited_block_fraction
@@ -232,9 +234,10 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
     if plan.layout is not None:
         n_tiles = plan.layout.states.numel()
     else:
-        assert plan.deferred and isinstance(mask, Mask)
+        assert plan.deferred
         block_q, block_k = (BLOCKS.block_q, BLOCKS.block_k) if plan.path == "blocks" else (FLEX_BLOCK, FLEX_BLOCK)
-        n_tiles = (mask.batch or 1) * (mask.heads or 1) * -(-L // block_q) * -(-S // block_k)
+        layers = (mask.batch or 1) * (mask.heads or 1) if isinstance(mask, Mask) else 1
+        n_tiles = layers * -(-L // block_q) * -(-S // block_k)
     if plan.path == "flex":
         return flex_extra_bytes(q.dtype, N=N, H=H, L=L, n_tiles=n_tiles)
     return engine_extra_bytes(

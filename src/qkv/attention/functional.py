@@ -29,7 +29,7 @@ from qkv._log import note_once
 from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds
 from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
-from qkv.attention.execute import pack, run, run_weights
+from qkv.attention.execute import applies_nan_rule, pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
 from qkv.attention.problem import autocast_dtype, check_indices, describe_problem, scan_magnitudes
@@ -218,14 +218,21 @@ def attention(
           value 3.4e38, of float64's for float64 inputs) are refused with a ValueError naming
           the bound, as is a softcap beyond the accumulation dtype; float64 inputs hold scores
           up to 1e308.
-        - Traced (torch.compile, torch.export, torch.func's vmap / grad / jacrev): 'auto' keeps
-          to the dense paths (SDPA, the math path; the math path under torch.func), whose graphs
-          are tensor operations only, and the structured masks reach them as dense masks built
-          from their Python parameters. The NaN rule runs as tensor operations, and the refusals
-          (overflow, NaN or +inf in a float mask, bias or sinks) run inside the graph
-          (a ``qkv::check`` operator) and raise RuntimeError when it runs. An ONNX graph carries
-          no such check (ONNX has no operator for it). backend='blocks', 'flex' and 'decode'
-          plan on the host and refuse to be traced, with a ValueError saying so.
+        - Traced (torch.compile, torch.export, torch.func's vmap / grad / jacrev): under
+          torch.compile and torch.export 'auto' takes the CPU block engine where eager would,
+          as the operators ``qkv::blocks_forward`` / ``qkv::blocks_backward``, which plan the
+          tiles when the graph runs (decided from the mask's Python parameters: an interval
+          mask by its visible fraction, a mask given by data by size; a score_mod or a
+          predicate mask, Python functions, cannot enter an operator and keep to the dense
+          paths); backend='blocks' works there too. Everything else, and everything under
+          torch.func (the math path) and ONNX exports, keeps to the dense paths (SDPA, the math
+          path), whose graphs are tensor operations only, the structured masks reaching them
+          as dense masks built from their Python parameters. The NaN rule runs as tensor
+          operations, and the refusals (overflow, NaN or +inf in a float mask, bias or sinks)
+          run inside the graph (a ``qkv::check`` operator) and raise RuntimeError when it
+          runs. An ONNX graph carries no such check (ONNX has no operator for it).
+          backend='flex' and 'decode', and 'blocks' under vmap, plan on the host and refuse to
+          be traced, with a ValueError saying so.
         - Determinism: two calls with the same inputs and thread count give bitwise equal
           outputs and gradients (q, k, v and the bias tensors). Across thread counts the
           results may differ in the last bits (PyTorch's kernels split their sums by thread).
@@ -312,7 +319,7 @@ def _attend(
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
-    if not problem.nonfinite:
+    if not problem.nonfinite or applies_nan_rule(problem, plan):
         out, weights, lse = run(problem, plan)
         return pack(problem, out, weights, lse, return_weights, return_lse)
     # the NaN rule (qkv.attention.nan_rule): compute on finite inputs, then NaN the rows that read a bad entry

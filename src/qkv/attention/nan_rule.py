@@ -24,7 +24,7 @@ import torch
 
 from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem
-from qkv.masks import Causal, Mask, Padded, PrefixLM, SlidingWindow, Varlen
+from qkv.masks import Causal, Combined, Documents, Mask, Padded, PrefixLM, SlidingWindow, Varlen
 
 __all__ = ["affected_rows", "finite_problem", "poison"]
 
@@ -67,15 +67,21 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
     """(N, H, L) bool: the rows that may see a bad key, ``bad`` (N, H, S) bool, without asking
     the host which keys are bad (torch.compile, export, vmap): every key column is considered.
     Without a mask a row sees them all; a mask of key intervals (causal, windows, prefix-LM,
-    varlen, padded: their intervals are tensor operations on Python parameters) counts the bad
-    keys of each interval by a prefix sum, O(L + S); any other mask is rendered (N | 1, H | 1,
-    L, S), as the dense paths render it anyway."""
+    varlen, padded, and ``&`` of them: their intervals are tensor operations on Python
+    parameters) counts the bad keys of each interval by a prefix sum, O(L + S); documents count
+    them per document (`_document_rows`); any other mask is rendered (N | 1, H | 1, L, S), as
+    the dense paths render it anyway (the block engine's operator does not: a mask rendered
+    here would cost what the engine saves)."""
     mask, L, S = problem.mask, problem.L, problem.S
     N, H = bad.shape[0], bad.shape[1]
     if mask is None:
         return bad.any(dim=-1, keepdim=True).expand(N, H, L)  # (N, H, L)
-    if isinstance(mask, _INTERVAL_MASKS):
-        lo, hi = mask.row_intervals(L, S, bad.device)  # (N | 1, L) each; lo > hi: no key
+    if isinstance(mask, Documents):
+        return _document_rows(mask, bad, L, S)
+    if isinstance(mask, Mask) and _intervals_traceable(mask):
+        intervals = mask.row_intervals(L, S, bad.device)
+        assert intervals is not None  # interval masks and their intersections always give them
+        lo, hi = intervals  # (N | 1, L) each; lo > hi: no key
         before = torch.nn.functional.pad(bad.long().cumsum(dim=-1), (1, 0))  # (N, H, S + 1): bad keys before j
         first = lo.clamp(0, S)[:, None, :].expand(N, H, L)  # (N, H, L)
         stop = torch.maximum((hi + 1).clamp(0, S)[:, None, :].expand(N, H, L), first)  # (N, H, L)
@@ -87,6 +93,30 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
 
 # masks whose key intervals per query are tensor operations on their Python parameters
 _INTERVAL_MASKS = (Causal, SlidingWindow, PrefixLM, Varlen, Padded)
+
+
+def _intervals_traceable(mask: Mask) -> bool:
+    """An interval mask, or an intersection of them (its intervals are their max / min)."""
+    if isinstance(mask, Combined):
+        return mask.op == "and" and _intervals_traceable(mask.left) and _intervals_traceable(mask.right)
+    return isinstance(mask, _INTERVAL_MASKS)
+
+
+def _document_rows(mask: Documents, bad: torch.Tensor, L: int, S: int) -> torch.Tensor:
+    """(N, H, L) bool: the rows whose document holds a bad key, ``bad`` (N, H, S), by tensor
+    operations whatever the order of the ids: the keys sorted by id, the bad keys counted along
+    that order by a prefix sum, and each query's document found in it by binary search
+    (O((L + S) log S), never L x S)."""
+    N, H = bad.shape[0], bad.shape[1]
+    keys = (mask.ids if mask.kv_ids is None else mask.kv_ids).to(bad.device)  # (B | 1, S)
+    queries = (mask.ids[:, S - L :] if mask.kv_ids is None else mask.ids).to(bad.device)  # (B | 1, L)
+    keys, queries = keys.expand(N, S).contiguous(), queries.expand(N, L).contiguous()  # (N, S), (N, L)
+    sorted_keys, order = keys.sort(dim=-1)  # (N, S) each
+    bad_sorted = bad.gather(-1, order[:, None, :].expand(N, H, S))  # (N, H, S): bad flags in id order
+    before = torch.nn.functional.pad(bad_sorted.long().cumsum(dim=-1), (1, 0))  # (N, H, S + 1)
+    first = torch.searchsorted(sorted_keys, queries)[:, None, :].expand(N, H, L)  # (N, H, L): the document's first key
+    stop = torch.searchsorted(sorted_keys, queries, right=True)[:, None, :].expand(N, H, L)  # (N, H, L)
+    return before.gather(-1, stop) > before.gather(-1, first)
 
 
 def finite_problem(problem: AttentionProblem) -> AttentionProblem:

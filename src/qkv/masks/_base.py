@@ -87,6 +87,20 @@ class Mask(ABC):
         del L, S
         return 0
 
+    def visible_pairs(self, L: int, S: int) -> int | None:
+        """How many (query, key) pairs the mask leaves visible at this size, per batch row and
+        head, by arithmetic on its Python parameters (no tensor is read: torch.compile can
+        decide from it while tracing); an upper bound for a combination (``&``: the smaller
+        known side; ``|``: the sum); None when its data decides (documents, lengths, a tensor,
+        a predicate)."""
+        del L, S
+        return None
+
+    def spec_fields(self) -> tuple[object, ...] | None:
+        """The mask's spec name and constructor arguments, for `qkv._private.spec` (the block
+        engine's operators rebuild it from them); None when it cannot be rebuilt from text."""
+        return None
+
     def check_size(self, L: int, S: int) -> None:
         """Raise ValueError when the mask's data (ids, lengths, a tensor) does not fit an L x S
         score matrix; `to_dense`, `layout` and `validate` call it so that a mismatch is named
@@ -222,6 +236,16 @@ class Combined(Mask):
 
     def evaluated_points(self, L: int, S: int) -> int:
         return self.left.evaluated_points(L, S) + self.right.evaluated_points(L, S)
+
+    def spec_fields(self) -> tuple[object, ...] | None:
+        return ("combined", self.op, self.left, self.right)
+
+    def visible_pairs(self, L: int, S: int) -> int | None:
+        a, b = self.left.visible_pairs(L, S), self.right.visible_pairs(L, S)
+        if self.op == "and":  # at most what either side leaves: an upper bound when one is known
+            known = [x for x in (a, b) if x is not None]
+            return min(known) if known else None
+        return None if a is None or b is None else min(L * S, a + b)
 
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         self.left.validate(batch, heads, L, S)

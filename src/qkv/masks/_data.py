@@ -54,6 +54,9 @@ class Documents(Mask):
     def to(self, device: torch.device | str) -> Documents:
         return Documents(self.ids.to(device), None if self.kv_ids is None else self.kv_ids.to(device))
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("documents", self.ids, self.kv_ids)
+
     def check_size(self, L: int, S: int) -> None:
         keys = self._key_ids()
         if keys.shape[1] != S:
@@ -168,6 +171,9 @@ class KeyPadding(Mask):
         return KeyPadding(
             None if self.valid is None else self.valid.to(device), None if self.lengths is None else self.lengths.to(device)
         )
+
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("key_padding", self.valid, self.lengths)
 
     def _valid(self, S: int, device: Device) -> torch.Tensor:
         """(B | 1, S) bool."""

@@ -29,6 +29,20 @@ def _offset(align: Align, L: int, S: int) -> int:
     return S - L if align == "bottom-right" else 0
 
 
+def _clamped_sum(first: int, last: int, lo: int, hi: int) -> int:
+    """The sum of min(max(x, lo), hi) over x = first..last (0 when last < first), lo <= hi, in O(1):
+    the part below lo, the arithmetic series between, the part above hi."""
+    if last < first:
+        return 0
+    below = max(0, min(last, lo - 1) - first + 1)
+    above = max(0, last - max(first, hi + 1) + 1)
+    total = below * lo + above * hi
+    a, b = max(first, lo), min(last, hi)
+    if a <= b:
+        total += (a + b) * (b - a + 1) // 2
+    return total
+
+
 def _check_align(align: object) -> None:
     if align not in ("bottom-right", "top-left"):
         raise ValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
@@ -88,6 +102,14 @@ class Causal(_Interval):
     def describe(self) -> str:
         return "causal()" if self.align == "bottom-right" else "causal(align='top-left')"
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("causal", self.align)
+
+    def visible_pairs(self, L: int, S: int) -> int:
+        # query at position p sees keys 0..min(p, S - 1), none when p < 0
+        first = self.offset(L, S)
+        return _clamped_sum(first, first + L - 1, -1, S - 1) + L
+
 
 def causal(align: Align = "bottom-right") -> Causal:
     """Causal mask: the query at absolute position p sees the keys 0..p.
@@ -119,6 +141,18 @@ class SlidingWindow(_Interval):
     def describe(self) -> str:
         extra = "" if self.align == "bottom-right" else ", align='top-left'"
         return f"sliding_window(left={self.left}, right={self.right}{extra})"
+
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("sliding_window", self.left, self.right, self.align)
+
+    def visible_pairs(self, L: int, S: int) -> int:
+        # keys max(0, p - left)..min(S - 1, p + right): hi clamped to -1 and lo to S make an
+        # empty row count 0 (left, right >= 0 keep lo <= hi + 1)
+        first = _offset(self.align, L, S)
+        last = first + L - 1
+        highs = _clamped_sum(first + self.right, last + self.right, -1, S - 1)
+        lows = _clamped_sum(first - self.left, last - self.left, 0, S)
+        return highs - lows + L
 
 
 def sliding_window(left: int, right: int = 0, *, align: Align = "bottom-right") -> SlidingWindow:
@@ -153,6 +187,14 @@ class PrefixLM(_Interval):
     def describe(self) -> str:
         extra = "" if self.align == "bottom-right" else ", align='top-left'"
         return f"prefix_lm({self.n}{extra})"
+
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("prefix_lm", self.n, self.align)
+
+    def visible_pairs(self, L: int, S: int) -> int:
+        # keys 0..min(S - 1, max(p, n - 1))
+        first = _offset(self.align, L, S)
+        return _clamped_sum(first, first + L - 1, min(self.n - 1, S - 1), S - 1) + L
 
 
 def prefix_lm(n: int, *, align: Align = "bottom-right") -> PrefixLM:

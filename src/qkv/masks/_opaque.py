@@ -123,6 +123,9 @@ class Dense(Mask):
     def to(self, device: torch.device | str) -> Dense:
         return Dense(self.tensor.to(device))
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return ("dense", self.tensor)
+
     def _4d(self) -> torch.Tensor:
         t = self.tensor
         return t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))  # (B | 1, H | 1, L | 1, S | 1)

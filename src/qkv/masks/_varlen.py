@@ -94,6 +94,9 @@ class _Lengths(Mask):
     def to(self, device: torch.device | str) -> _Lengths:
         return type(self)(self.q_lengths.to(device), self.k_lengths.to(device), self.causal, self.window, self.known)
 
+    def spec_fields(self) -> tuple[object, ...]:
+        return (self.constructor, self.q_lengths, self.k_lengths, self.causal, self.window, self.known)
+
     def block_states(self, L: int, S: int, block_q: int, block_k: int, device: Device = None) -> torch.Tensor:
         intervals = self.row_intervals(L, S, device)
         assert intervals is not None  # a varlen mask always knows its rows' key intervals

@@ -1,0 +1,415 @@
+"""The block engine as two ``torch.library`` operators, for torch.compile and torch.export.
+
+Eagerly the engine is an autograd Function (`engine._BlockAttention`, `scored._ScoredBlockAttention`)
+whose non-tensor argument, the run (tile plan, mask, score terms), is planned on the host from
+the mask's values. While torch.compile or torch.export trace, those values do not exist, and
+Dynamo cannot follow the planner (NumPy, ``.item()``) without breaking the graph. So under
+tracing the engine runs as ``qkv::blocks_forward`` and ``qkv::blocks_backward``: opaque to
+Dynamo, with tensors and plain values only, and their implementations rebuild the mask, the
+score terms and the tile plan from them *when the graph runs*, then call the engine's own
+forward and backward code, the same as eager. The plan needs the mask's values (document ids,
+lengths) anyway, so planning at run time is not a cost that tracing adds; for masks without
+tensors (causal, windows, prefix-LM) the plan of the last few sizes is kept
+(`_cached_plan`), as the eager Plan is reused by nothing either.
+
+Why a spec string rather than another design. The mask and bias reach the operators as text
+(`qkv._private.spec`: ``('sliding_window',256,0,'bottom-right')`` and the list of tensors
+they read, such as document ids or ALiBi slopes). The alternatives were worse: a registry of
+Python objects keyed by an id would give graphs that cannot be saved (torch.export) and that
+outlive their objects; opaque script objects need torch >= 2.6 and a class registered in
+TorchScript; a tile plan computed while tracing needs the mask's values. Building the spec is
+plain Python over the masks' parameters (ints, strings, bools), which Dynamo traces without a
+break and guards on, so a model that changes its window gets a new graph. The operators
+serialize in an exported program (strings, floats, bools and tensor lists are schema types).
+
+Gradients (`_setup_context`, `_backward`): the forward returns what the autograd Functions
+save, the *unrounded* output in the accumulation dtype and the lse (in two parts, shift + rest,
+for score terms), and the sinks' share p_sink when sinks are given, so the backward operator
+costs what eager's backward costs (FlashAttention-2's recomputation from the final output and
+lse). Gradients reach q, k, v, the sinks and the bias tensors (ALiBi slopes, relative tables,
+dense biases); mask tensors get none. Without a gradient those saved outputs are empty.
+
+The NaN rule (`qkv.attention.nan_rule`) runs inside the forward operator with the values at
+hand, as eagerly: one finiteness pass over q, k, v, and only when an entry is not finite the
+affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; the
+caller sets the rows to NaN in the graph, so autograd gives them no gradient, and the backward
+operator gives the non-finite entries none. The traced rule's tensor passes (finite copies of
+q, k, v, a mask over the output) cost more than the engine itself for narrow windows.
+`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`); the
+overflow refusal stays in the graph (`qkv.attention.problem`'s traced magnitudes).
+
+score_mod, a Python function, cannot cross an operator boundary: `qkv.attention.dispatch`
+keeps it off these operators (see its reason). Shapes: q, k, v (N, H, *, Ep) as
+`calls.kernel_inputs` returns them (key/value heads expanded, one head size Ep), output
+(N, H, L, Ep), lse and its parts (N, H, L).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from qkv._private import spec as spec_codec
+from qkv._private import torch as private_torch
+from qkv.backends.blocks import engine, scored
+from qkv.backends.blocks.calls import BlockRun, kernel_inputs
+from qkv.backends.blocks.planner import (
+    BlockConfig,
+    BlockPlan,
+    BlockSizes,
+    plan_intervals,
+    plan_layout,
+)
+from qkv.backends.sinks import fold as sink_fold
+from qkv.backends.sinks import sink_gradient
+from qkv.backends.softmax import accumulation_dtype, causal_kernel_scale
+from qkv.bias import ALiBi, Bias, Relative, Sum
+from qkv.bias import Dense as DenseBias
+from qkv.masks import (
+    Causal,
+    Combined,
+    Dense,
+    Documents,
+    KeyPadding,
+    Mask,
+    Padded,
+    PrefixLM,
+    SlidingWindow,
+    Varlen,
+)
+from qkv.scores import ScoreTerms
+
+__all__ = ["block_attention_op", "encodable", "plan_for"]
+
+# spec name -> constructor, for `spec_codec.decode`
+_MASKS = {
+    "causal": Causal, "sliding_window": SlidingWindow, "prefix_lm": PrefixLM, "documents": Documents,
+    "key_padding": KeyPadding, "varlen": Varlen, "padded": Padded, "dense": Dense, "combined": Combined,
+}  # fmt: skip
+_BIASES = {"alibi": ALiBi, "relative": Relative, "dense_bias": DenseBias, "sum": Sum}
+
+_FORWARD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
+    "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool need_grad) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor shift, "
+    "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
+    "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool sinks_grad, "
+    "bool[] bias_grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
+)
+
+
+def encodable(mask: object, terms: ScoreTerms) -> bool:
+    """Whether the operators can take this mask and these terms: every part rebuilds from its
+    spec (not a `qkv.masks.predicate`) and there is no score_mod. Plain Python (traced)."""
+    if terms.score_mod is not None:
+        return False
+    if mask is not None and spec_codec.encode(mask, []) is None:
+        return False
+    return terms.bias is None or spec_codec.encode(terms.bias, []) is not None
+
+
+def block_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask | None,
+    scale: float,
+    terms: ScoreTerms,
+    sinks: torch.Tensor | None,
+    forward_kernel: str,
+    backward_kernel: str,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.block_attention` / `scored.scored_block_attention` through the operators: (output
+    (N, H, L, Ev) in q's dtype, lse (N, H, L)). q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev);
+    ``terms`` without score_mod (`encodable`). The tile plan is made when the graph runs."""
+    with_terms = terms.active
+    kernel_q, kernel_scale = (q, scale) if with_terms else causal_kernel_scale(q, scale)
+    q_, k_, v_ = kernel_inputs(kernel_q, k, v)  # (N, H, *, Ep)
+    mask_tensors: list[torch.Tensor] = []
+    bias_tensors: list[torch.Tensor] = []
+    mask_spec = spec_codec.encode(mask, mask_tensors)
+    bias_spec = spec_codec.encode(terms.bias, bias_tensors)
+    assert mask_spec is not None and bias_spec is not None  # dispatch checks `encodable`
+    out, lse, _, _, _, bad_rows = torch.ops.qkv.blocks_forward(
+        q_, k_, v_, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, kernel_scale, terms.softcap,
+        forward_kernel, backward_kernel, need_grad,
+    )
+    # the NaN rule's last step here, in the graph, so that autograd passes those rows no gradient
+    out = out[..., : v.shape[3]].to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+    return out, lse.masked_fill(bad_rows, float("nan"))
+
+
+# Runs at graph run time ---------------------------------------------------------------------------
+
+
+def _decode(mask_spec: str, bias_spec: str, mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor]) -> tuple[Mask | None, Bias | None]:
+    mask = spec_codec.decode(mask_spec, mask_tensors, _MASKS)  # type: ignore[arg-type]  # dataclasses are callables
+    bias = spec_codec.decode(bias_spec, bias_tensors, _BIASES)  # type: ignore[arg-type]
+    assert mask is None or isinstance(mask, Mask)
+    assert bias is None or isinstance(bias, Bias)
+    return mask, bias
+
+
+def _terms(mask: Mask | None, bias: Bias | None, softcap: float | None, L: int, S: int, device: torch.device) -> ScoreTerms:
+    """The score terms as `qkv.attention.problem` binds them (the bias is bound already)."""
+    positions = mask.query_positions(L, S, device) if mask is not None and bias is not None else None
+    return ScoreTerms(L, S, softcap, bias, None, positions)
+
+
+def plan_for(mask: Mask | None, sizes: BlockSizes, config: BlockConfig, device: torch.device | None = None) -> BlockPlan:
+    """The engine's calls for ``mask`` at these sizes: from exact per-query key intervals when
+    the mask has them, from its block layout otherwise (what `qkv.attention.dispatch` plans eagerly)."""
+    L, S = sizes.L, sizes.S
+    if mask is None:
+        intervals: tuple[torch.Tensor, torch.Tensor] | None = (
+            torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long)
+        )
+    else:
+        intervals = mask.row_intervals(L, S, device)
+    if intervals is not None:
+        return plan_intervals(*intervals, sizes, config)
+    return plan_layout(mask.layout(L, S, config.block_q, config.block_k, device=device), sizes, config)  # type: ignore[union-attr]  # None has intervals
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_plan(mask_spec: str, sizes: BlockSizes) -> BlockPlan:
+    """`plan_for` a mask without tensors (its spec says all): the same plan for the same sizes."""
+    mask, _ = _decode(mask_spec, "None", (), ())
+    return plan_for(mask, sizes, BlockConfig())
+
+
+def _plan(mask: Mask | None, mask_spec: str, has_mask_tensors: bool, q: torch.Tensor, S: int, bias: Bias | None,
+          softcap: float | None, need_grad: bool) -> BlockPlan:
+    N, H, L, Ep = q.shape
+    if softcap is not None:
+        mask_heads = 3 * H  # as dispatch.mask_heads: scores and probabilities on top of the tiles
+    elif bias is not None:
+        mask_heads = H
+    else:
+        mask_heads = mask.heads if mask is not None and mask.heads else 1
+    sizes = BlockSizes(
+        N=N, H=H, L=L, S=S, Ep=Ep, itemsize=q.element_size(), mask_heads=mask_heads, need_grad=need_grad,
+        score_terms=bias is not None or softcap is not None,
+    )
+    if not has_mask_tensors:
+        return _cached_plan(mask_spec, sizes)
+    return plan_for(mask, sizes, BlockConfig(), q.device)
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype)
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """x (N, H, L, ...) stored query-row major, as (N, L, H, ...) transposed: the layout in which
+    the engine writes its results (`calls.run_calls`), made certain, since a fake kernel must
+    name the strides (Inductor checks them). Empty tensors pass as they are."""
+    if x.numel() == 0:
+        return x
+    moved = x.transpose(1, 2)  # (N, L, H, ...)
+    return x if moved.is_contiguous() else moved.contiguous().transpose(1, 2)
+
+
+def _row_major_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized (N, H, L, ...) tensor in `_row_major`'s layout (for the fake kernels)."""
+    N, H, L, *rest = shape
+    return like.new_empty((N, L, H, *rest), dtype=dtype).transpose(1, 2)
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of x is finite, in one read of x: its min and max are finite exactly
+    then (both carry a NaN, and an infinity is one of them)."""
+    low, high = torch.aminmax(x)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """x with its non-finite entries replaced by 0 (x itself when it has none)."""
+    if _all_finite(x):
+        return x
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+
+
+def _bad_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None) -> torch.Tensor | None:
+    """(N, H, L) bool: the rows that read a non-finite entry of q, k or v (N, H, *, Ep) by
+    `qkv.attention`'s NaN rule, found as eagerly (`qkv.attention.nan_rule.affected_rows`: a row
+    whose query holds one, and every row that may see a key whose k or v holds one); None when
+    every entry is finite (one pass over each tensor, as eager's check)."""
+    if _all_finite(q) and _all_finite(k) and _all_finite(v):
+        return None
+    N, H, L = q.shape[0], q.shape[1], q.shape[2]
+    S = k.shape[2]
+    rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
+    bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, H, S): key/value heads expanded
+    cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
+    if cols.numel() == 0:
+        return rows
+    if mask is None:
+        sees = torch.ones(1, 1, L, cols.numel(), dtype=torch.bool)
+    else:
+        B, Hm = mask.batch or 1, mask.heads or 1
+        b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(Hm).view(1, Hm, 1, 1)  # (B | 1, 1, 1, 1), (1, H | 1, 1, 1)
+        sees = mask.visible(b, h, torch.arange(L).view(1, 1, L, 1), cols.view(1, 1, 1, -1), L, S)  # (B | 1, H | 1, L, c)
+    del N, H
+    return rows | (sees & bad_keys[:, :, cols][:, :, None, :]).any(dim=-1)
+
+
+def _with_intervals(kernel: str, plan: BlockPlan) -> str:
+    """The interval kernels need one key interval per query; a plan without falls back to the portable kernels
+    (dispatch names them while tracing when the mask's data decides)."""
+    if plan.intervals is None:
+        return {"interval_bf16": "cpu_flash_tiles", "interval_bf16_backward": "engine_per_call"}.get(kernel, kernel)
+    return kernel
+
+
+@torch.library.custom_op("qkv::blocks_forward", mutates_args=(), schema=_FORWARD_SCHEMA)
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mask_tensors: Sequence[torch.Tensor],
+    bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str, scale: float, softcap: float | None,
+    forward_kernel: str, backward_kernel: str, need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
+    shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
+    sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
+    or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
+    Last, the rows (N, H, L) bool that the NaN rule makes NaN: the engine runs on the inputs with
+    their non-finite entries replaced by 0, and the caller sets those rows to NaN (the saved
+    output stays finite, as eager's autograd Function saves it)."""
+    del backward_kernel
+    mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
+    bad_rows = _bad_rows(q, k, v, mask)
+    if bad_rows is not None:
+        q, k, v = _finite(q), _finite(k), _finite(v)
+    else:
+        bad_rows = torch.zeros(q.shape[:3], dtype=torch.bool)
+    L, S = q.shape[2], k.shape[2]
+    acc = accumulation_dtype(q.dtype)
+    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, need_grad)
+    p_sink = _empty(q, acc)
+    if bias is None and softcap is None:
+        run = BlockRun(plan, mask, scale)
+        out, lse = engine._forward(q, k, v, run, rounded=not need_grad and sinks is None, kernel=_with_intervals(forward_kernel, plan))
+        if sinks is not None:
+            out, lse, p_sink = sink_fold(out, lse, sinks)
+        shift, rest = _empty(q, acc), _empty(q, acc)
+    else:
+        terms = _terms(mask, bias, softcap, L, S, q.device)
+        run_s = scored._ScoredRun(BlockRun(plan, mask, scale), terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
+        out, shift, rest = scored._forward(q, k, v, run_s)
+        if sinks is not None:
+            out, rest, p_sink = sink_fold(out, rest, sinks, shift)
+        lse = shift + rest
+        if not need_grad:
+            shift, rest = _empty(q, acc), _empty(q, acc)
+    if not need_grad:
+        p_sink = _empty(q, acc)
+    results = tuple(_row_major(x) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
+    return (*results, bad_rows.contiguous())  # type: ignore[return-value]
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad):  # type: ignore[no-untyped-def]
+    N, H, L, Ep = q.shape
+    acc = accumulation_dtype(q.dtype)
+    with_terms = bias_spec != "None" or softcap is not None
+
+    def rows(present: bool) -> torch.Tensor:
+        return _row_major_empty(q, (N, H, L), acc) if present else q.new_empty((0,), dtype=acc)
+
+    out = _row_major_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype)
+    return (
+        out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad),
+        q.new_empty((N, H, L), dtype=torch.bool),
+    )
+
+
+@torch.library.custom_op("qkv::blocks_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def _backward_op(
+    grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, shift: torch.Tensor, rest: torch.Tensor, sinks: torch.Tensor | None, p_sink: torch.Tensor,
+    mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
+    scale: float, softcap: float | None, forward_kernel: str, backward_kernel: str, sinks_grad: bool,
+    bias_grads: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv (N, H, *, Ep) in q's, k's, v's dtypes; d sinks (sinks' shape) or empty; the
+    bias tensors' gradients, empty where not asked for) from the forward's saved outputs."""
+    mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
+    L, S = q.shape[2], k.shape[2]
+    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, True)
+    # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
+    # gradient where they were not finite (eager's torch.where); the caller's masked_fill has
+    # zeroed the gradients of the rows it made NaN
+    originals = (q, k, v)
+    q, k, v = _finite(q), _finite(k), _finite(v)
+    lse_grad: torch.Tensor | None = grad_lse if bool(grad_lse.any()) else None  # autograd passes zeros for an unused lse
+    d_sinks = _empty(q, q.dtype) if sinks is None else torch.zeros_like(sinks)
+    if sinks is not None and sinks_grad:
+        d_sinks = sink_gradient(grad_out, out, lse_grad, p_sink, sinks)
+    # float32 accumulators stay float32; the scored backward differentiates each tile with autograd
+    with torch.autocast(q.device.type, enabled=False), private_torch.autograd_inside_operator():
+        if bias is None and softcap is None:
+            run = BlockRun(plan, mask, scale)
+            grads: tuple[torch.Tensor | None, ...] = engine._backward(
+                grad_out, q, k, v, out, lse, run, lse_grad, _with_intervals(backward_kernel, plan)
+            )
+            d_bias: list[torch.Tensor] = []
+        else:
+            acc = accumulation_dtype(q.dtype)
+            terms = _terms(mask, bias, softcap, L, S, q.device)
+            run_s = scored._ScoredRun(BlockRun(plan, mask, scale), terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
+            grads = scored._backward(grad_out, lse_grad, q, k, v, out, shift, rest, run_s, tuple(bias_tensors), any(bias_grads))
+            d_bias = [
+                g if need and g is not None else _empty(t, t.dtype)
+                for g, t, need in zip(grads[3:], bias_tensors, bias_grads, strict=True)
+            ]
+    dq, dk, dv = grads[0], grads[1], grads[2]
+    assert dq is not None and dk is not None and dv is not None
+    dq, dk, dv = (
+        g if cleaned is x else g.masked_fill(~torch.isfinite(x), 0.0) for g, cleaned, x in zip((dq, dk, dv), (q, k, v), originals, strict=True)
+    )
+    # contiguous, as the fake kernel says (a gradient cut from a wider accumulator is a view)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), d_sinks.contiguous(), [g.contiguous() for g in d_bias]
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
+                   mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, sinks_grad, bias_grads):
+    d_sinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    d_bias = [t.new_empty(t.shape if need else (0,)) for t, need in zip(bias_tensors, bias_grads, strict=True)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks, d_bias
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
+    q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad = inputs
+    out, lse, shift, rest, p_sink, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
+    ctx.has_sinks, ctx.mask_count = sinks is not None, len(mask_tensors)
+    ctx.sinks_grad = sinks is not None and sinks.requires_grad
+    ctx.bias_grads = [t.requires_grad for t in bias_tensors]
+    ctx.strings = (mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel)
+    ctx.need_grad = need_grad
+
+
+def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows):  # type: ignore[no-untyped-def]
+    del grad_shift, grad_rest, grad_p_sink, grad_rows  # saved for the backward, not results: no gradient flows in
+    if not ctx.need_grad:
+        raise RuntimeError("qkv::blocks_forward ran with need_grad=False, it saved nothing for a backward pass")
+    q, k, v, out, lse, shift, rest, p_sink, *saved = ctx.saved_tensors
+    sinks = saved.pop(0) if ctx.has_sinks else None
+    mask_tensors, bias_tensors = saved[: ctx.mask_count], saved[ctx.mask_count :]
+    mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel = ctx.strings
+    dq, dk, dv, d_sinks, d_bias = torch.ops.qkv.blocks_backward(
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors, mask_spec,
+        bias_spec, scale, softcap, forward_kernel, backward_kernel, ctx.sinks_grad, ctx.bias_grads,
+    )
+    bias_result = [g if need else None for g, need in zip(d_bias, ctx.bias_grads, strict=True)]
+    return dq, dk, dv, d_sinks if ctx.sinks_grad else None, [None] * ctx.mask_count, bias_result, None, None, None, None, None, None, None
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
