@@ -681,6 +681,11 @@ def _sparse_plan(
         raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
     if _traced(problem):
         refusal = _traced_engine_refusal(problem, return_weights) if path == "blocks" else None
+        if torch.onnx.is_in_onnx_export():
+            raise ValueError(
+                f"backend={path!r} cannot be exported to ONNX: ONNX has no operator for qkv's {path} kernels; "
+                "use backend='auto', which exports the dense paths"
+            )
         if path != "blocks" or not _compile_tracing(problem):
             raise ValueError(f"backend={path!r} {_TRACED_REFUSAL}")
         if refusal is not None:
