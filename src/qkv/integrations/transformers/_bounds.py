@@ -14,7 +14,9 @@ cropped) or is a static cache's zeros, so the running max bounds it. The first w
 sees for a layer scans everything the layer returns, so rows the cache held before it was
 wrapped are bounded too. The backend passes the noted bounds as ``kv_bounds`` when it is
 handed exactly those tensors, unchanged since (`KVBounds.describes`); a tensor written by
-other means gets a new version and is scanned.
+other means gets a new version, and the next update of its layer scans the whole layer again.
+Inference tensors (made under ``torch.inference_mode``) keep no version counter: a write to them
+by other means goes unseen, and the running max may then miss it.
 
 The backend wraps a model's own caches without being asked (`track_module_cache`, from a
 forward pre-hook on each attention module that runs on qkv: the module is handed the cache,
