@@ -128,6 +128,28 @@ def test_bounds_of_other_or_rewritten_tensors_are_not_used(monkeypatch: pytest.M
     assert len(scanned) == 7
 
 
+def test_a_storage_write_between_steps_is_scanned_before_the_next_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cache.k[...] = x`` between two steps, then ``update`` and ``bounds``: the bounds are made
+    after the write, so they must not be the running maxima of what ``update`` saw. The NaN
+    key gives the heads that see it NaN, as float64 math does; the others stay finite."""
+    gen = torch.Generator().manual_seed(6)
+    cache = qkv.KVCache(1, 2048, 2, 16)
+    cache.update(torch.randn(1, 2, 1500, 16, generator=gen), torch.randn(1, 2, 1500, 16, generator=gen))
+    cache.k[0, 0, 3] = math.nan  # kv head 0, read by query heads 0 and 1
+    k, v = cache.update(torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen))
+    q = torch.randn(1, 4, 1, 16, generator=gen)
+    want = qkv.attention(q.double(), k.double(), v.double(), CAUSAL, backend="math")
+    out = qkv.attention(q, k, v, CAUSAL, kv_bounds=cache.bounds)
+    assert want[0, :, 0].isnan().any(-1).tolist() == [True, True, False, False]
+    assert out[0, :, 0].isnan().any(-1).tolist() == [True, True, False, False]
+    torch.testing.assert_close(out[:, 2:], want[:, 2:].float(), rtol=0, atol=1e-5)
+    cache.v[0, 1, 7] = -(2.0**100)  # exact in float32; written after the step: the next bounds see it
+    assert cache.bounds.v_max == 2.0**100 and math.isinf(cache.bounds.k_max)
+    scanned = record_scans(monkeypatch)
+    qkv.attention(q, *cache.keys_values(), CAUSAL, kv_bounds=cache.bounds)  # rescanned once, in bounds
+    assert scanned == [(1, 4, 1, 16)]
+
+
 def test_bfloat16_bounds_survive_the_float32_widening(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(5)
     cache = qkv.KVCache(1, 64, 2, 8, dtype=torch.bfloat16)

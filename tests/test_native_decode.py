@@ -108,6 +108,22 @@ def test_it_matches_float64_math(monkeypatch: pytest.MonkeyPatch, ran: list[str]
 
 @pytest.mark.parametrize("tier", TIER_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_a_query_strided_along_its_head_dim(monkeypatch: pytest.MonkeyPatch, ran: list[str], tier: str, dtype: torch.dtype) -> None:
+    """q (N, H, L, E) as the transpose of an (N, H, E, L) tensor: its last dim has stride L, not
+    1 (k and v keep unit strides there). Through `qkv.attention`, against float64 math."""
+    _use_tier(monkeypatch, tier)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 40, 3, generator=gen).to(dtype).transpose(2, 3)  # (1, 4, 3, 40), stride 3 along E
+    _, k, v = _inputs(1, 4, 2, 3, 1500, 40, 24, dtype, seed=8)
+    assert q.stride(-1) != 1
+    want = qkv.attention(q.double(), k.double(), v.double(), M.causal(), backend="math")
+    out = qkv.attention(q, k, v, M.causal())
+    torch.testing.assert_close(out.double(), want, atol=_tolerance(dtype), rtol=0)
+    assert ran == [native._tier(None)]
+
+
+@pytest.mark.parametrize("tier", TIER_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
 def test_a_window_shorter_than_a_split_and_sinks(monkeypatch: pytest.MonkeyPatch, ran: list[str], tier: str, dtype: torch.dtype) -> None:
     """A 40-key window over 4,097 keys in 3 splits of 1,366: most splits see nothing for most
     rows; the sinks join every row's denominator and its lse."""

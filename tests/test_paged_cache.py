@@ -114,6 +114,27 @@ def test_attend_reads_no_cache_for_the_checks(monkeypatch: pytest.MonkeyPatch, S
     assert scanned == [(1, 2, 1, 4)]
 
 
+@pytest.mark.parametrize("S", [100, 1500])  # the gathered path, the in-place one (decode)
+def test_a_pool_written_by_other_means_is_bounded_again(S: int) -> None:
+    """``cache.k[block, ...] = nan`` between two steps: the running maxima never saw it, so the
+    next attend bounds the sequences from their blocks. The sequence holding the NaN key gives
+    NaN where float64 math does (the NaN rule); the other sequence is unaffected."""
+    gen = torch.Generator().manual_seed(3)
+    cache = qkv.PagedKVCache(2 * (S // 16 + 1), 16, 1, 4)
+    a, b = cache.allocate(), cache.allocate()
+    cache.append([a, b], [torch.randn(1, S, 4, generator=gen)] * 2, [torch.randn(1, S, 4, generator=gen)] * 2)
+    block = cache.block_table([a])[0, 1].item()
+    cache.k[block, 3] = float("nan")  # position 19 of sequence a
+    q = torch.randn(2, 1, 4, generator=gen)
+    out_a, out_b = cache.attend([a, b], [q, q], CAUSAL)
+    for seq, out in ((a, out_a), (b, out_b)):
+        k, v = cache.keys_values(seq)  # (1, S, 4)
+        want = qkv.attention(q[None].double(), k[None].double(), v[None].double(), CAUSAL, backend="math")[0]
+        assert torch.equal(out.isnan(), want.isnan())
+        torch.testing.assert_close(out.nan_to_num(), want.nan_to_num().float(), rtol=0, atol=1e-5)
+    assert out_a.isnan().all() and not out_b.isnan().any()
+
+
 def _largest_allocation(call) -> int:
     """The most bytes one operator allocated while ``call`` ran (PyTorch's profiler)."""
     from torch.profiler import ProfilerActivity, profile

@@ -362,6 +362,44 @@ def test_a_cache_wrapped_late_bounds_the_rows_it_held_before() -> None:
     assert bounds is not None and (bounds.k_max, bounds.v_max) == (2.0**100, 3.0)  # the running max, not the new rows'
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static", "growing"])
+def test_a_cache_written_in_place_between_steps_is_scanned_again(kind: str) -> None:
+    """Keys written by other means between two decoding steps (``cache.layers[i].keys[...] = x``)
+    are not bounded by the running max of what ``update`` saw: the next step scans the layer.
+    A NaN key gives its batch row NaN logits as on eager (the NaN rule), the other row equals
+    eager's, and the bounds noted for a layer holding 1e30 are at least 1e30."""
+    from qkv.integrations.transformers import growing_cache
+    from qkv.integrations.transformers._bounds import noted_bounds
+
+    torch.manual_seed(0)
+    models = tiny.trio(tiny.llama())
+    prompt = 1100  # keys >= 1,024: the decoding step runs the decode path
+    ids = torch.randint(3, tiny.VOCAB, (2, prompt))
+    logits = {}
+    for impl in ("eager", NAME):
+        config = models[impl].config
+        if kind == "dynamic":
+            cache = transformers.DynamicCache(config=config)
+        elif kind == "static":
+            cache = transformers.StaticCache(config=config, max_cache_len=prompt + 2)
+        else:
+            cache = growing_cache(config)
+        with torch.no_grad():
+            mask = torch.ones(2, prompt, dtype=torch.long)
+            models[impl](input_ids=ids, attention_mask=mask, cache=cache)
+            mask = torch.ones(2, prompt + 1, dtype=torch.long)
+            models[impl](input_ids=ids[:, :1], attention_mask=mask, cache=cache)  # tracked from here on
+            cache.layers[0].keys[0, :, 3, :] = float("nan")
+            cache.layers[1].keys[1, :, 5, :] = 1e30
+            mask = torch.ones(2, prompt + 2, dtype=torch.long)
+            logits[impl] = models[impl](input_ids=ids[:, 1:2], attention_mask=mask, cache=cache).logits
+    assert torch.isnan(logits["eager"][0]).all() and torch.isnan(logits[NAME][0]).all()
+    torch.testing.assert_close(logits[NAME][1], logits["eager"][1], **TOL)
+    layer = cache.layers[1]
+    bounds = noted_bounds(layer.keys, layer.values)
+    assert bounds is None or bounds.k_max >= 1e30
+
+
 def test_the_hook_leaves_the_cache_alone_once_the_model_runs_on_another_implementation() -> None:
     models = _gpt_oss_models(window=4)
     ids, mask = tiny.padded_batch(7, (0, 3), "left")

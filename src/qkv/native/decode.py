@@ -208,8 +208,9 @@ def _run(
         raise ValueError(f"qkv::decode: {problem}")
     N, H, L, E = q.shape
     G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-    # a last dim of one value may have any stride; the kernel reads unit strides
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    # the kernel reads unit strides along the head dims (q too: a row is read as E values in a
+    # row); other strides take a copy, which a decode step's q (L <= 16 rows) makes cheap
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     lo, hi, valid = (None if t is None else t.contiguous() for t in (lo, hi, valid))
     sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     out, lse = _empty_outputs(q, v)

@@ -12,6 +12,9 @@ rows only, whatever ``max_len``. The cache also keeps a running max |k| and max 
 was given (inf once a NaN or infinity is written), at the cost of the new rows; `bounds` hands
 them to `qkv.attention(..., kv_bounds=...)`, whose input checks then skip the cache
 (`qkv.attention.bounds`). `truncate` keeps the maxima (still upper bounds); `reset` clears them.
+A write to the storage by other means (``cache.k[...] = x``) moves its version counter past the
+one `update` left: the next `update` or `bounds` then scans the filled part again (inference
+tensors keep no counter, so under ``torch.inference_mode`` such a write goes unseen).
 
 Batch handling: the cache holds ``batch_size`` sequences that advance together, one shared
 length for all rows. Sequences of different prompt lengths are handled the usual way: pad
@@ -87,6 +90,7 @@ class KVCache:
         self.length = 0  # positions 0 .. length - 1 hold keys and values
         self.k_max = 0.0  # >= max |k| over the positions written since reset(); inf: a non-finite k
         self.v_max = 0.0  # the same for v
+        self._versions = self._storage_versions()  # the storage as this cache last wrote it
 
     @property
     def batch_size(self) -> int:
@@ -140,13 +144,30 @@ class KVCache:
             raise ValueError(f"KVCache.update: k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
         L = k.shape[2]
         self.check_append(k.shape[0], L)
+        self._rescan_if_written()
         start, stop = self.length, self.length + L
         self.k[:, :, start:stop] = k
         self.v[:, :, start:stop] = v
         self.k_max = max(self.k_max, largest_magnitude(k))  # O(new rows)
         self.v_max = max(self.v_max, largest_magnitude(v))
         self.length = stop
+        self._versions = self._storage_versions()
         return self.keys_values()
+
+    def _storage_versions(self) -> tuple[int, int] | None:
+        """The storage's version counters (None for inference tensors, which keep none)."""
+        if self.k.is_inference() or self.v.is_inference():
+            return None
+        return self.k._version, self.v._version
+
+    def _rescan_if_written(self) -> None:
+        """Bound the filled part afresh when the storage was written since this cache's last
+        write: the running maxima never saw what was written by other means."""
+        versions = self._storage_versions()
+        if versions is not None and versions != self._versions:
+            k, v = self.keys_values()
+            self.k_max, self.v_max = largest_magnitude(k), largest_magnitude(v)
+            self._versions = versions
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the filled part: keys (B, G, length, E) and values (B, G, length, Ev)."""
@@ -157,7 +178,8 @@ class KVCache:
     def bounds(self) -> KVBounds:
         """The running maxima, bound to the views `update` and `keys_values` return (pass them as
         ``qkv.attention(..., kv_bounds=cache.bounds)``; a write to the storage by other means
-        outside inference mode makes attention scan again)."""
+        outside inference mode is found here, and the filled part is scanned again)."""
+        self._rescan_if_written()
         k, v = self.keys_values()
         return KVBounds.of(k, v, self.k_max, self.v_max)
 

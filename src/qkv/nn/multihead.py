@@ -562,7 +562,7 @@ class MultiHeadAttention(nn.Module):
         dropout = cfg.dropout if self.training else 0.0
         bias = self._position_bias()
         if cache is not None:
-            length, maxima = cache.length, (cache.k_max, cache.v_max)
+            length, maxima, versions = cache.length, (cache.k_max, cache.v_max), cache._versions
             k, v = cache.update(k, v)  # (B, G, S, E), (B, G, S, Ev)
             try:
                 result = attention(
@@ -572,6 +572,7 @@ class MultiHeadAttention(nn.Module):
             except BaseException:
                 cache.truncate(length)  # what attention refused never happened to the cache
                 cache.k_max, cache.v_max = maxima  # nor to its bounds
+                cache._versions = versions  # behind the storage now: the next step scans it again
                 raise
         else:
             result = attention(

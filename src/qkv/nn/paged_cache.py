@@ -20,7 +20,11 @@ runs) the whole blocks every query sees go to the fused kernel in spans of the p
 equals a contiguous `KVCache`'s to rounding (bit for bit when the sequence is one run; the
 chunks differ otherwise). Any other call gathers the sequence's blocks into (G, S, E) and runs
 `qkv.attention`, bit for bit a contiguous cache's result. Like `KVCache` it keeps a running
-max |k| and |v| per sequence, so the input checks read the queries only (`qkv.attention.bounds`).
+max |k| and |v| per sequence, so the input checks read the queries only (`qkv.attention.bounds`);
+a write to the pool by other means (``cache.k[block] = x``, or `flash_attn_with_kvcache` given
+the pool with new keys) moves the pool's version counter past the one `append` left, and the
+next `append` or `attend` bounds every sequence afresh from its blocks (inference tensors keep
+no counter: under ``torch.inference_mode`` such a write goes unseen).
 
 Every method checks all of its arguments (known sequence ids, shapes, dtypes, enough free
 blocks for the whole batch) before it changes anything. Use under ``torch.no_grad()`` or
@@ -103,6 +107,7 @@ class PagedKVCache:
         self._free = list(range(N - 1, -1, -1))  # a stack: the lowest free block is taken first
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
+        self._versions = self._pool_versions()  # the pool as this cache last wrote it
 
     @property
     def num_blocks(self) -> int:
@@ -186,6 +191,7 @@ class PagedKVCache:
                 f"positions and {self.free_blocks} of {self.num_blocks} are free; free finished sequences or make a "
                 "larger cache"
             )
+        self._rescan_if_written()
         for state, k, v, n in zip(states, keys, values, needed, strict=True):
             state.blocks.extend(self._free.pop() for _ in range(n))
             block, offset = self._slots(state, state.length, k.shape[1])  # (L,), (L,)
@@ -194,6 +200,25 @@ class PagedKVCache:
             state.length += k.shape[1]
             state.k_max = max(state.k_max, largest_magnitude(k))  # O(new rows)
             state.v_max = max(state.v_max, largest_magnitude(v))
+        self._versions = self._pool_versions()
+
+    def _pool_versions(self) -> tuple[int, int] | None:
+        """The pool's version counters (None for inference tensors, which keep none)."""
+        if self.k.is_inference() or self.v.is_inference():
+            return None
+        return self.k._version, self.v._version
+
+    def _rescan_if_written(self) -> None:
+        """Bound every sequence afresh from its blocks when the pool was written since this
+        cache's last write: the running maxima never saw what was written by other means."""
+        versions = self._pool_versions()
+        if versions is None or versions == self._versions:
+            return
+        for state in self._sequences.values():
+            runs = block_runs(self.k, self.v, state.blocks, state.length)  # views, nothing copied
+            state.k_max = max((largest_magnitude(k) for _, k, _ in runs), default=0.0)
+            state.v_max = max((largest_magnitude(v) for _, _, v in runs), default=0.0)
+        self._versions = versions
 
     def keys_values(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``seq_id``'s keys (G, S, E) and values (G, S, Ev), gathered from its blocks (a copy)."""
@@ -242,6 +267,7 @@ class PagedKVCache:
                 )
             if state.length == 0:
                 raise ValueError(f"PagedKVCache.attend: sequence {seq_ids[i]} holds no keys yet; append first")
+        self._rescan_if_written()
         outputs = []
         for seq_id, state, q in zip(seq_ids, states, queries, strict=True):
             step = self._attend_in_place(state, q, mask, scale, softcap, sinks)

@@ -14,7 +14,9 @@ cropped) or is a static cache's zeros, so the running max bounds it. The first w
 sees for a layer scans everything the layer returns, so rows the cache held before it was
 wrapped are bounded too. The backend passes the noted bounds as ``kv_bounds`` when it is
 handed exactly those tensors, unchanged since (`KVBounds.describes`); a tensor written by
-other means gets a new version and is scanned.
+other means gets a new version, and the next update of its layer scans the whole layer again.
+Inference tensors (made under ``torch.inference_mode``) keep no version counter: a write to them
+by other means goes unseen, and the running max may then miss it.
 
 The backend wraps a model's own caches without being asked (`track_module_cache`, from a
 forward pre-hook on each attention module that runs on qkv: the module is handed the cache,
@@ -69,13 +71,20 @@ def track_bounds(cache: CacheT) -> CacheT:
     if getattr(cache, "_qkv_tracks_bounds", False):
         return cache  # tracked already: wrapping twice would count every write twice (harmless) and cost twice
     running: dict[int, tuple[float, float]] = {}
+    # layer -> the tensors its last update returned and their bounds: a layer keeps those very
+    # tensors (DynamicCache's cat result, StaticCache's buffers), so a write to them by other
+    # means (``cache.layers[i].keys[...] = x``) shows as a changed version before the next update
+    returned: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], KVBounds]] = {}
 
     def tracked(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):
+        if _written_since(returned.get(layer_idx)):
+            running.pop(layer_idx, None)  # rows the running max never saw: scan the layer again
         keys, values = cast("tuple[torch.Tensor, torch.Tensor]", update(key_states, value_states, layer_idx, *args, **kwargs))
         if torch.compiler.is_compiling():
             # a scan would break the graph: the layer's bound is forgotten, and the next eager
             # write scans what the layer then holds
             running.pop(layer_idx, None)
+            returned.pop(layer_idx, None)
             return keys, values
         if layer_idx in running:
             k_max, v_max = running[layer_idx]
@@ -85,12 +94,24 @@ def track_bounds(cache: CacheT) -> CacheT:
         else:  # the layer's first write seen here: bound what it held before as well
             k_max, v_max = largest_magnitude(keys), largest_magnitude(values)
         running[layer_idx] = (k_max, v_max)
-        _note(keys, KVBounds.of(keys, values, k_max, v_max))
+        bounds = KVBounds.of(keys, values, k_max, v_max)
+        _note(keys, bounds)
+        returned[layer_idx] = (weakref.ref(keys), weakref.ref(values), bounds)
         return keys, values
 
     cache.update = tracked  # type: ignore[attr-defined]
     cache._qkv_tracks_bounds = True  # type: ignore[attr-defined]
     return cache
+
+
+def _written_since(last: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], KVBounds] | None) -> bool:
+    """Whether the tensors a layer's last update returned were written in place since (their
+    version moved on). Tensors gone since were replaced by the cache's own code (a crop or a
+    beam reorder keeps rows that were written through ``update``): no sign of a write."""
+    if last is None:
+        return False
+    keys, values = last[0](), last[1]()
+    return keys is not None and values is not None and not last[2].describes(keys, values)
 
 
 def noted_bounds(key: torch.Tensor, value: torch.Tensor) -> KVBounds | None:

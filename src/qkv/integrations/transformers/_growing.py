@@ -48,6 +48,7 @@ def _layer_class() -> type:
             def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
+                assert self.keys is not None  # set by lazy_initialization
                 held = self.keys.shape[-2] if self.keys.numel() else 0
                 need = held + key_states.shape[-2]
                 if not self._fits(key_states, value_states, held, need):
@@ -63,12 +64,12 @@ def _layer_class() -> type:
                 """Whether the new rows go into the current stores: they exist, hold the layer's
                 rows as their prefix (not replaced by a beam reorder or a batch selection), have
                 room, and match the new rows' batch, heads, dims and dtype."""
-                keys, store, values_store = self.keys, self._key_store, self._value_store
-                if store is None or values_store is None or store.shape[-2] < need:
+                keys, values, store, values_store = self.keys, self.values, self._key_store, self._value_store
+                if keys is None or values is None or store is None or values_store is None or store.shape[-2] < need:
                     return False
                 if held and (keys.data_ptr() != store.data_ptr() or keys.stride() != store.stride()):
                     return False
-                if held and (self.values.data_ptr() != values_store.data_ptr() or self.values.stride() != values_store.stride()):
+                if held and (values.data_ptr() != values_store.data_ptr() or values.stride() != values_store.stride()):
                     return False
                 same = store.shape[:-2] == key_states.shape[:-2] and store.shape[-1] == key_states.shape[-1]
                 same = same and values_store.shape[:-2] == value_states.shape[:-2] and values_store.shape[-1] == value_states.shape[-1]
@@ -80,6 +81,7 @@ def _layer_class() -> type:
                 key_store = key_states.new_empty(*batch_heads, capacity, kdim)  # (B, G, capacity, E)
                 value_store = value_states.new_empty(*value_states.shape[:-2], capacity, vdim)  # (B, G, capacity, Ev)
                 if held:
+                    assert self.keys is not None and self.values is not None  # held rows exist
                     key_store[..., :held, :].copy_(self.keys)
                     value_store[..., :held, :].copy_(self.values)
                 self._key_store, self._value_store = key_store, value_store
@@ -110,7 +112,8 @@ def growing_cache(config: object | None = None) -> Any:
     from transformers.cache_utils import DynamicLayer
 
     layer = _layer_class()
-    cache = transformers.DynamicCache(config=config) if config is not None else transformers.DynamicCache()
+    made = transformers.DynamicCache(config=config) if config is not None else transformers.DynamicCache()  # type: ignore[arg-type]  # any model config
+    cache: Any = made  # transformers' class gets qkv's flag below
     if cache.layers:
         cache.layers = [layer() if type(existing) is DynamicLayer else existing for existing in cache.layers]
     else:
