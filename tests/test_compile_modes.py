@@ -209,6 +209,17 @@ def test_engines_planned_on_the_host_refuse_tracing_by_name(backend: str) -> Non
         fn(q[:, :, :4], k, v)
 
 
+class _WithMask(torch.nn.Module):
+    """``inner(x, mask=mask)`` as a module of x alone, as torch.export takes it."""
+
+    def __init__(self, inner: torch.nn.Module, mask: Any) -> None:
+        super().__init__()
+        self.inner, self.mask = inner, mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, mask=self.mask)
+
+
 def _module_masks() -> dict[str, tuple[dict[str, Any], Any]]:
     """MultiHeadAttention constructor arguments and the forward mask, per case."""
     bool_mask = torch.rand(2, 1, 12, 12, generator=torch.Generator().manual_seed(3)) > 0.3
@@ -227,15 +238,7 @@ def test_export_of_multihead_attention_equals_eager_and_the_math_path(case: str)
     module = qkv.MultiHeadAttention(16, 4, **kwargs).eval()
     x = torch.randn(2, 12, 16)
 
-    class WithMask(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = module
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(x, mask=mask)
-
-    exported = torch.export.export(WithMask(), (x,))
+    exported = torch.export.export(_WithMask(module, mask), (x,))
     got = exported.module()(x)
     torch.testing.assert_close(got, module(x, mask=mask), atol=1e-6, rtol=0)
     wide = qkv.MultiHeadAttention(16, 4, **kwargs).double().eval()
@@ -574,15 +577,7 @@ def test_export_of_multihead_attention_on_the_block_engine_saves_loads_and_equal
     module = qkv.MultiHeadAttention(32, 4, **kwargs).eval()
     x = torch.randn(1, n, 32)
 
-    class WithMask(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = module
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(x, mask=mask)
-
-    exported = torch.export.export(WithMask(), (x,))
+    exported = torch.export.export(_WithMask(module, mask), (x,))
     targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert ("qkv.blocks_forward.default" in targets) == (case != "bool tensor")  # a bool tensor stays on SDPA
     buffer = io.BytesIO()

@@ -315,9 +315,7 @@ def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
     engine = "the CPU block engine"
     if _too_large_to_evaluate(problem):
         return _sparse_plan(problem, "blocks", f"{why}; {_deferred_reason(problem, engine)}", return_weights, return_lse, deferred=True)
-    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
-    tiles = _block_plan(problem, BLOCKS, layout)
-    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    layout, tiles, visited = _engine_tiles(problem)
     reason = (
         f"{why}; {engine} computes {visited:.1%} of the score matrix ({what}) and folds each row's "
         "sink into its merged lse, never an L x S tensor"
@@ -781,14 +779,20 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     if _too_large_to_evaluate(problem):
         reason = f"{terms.describe()}: {_deferred_reason(problem, 'the CPU block engine')}"
         return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
-    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
-    tiles = _block_plan(problem, BLOCKS, layout)
-    visited = tiles.computed_pairs() / (problem.N * problem.L * problem.S)
+    layout, tiles, visited = _engine_tiles(problem)
     reason = (
         f"{terms.describe()} with {what}: the CPU block engine computes {visited:.1%} of the score matrix "
         "with the terms applied tile by tile, never an L x S tensor"
     )
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
+
+
+def _engine_tiles(problem: AttentionProblem) -> tuple[BlockLayout, BlockPlan, float]:
+    """The block engine's layout and tile plan for ``problem``, and the share of the score
+    matrix its tiles compute (over all batch rows)."""
+    layout = _layout(problem, BLOCKS.block_q, BLOCKS.block_k)
+    tiles = _block_plan(problem, BLOCKS, layout)
+    return layout, tiles, tiles.computed_pairs() / (problem.N * problem.L * problem.S)
 
 
 def _flex_suits(problem: AttentionProblem) -> bool:

@@ -162,9 +162,7 @@ def _add_norm_op(
     bfloat16, x (..., D) float32, y (..., D) bfloat16. Builds the kernel on first use; raises
     RuntimeError when it cannot run here."""
     reason = compiled.static_reason(torch.bfloat16, x.device)
-    library = reason or compiled.built_once(_built, _build)
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or compiled.built_once(_built, _build), KERNEL_NAME)
     return _run(library, x, y, weight, bias, eps)
 
 

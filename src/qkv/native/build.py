@@ -72,6 +72,7 @@ __all__ = [
     "direct_call",
     "first_use_note",
     "function",
+    "loaded_or_raise",
     "onednn_packing_reason",
     "padded_heads",
     "static_reason",
@@ -191,6 +192,14 @@ def tier_reason(supported: tuple[str, ...], dtype: torch.dtype, device: torch.de
         now = cpu_features().describe() if tier is None else tier
         return f"this CPU's tier is {now}; the kernel is built for {' or '.join(supported)}"
     return _toolchain_reason(_compiler_name())
+
+
+def loaded_or_raise(outcome: ctypes.CDLL | str, kernel_name: str) -> ctypes.CDLL:
+    """The library of an operator about to run it; RuntimeError naming the kernel and why when
+    ``outcome`` is a reason instead (the operators' one way of refusing)."""
+    if isinstance(outcome, str):
+        raise RuntimeError(f"the {kernel_name} cannot run here: {outcome}")
+    return outcome
 
 
 # the outcome of a kernel's one build attempt in a process is kept in a dict of its module

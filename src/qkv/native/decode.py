@@ -246,9 +246,7 @@ def _decode_op(
     wanted = tier or None
     reason = compiled.tier_reason(TIERS, q.dtype, q.device, DTYPES, wanted)
     built = _tier(wanted)
-    library = reason or _module(built or "")
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or _module(built or ""), KERNEL_NAME)
     return _run(library, q, k, v, scale, start, stop, splits, lo, hi, valid, sinks)
 
 

@@ -209,9 +209,7 @@ def _forward_op(
     interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
     reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
-    library = reason or _module()
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, q, k, v, lo, hi, scale, rounded)
 
 

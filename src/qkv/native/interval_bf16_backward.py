@@ -203,9 +203,7 @@ def _backward_op(
     multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
     use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
     reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
-    library = reason or _module()
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
 
 

@@ -176,9 +176,7 @@ def _magnitude_op(tensors: list[torch.Tensor]) -> torch.Tensor:
     its largest |x| (`magnitude_of`), 0x7F80 for inf, above for NaN. Builds the scan on
     first use; raises RuntimeError when it cannot run here."""
     reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"))
-    library = reason or compiled.built_once(_built, _build)
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or compiled.built_once(_built, _build), KERNEL_NAME)
     return _run(library, tensors)
 
 

@@ -178,9 +178,7 @@ def _short_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torc
     (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev) with key_valid (N | 1, S) bool or None.
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
     reason = compiled.static_reason(q.dtype, q.device)
-    library = reason or _module()
-    if isinstance(library, str):
-        raise RuntimeError(f"the {KERNEL_NAME} cannot run here: {library}")
+    library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, q, k, v, key_valid, scale)
 
 
