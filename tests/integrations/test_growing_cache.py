@@ -79,3 +79,25 @@ def test_crop_and_batch_selection_then_append() -> None:
         want = plain.update(k, k, 0)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[0].shape[-2] == 6
+
+
+def test_an_append_after_a_crop_leaves_earlier_returned_rows_alone() -> None:
+    """DynamicCache never writes into a tensor it returned: after a crop (assisted decoding
+    rejecting draft tokens) the keys handed out before it still show the rejected rows."""
+    torch.manual_seed(2)
+    cache, plain = growing_cache(), transformers.DynamicCache()
+    rows = torch.randn(1, 2, 6, 4)
+    shown = cache.update(rows, rows, 0)[0]
+    plain.update(rows, rows, 0)
+    before = shown.clone()
+    cache.crop(-2)  # keep 4 rows
+    plain.crop(-2)
+    k = torch.randn(1, 2, 2, 4)
+    got = cache.update(k, k, 0)
+    want = plain.update(k, k, 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(shown, before)  # rows 4 and 5 of the earlier tensor are the rejected ones, unchanged
+    (layer,) = cache.layers
+    after = cache.update(k, k, 0)[0]  # appends past the crop go in place again
+    assert after.data_ptr() == got[0].data_ptr()
+    assert layer._key_store.data_ptr() == after.data_ptr()

@@ -13,7 +13,9 @@ place). When the store is full it is replaced by one an eighth larger plus 256 r
 the rows once: appending n rows costs O(n) copies in all, not O(n^2). Sliding-window layers
 keep transformers' own class (they hold at most the window). Everything else (crop, beam
 reordering, ``batch_select_indices``) is transformers' code on the view; the next append
-takes the rows it left.
+takes the rows it left. After a crop, that append goes to a fresh store: the rows it would
+overwrite are still shown by the tensors returned before the crop, and DynamicCache never
+changes a tensor it has returned (speculative decoding keeps and compares them).
 
 The rows attention sees are exactly DynamicCache's, so a model gives the same logits with
 either cache, on any attention implementation.
@@ -44,6 +46,8 @@ def _layer_class() -> type:
                 super().lazy_initialization(key_states, value_states)
                 self._key_store: torch.Tensor | None = None  # (B, G, capacity, E)
                 self._value_store: torch.Tensor | None = None  # (B, G, capacity, Ev)
+                # rows of the stores that tensors returned by `update` show: never written again
+                self._rows_returned = 0
 
             def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
                 if not self.is_initialized:
@@ -58,15 +62,19 @@ def _layer_class() -> type:
                 self._value_store[..., held:need, :].copy_(value_states)
                 self.keys = self._key_store[..., :need, :]  # (B, G, need, E): a view of the store
                 self.values = self._value_store[..., :need, :]  # (B, G, need, Ev)
+                self._rows_returned = need
                 return self.keys, self.values
 
             def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, need: int) -> bool:
                 """Whether the new rows go into the current stores: they exist, hold the layer's
                 rows as their prefix (not replaced by a beam reorder or a batch selection), have
-                room, and match the new rows' batch, heads, dims and dtype."""
+                room, no tensor returned before shows the rows to be written (a crop), and match
+                the new rows' batch, heads, dims and dtype."""
                 keys, values, store, values_store = self.keys, self.values, self._key_store, self._value_store
                 if keys is None or values is None or store is None or values_store is None or store.shape[-2] < need:
                     return False
+                if held < self._rows_returned:
+                    return False  # cropped: rows held..need are still on show in returned tensors
                 if held and (keys.data_ptr() != store.data_ptr() or keys.stride() != store.stride()):
                     return False
                 if held and (values.data_ptr() != values_store.data_ptr() or values.stride() != values_store.stride()):
@@ -85,9 +93,11 @@ def _layer_class() -> type:
                     key_store[..., :held, :].copy_(self.keys)
                     value_store[..., :held, :].copy_(self.values)
                 self._key_store, self._value_store = key_store, value_store
+                self._rows_returned = 0
 
             def reset(self) -> None:
                 self._key_store = self._value_store = None
+                self._rows_returned = 0
                 super().reset()
 
         _GROWING_LAYER = GrowingLayer
