@@ -110,6 +110,7 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     # as on a machine that could run every kernel, with a compiler that fails: no traceback,
     # each kernel's reason is its build's first error line, and how long the attempt took
     use_failing_compiler(monkeypatch, tmp_path)
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # the kernels built per tier read it themselves
     monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
