@@ -9,7 +9,11 @@ min and a max (~7.5 GB/s: 3.2 ms of a 127 ms causal SDPA call, n = 4,096, 8 head
 compiled scan (``magnitude.cpp``) reads each value's magnitude bits (the value with its sign
 cleared) as an unsigned integer, which orders them as the magnitudes (the exponent field all
 ones is infinity, anything above a NaN), and keeps the largest, splitting the values of all
-the tensors of one call over the threads: the same answer to the bit.
+the tensors of one call over the threads: the same answer to the bit. Measured
+(`benchmarks/magnitude_scan.py`, q, k, v of (1, 8, 4096, 64) read from main memory, 2 threads
+of a shared AMX machine, one run): float32 1.36x torch.aminmax (16 GB/s), bfloat16 1.52x,
+float16 1.61x; the AVX2 build 1.22x, 1.38x, 1.46x; `widen_bf16` 1.34x torch's copies followed
+by the scan.
 
 Tiers. Like the decode kernel (`qkv.native.decode`) it is compiled per tier with that tier's
 flags only (`qkv.native.build.TIER_CFLAGS`): AVX2 (AMD EPYC) and AVX-512 (which AMX machines
