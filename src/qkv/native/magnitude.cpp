@@ -40,6 +40,17 @@
 namespace {
 
 constexpr int64_t kGrainValues = int64_t(1) << 16;  // values per share of a thread, at least
+// The scan prefetches every cache line this many bytes ahead of its read: with the hardware
+// prefetchers alone a plain loop ran at ~18-20 GB/s (2 threads, inputs in main memory, as
+// torch's own reductions), with this at 25-27 GB/s (1, 2, 4 and 8 KiB ahead alike, AVX-512);
+// the scan itself, one thread, CPU time: 5-10 % faster. (The widening, which writes twice
+// what it reads, gained nothing from it.)
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline void prefetch_lines(const void* from, int64_t bytes) {
+  const char* p = static_cast<const char*>(from) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 3);
+}
 
 // One vector register of the tier, or one 32-bit word where there is none: the operations the
 // scan needs on it, lane widths of 16 and 32 bits.
@@ -126,6 +137,7 @@ inline void row_max(const typename Field<Width>::Bits* x, int64_t n, Vec& acc, u
   Vec a1 = vzero(), a2 = vzero(), a3 = vzero();
   int64_t i = 0;
   for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    prefetch_lines(x + i, 4 * kVecBytes);
     acc = F::max(acc, vand(vload(x + i), magnitude));
     a1 = F::max(a1, vand(vload(x + i + lanes), magnitude));
     a2 = F::max(a2, vand(vload(x + i + 2 * lanes), magnitude));
