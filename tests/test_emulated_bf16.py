@@ -273,6 +273,27 @@ def test_large_emulated_call_scans_and_widens_in_one_pass(monkeypatch: pytest.Mo
     assert not bool(poisoned[0, 0].isnan().any())
 
 
+@pytest.mark.parametrize("mask", ["window", "causal", "documents"])
+def test_block_engine_rounds_the_emulated_output_once(mask: str) -> None:
+    """The block engine writes an emulated call's output in bf16 as it places each call's
+    rows: the same bits as float32 attention on the same values rounded once by torch, with
+    rows that several calls merge (documents) and the NaN rule (a NaN key in one document)."""
+    masks = {
+        "window": qkv.masks.sliding_window(40, 0),
+        "causal": qkv.masks.causal(),
+        "documents": qkv.masks.documents(torch.tensor([0] * 300 + [1] * 200 + [2] * 12)),
+    }
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 3, 512, 32, generator=gen).bfloat16() for _ in range(3))
+    k[1, 2, 310, 4] = math.nan  # document 1 of batch row 1, head 2
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, masks[mask], backend="blocks")
+        want = qkv.attention(q.float(), k.float(), v.float(), masks[mask], backend="blocks").to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert bool(got[1, 2, 310:].isnan().any()) and not bool(got[0].isnan().any())
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_emulated_call_keeps_the_nan_rule_for_bad_keys_and_values(bad: float, where: str) -> None:

@@ -286,7 +286,7 @@ def attention(
                 q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
                 dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
                 kv_bounds=None if narrow_bounds is None else narrow_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
-                q_max=q_max,
+                q_max=q_max, out_dtype=q.dtype,
             )  # fmt: skip
         finally:
             if kept is not None:
@@ -317,9 +317,12 @@ def _attend(
     kv_bounds: KVBounds | None,
     sinks: torch.Tensor | None,
     q_max: float | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`attention` on inputs in the dtype they are computed in: validate, plan, run, the NaN
-    rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`)."""
+    rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`).
+    ``out_dtype``: the dtype the caller rounds the output to, which a path may write directly
+    (`qkv.attention.execute.run`); the output comes in it or in q's dtype."""
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
         sinks=sinks, q_max=q_max,
@@ -330,11 +333,11 @@ def _attend(
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
     if not problem.nonfinite or applies_nan_rule(problem, plan):
-        out, weights, lse = run(problem, plan)
+        out, weights, lse = run(problem, plan, out_dtype)
         return pack(problem, out, weights, lse, return_weights, return_lse)
     # the NaN rule (qkv.attention.nan_rule): compute on finite inputs, then NaN the rows that read a bad entry
     rows = affected_rows(problem)  # (N, H, L)
-    out, weights, lse = run(finite_problem(problem), plan)
+    out, weights, lse = run(finite_problem(problem), plan, out_dtype)
     out, weights, lse = poison(out, rows, False), poison(weights, rows, False), poison(lse, rows, True)
     assert out is not None
     return pack(problem, out, weights, lse, return_weights, return_lse)
@@ -478,7 +481,7 @@ def _attend_by_rows(
             result = _attend(
                 q_w, k_w, v_w, group_mask, bias=None, softcap=softcap, score_mod=None, scale=problem.scale, dropout=0.0,
                 return_weights=False, return_lse=False, backend=backend, sinks=None, q_max=q_max,
-                kv_bounds=KVBounds.of(k_w, v_w, bounds.k_max, bounds.v_max),
+                kv_bounds=KVBounds.of(k_w, v_w, bounds.k_max, bounds.v_max), out_dtype=q.dtype,
             )  # (rows, H, L, Ev)
             assert isinstance(result, torch.Tensor)
             out[group] = result  # rounded to q's dtype while the group's output is in cache
