@@ -7,7 +7,8 @@ are emulated, and qkv computes a bf16 request in float32 with bf16 storage: `qkv
 widens q, k and v once per call (into a buffer kept per thread when no gradient is recorded;
 a call of many small batch rows a few rows at a time, `CHUNK_BYTES_PER_THREAD`) and rounds the
 output once (`qkv.attention.functional`), every path alike; the input checks scan the bf16
-tensors, not their float32 copies.
+tensors, not their float32 copies (a call widened whole, in the same pass that writes the
+copies: `qkv.native.magnitude.widen_bf16`).
 A lower-tier kernel is not needed when that fallback is as fast as float32 itself on the
 same problem: this script measures it, case by case, bf16 over float32 (goal >= 1.0x; the
 bf16 run returns bf16, so it also pays the rounding of its output).

@@ -252,9 +252,9 @@ def test_the_switch_belongs_to_the_thread_that_set_it() -> None:
 def test_no_module_level_switches_remain() -> None:
     from qkv.distributed import blockwise
     from qkv.models import batches
-    from qkv.native import add_norm_bf16, magnitude_bf16, onednn_linear
+    from qkv.native import add_norm_bf16, magnitude, onednn_linear
 
-    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16, onednn_linear, batches):
+    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude, onednn_linear, batches):
         assert not hasattr(module, "ENABLED"), module.__name__
     assert not hasattr(blockwise, "USE_CPU_FLASH")
 

@@ -19,8 +19,9 @@ from qkv.attention import problem as attention_problem
 from qkv.attention.bounds import KVBounds
 from qkv.models.bert import BertEncoder
 from qkv.models.config import BertConfig
-from qkv.native import onednn_linear
+from qkv.native import magnitude, onednn_linear
 from qkv.native.machine import KEEP_VARIABLE, TIER_VARIABLE, compute_dtype
+from tests.kernels._spy import CallSpy
 
 BF16_EPS = 2.0**-8  # bfloat16's relative rounding error (8 significant bits)
 
@@ -240,6 +241,57 @@ def test_emulated_call_scans_q_k_v_in_bf16_and_not_their_float32_copies(monkeypa
         got = qkv.attention(q, k, v, qkv.masks.causal())
     assert scanned == [torch.bfloat16] * 3  # q, k, v; their float32 copies are not scanned again
     _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
+
+
+def test_large_emulated_call_scans_and_widens_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large bf16 inputs (a million values each) are read once for their check and their float32
+    copies (`qkv.native.magnitude.widen_bf16`) where the compiled scan runs: the input check
+    scans nothing more, the output is the one the separate scan and copy give, close to float64,
+    and the overflow refusal and the NaN rule see the same magnitudes."""
+    widened = CallSpy(monkeypatch, magnitude, "widen_bf16")
+    scanned: list[torch.dtype] = []
+    original = attention_problem._largest_magnitudes
+    monkeypatch.setattr(attention_problem, "_largest_magnitudes", lambda ts: scanned.extend(t.dtype for t in ts) or original(ts))
+    fused = magnitude.kernel_reason(torch.bfloat16) is None
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 2, 4096, 128, generator=gen).bfloat16() for _ in range(3))  # 1,048,576 values each
+    with torch.no_grad():
+        got = qkv.attention(q, k, v)
+        assert widened.calls == (1 if fused else 0) and scanned == ([] if fused else [torch.bfloat16] * 3)
+        with qkv.backends.disabled("magnitude"):
+            apart = qkv.attention(q, k, v)  # torch.aminmax, then torch's copies
+    assert torch.equal(got, apart)
+    _within_bf16_rounding(got[:, :, :16], qkv.attention(q[:, :, :16].double(), k.double(), v.double(), backend="math"))
+    huge = q.clone()
+    huge[0, 1, 4000, 7] = -1.0e38  # times the longest key (norm ~ 11): past half of float32's largest
+    with torch.no_grad(), pytest.raises(ValueError, match="overflow"):
+        qkv.attention(huge, k, v)
+    k[0, 1, 10, 3] = math.nan  # rows 10.. of head 1 read it under a causal mask
+    with torch.no_grad():
+        poisoned = qkv.attention(q, k, v, qkv.masks.causal())
+    assert bool(poisoned[0, 1, 10:].isnan().all()) and not bool(poisoned[0, 1, :10].isnan().any())
+    assert not bool(poisoned[0, 0].isnan().any())
+
+
+@pytest.mark.parametrize("mask", ["window", "causal", "documents"])
+def test_block_engine_rounds_the_emulated_output_once(mask: str) -> None:
+    """The block engine writes an emulated call's output in bf16 as it places each call's
+    rows: the same bits as float32 attention on the same values rounded once by torch, with
+    rows that several calls merge (documents) and the NaN rule (a NaN key in one document)."""
+    masks = {
+        "window": qkv.masks.sliding_window(40, 0),
+        "causal": qkv.masks.causal(),
+        "documents": qkv.masks.documents(torch.tensor([0] * 300 + [1] * 200 + [2] * 12)),
+    }
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 3, 512, 32, generator=gen).bfloat16() for _ in range(3))
+    k[1, 2, 310, 4] = math.nan  # document 1 of batch row 1, head 2
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, masks[mask], backend="blocks")
+        want = qkv.attention(q.float(), k.float(), v.float(), masks[mask], backend="blocks").to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert bool(got[1, 2, 310:].isnan().any()) and not bool(got[0].isnan().any())
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

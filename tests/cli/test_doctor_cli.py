@@ -19,13 +19,15 @@ from qkv.native import (
     interval_bf16,
     interval_bf16_backward,
     machine,
-    magnitude_bf16,
+    magnitude,
     short_bf16,
 )
 from qkv.native import build as compiled
 
 # the bf16 kernels, which share one reason where they cannot run (`compiled.static_reason`)
-KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16", "magnitude_bf16"}
+KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16"}
+# the kernels built per tier (float32 too, from AVX2 up): one entry each, the build for this tier
+TIERED = ("decode_", "magnitude_")
 CPU = torch.device("cpu")
 
 
@@ -35,6 +37,16 @@ def _decode_stem() -> str:
     if tier == "amx" and not machine.cpu_features().avx512_bf16:
         tier = "avx512"
     return f"decode_{tier}"
+
+
+def _magnitude_stem() -> str:
+    """The magnitude scan's entry: its build for the tier qkv uses now (AVX2 up; amx runs avx512)."""
+    return f"magnitude_{compiled.build_tier(magnitude.TIERS) or magnitude.TIERS[0]}"
+
+
+def _tiered_reason(stem: str) -> str | None:
+    cpu_reason = decode.unavailable_reason if stem.startswith("decode_") else magnitude.kernel_reason
+    return cpu_reason(torch.float32, CPU)
 
 
 @pytest.fixture(autouse=True)
@@ -56,12 +68,12 @@ def test_json_names_the_tier_and_every_kernel() -> None:
     assert report["tier"] == machine.cpu_features().tier
     assert report["native"]["bfloat16"] == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     assert report["torch"] == torch.__version__
-    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem()}
+    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem(), _magnitude_stem()}
     static = compiled.static_reason(torch.bfloat16, CPU)
     for kernel in report["kernels"]:
         assert kernel["available"] == (kernel["reason"] is None)
-        if kernel["stem"].startswith("decode_"):
-            assert kernel["reason"] == decode.unavailable_reason(torch.float32, CPU)
+        if kernel["stem"].startswith(TIERED):
+            assert kernel["reason"] == _tiered_reason(kernel["stem"])
         elif static is not None:  # the machine's reason stops every bf16 kernel alike
             assert kernel["reason"] == static and not kernel["available"]
 
@@ -71,12 +83,13 @@ def test_a_forced_tier_turns_the_kernels_off_and_says_why(monkeypatch: pytest.Mo
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")
     report = _report()
     assert report["tier"] == "avx2" and not report["native"]["bfloat16"]
-    bf16_kernels = [k for k in report["kernels"] if not k["stem"].startswith("decode_")]
+    bf16_kernels = [k for k in report["kernels"] if not k["stem"].startswith(TIERED)]
     assert len(bf16_kernels) == len(KERNEL_STEMS)
     assert all(not k["available"] and "tier is avx2" in k["reason"] for k in bf16_kernels)
-    # the decode kernel has an AVX2 build: it stays, as on an AVX2 machine
-    (decoding,) = [k for k in report["kernels"] if k["stem"].startswith("decode_")]
-    assert decoding["stem"] == "decode_avx2" and decoding["reason"] == decode.unavailable_reason(torch.float32, CPU)
+    # the decode kernel and the magnitude scan have AVX2 builds: they stay, as on an AVX2 machine
+    tiered = [k for k in report["kernels"] if k["stem"].startswith(TIERED)]
+    assert [k["stem"] for k in tiered] == ["decode_avx2", "magnitude_avx2"]
+    assert all(k["reason"] == _tiered_reason(k["stem"]) for k in tiered)
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
     assert all(k["reason"] == "QKV_NO_COMPILED_KERNELS is set" for k in _report()["kernels"])
 
@@ -89,20 +102,22 @@ def test_text_output_is_one_line_per_fact(monkeypatch: pytest.MonkeyPatch) -> No
     assert any(line.startswith("tier: default") for line in lines)
     assert "bfloat16: not native: qkv computes its products in float32" in lines
     kernel_lines = [line for line in lines if line.startswith("- ")]
-    # the bf16 kernels and the decode kernel, whose lowest build needs AVX2
-    assert len(kernel_lines) == len(KERNEL_STEMS) + 1 and all("does not run here" in line for line in kernel_lines)
+    # the bf16 kernels, the decode kernel and the magnitude scan, whose lowest builds need AVX2
+    assert len(kernel_lines) == len(KERNEL_STEMS) + 2 and all("does not run here" in line for line in kernel_lines)
 
 
 def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # as on a machine that could run every kernel, with a compiler that fails: no traceback,
     # each kernel's reason is its build's first error line, and how long the attempt took
     use_failing_compiler(monkeypatch, tmp_path)
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # the kernels built per tier read it themselves
     monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
-    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
+    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
-    monkeypatch.setattr(decode, "_builds", {})  # the decode kernel keeps one attempt per tier
+    for tiered in (decode, magnitude):
+        monkeypatch.setattr(tiered, "_builds", {})  # the kernels built per tier keep one attempt per tier
     report = _report("--build")
-    assert len(report["kernels"]) == len(KERNEL_STEMS) + 1
+    assert len(report["kernels"]) == len(KERNEL_STEMS) + 2
     for kernel in report["kernels"]:
         assert kernel["reason"] == FAILED_BUILD
         assert kernel["seconds"] is not None and not kernel["built"]
@@ -113,19 +128,22 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     # a cold cache: every kernel that may run here is compiled (side by side), loaded and
     # self-checked, and its line says how long that took; elsewhere each line says why not
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16):
+    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})
-    monkeypatch.setattr(decode, "_builds", {})
+    for tiered in (decode, magnitude):
+        monkeypatch.setattr(tiered, "_builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]
-    assert len(lines) == len(KERNEL_STEMS) + 1
+    assert len(lines) == len(KERNEL_STEMS) + 2
     static = compiled.static_reason(torch.bfloat16, CPU)
-    decoding = decode.unavailable_reason(torch.float32, CPU)
     for line in lines:
-        if line.startswith(f"- {decode.KERNEL_NAME}"):
-            expected = ": runs here, built in " if decoding is None else f"does not run here: {decoding}"
-            assert expected in line and (decoding is not None or f", {tmp_path}/qkv_decode_" in line), line
+        name = next((n for n in (decode.KERNEL_NAME, magnitude.KERNEL_NAME) if line.startswith(f"- {n}")), None)
+        if name is not None:
+            stem = "decode" if name == decode.KERNEL_NAME else "magnitude"
+            reason = _tiered_reason(f"{stem}_")
+            expected = ": runs here, built in " if reason is None else f"does not run here: {reason}"
+            assert expected in line and (reason is not None or f", {tmp_path}/qkv_{stem}_" in line), line
         elif static is None:
             assert ": runs here, built in " in line and f", {tmp_path}/qkv_" in line, line
         else:

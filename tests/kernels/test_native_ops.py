@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.native import build as compiled
 from qkv.native import decode as native_decode
-from qkv.native import interval_bf16, interval_bf16_backward, inventory, short_bf16
+from qkv.native import interval_bf16, interval_bf16_backward, inventory, magnitude, short_bf16
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -65,7 +65,7 @@ def _add_norm_args(seed: int = 3) -> tuple:  # type: ignore[type-arg]
 
 def _magnitude_args(seed: int = 4) -> tuple:  # type: ignore[type-arg]
     g = _gen(seed)
-    return ([torch.randn(3, 50, 45, generator=g).to(BF16).transpose(0, 1), torch.randn(1000, generator=g).to(BF16)],)
+    return ([torch.randn(3, 50, 45, generator=g).to(BF16).transpose(0, 1), torch.randn(1000, generator=g)], "")
 
 
 def _decode_args(seed: int = 5) -> tuple:  # type: ignore[type-arg]
@@ -85,7 +85,7 @@ CASES: dict[str, tuple[str, Callable[[], tuple], list[tuple[tuple[int, ...], tor
     ),
     "short_bf16": ("short_bf16", _short_args, [((2, 4, 7, 20), BF16)]),
     "add_norm_bf16": ("add_norm_bf16", _add_norm_args, [((3, 5, 45), torch.float32), ((3, 5, 45), BF16)]),
-    "magnitude_bf16": ("magnitude_bf16", _magnitude_args, [((2,), torch.int32)]),
+    "magnitude": ("magnitude", _magnitude_args, [((2,), torch.int32)]),
     "decode": ("decode", _decode_args, [((2, 6, 3, 24), torch.float32), ((2, 6, 3), torch.float32)]),
 }
 
@@ -94,6 +94,8 @@ def _static_reason(stem: str) -> str | None:
     """Why this kernel cannot run on this machine, from facts that need no build."""
     if stem == "decode":  # float32 and bf16, from AVX2 up
         return compiled.tier_reason(native_decode.TIERS, BF16, CPU, native_decode.DTYPES)
+    if stem == "magnitude":  # float32, bf16 and fp16, from AVX2 up
+        return compiled.tier_reason(magnitude.TIERS, BF16, CPU, magnitude.DTYPES)
     return compiled.static_reason(BF16, CPU, needs_onednn=stem in ("interval_bf16", "interval_bf16_backward"))
 
 
@@ -105,8 +107,9 @@ def test_every_kernel_is_an_operator_of_the_qkv_namespace() -> None:
     # the decode kernel is built per tier (stems decode_<tier>), one operator for all; the
     # inventory (`qkv doctor`) lists the kernels built for one tier
     assert native_decode._kernel("avx2").stem == "decode_avx2"
-    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - {"decode"}
-    for stem, name in [*inventory.OPERATORS.items(), ("decode", "decode")]:
+    assert magnitude._kernel("avx2").stem == "magnitude_avx2"
+    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - {"decode", "magnitude"}
+    for stem, name in [*inventory.OPERATORS.items(), ("decode", "decode"), ("magnitude", "magnitude")]:
         assert CASES[stem][0] == name
         assert getattr(torch.ops.qkv, name).default._schema.name == f"qkv::{name}"
 

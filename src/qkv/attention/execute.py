@@ -29,10 +29,12 @@ __all__ = ["applies_nan_rule", "pack", "run", "run_weights"]
 Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def run(problem: AttentionProblem, plan: Plan) -> Result:
-    """Run ``plan``: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None)."""
+def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = None) -> Result:
+    """Run ``plan``: (output (N, H, L, Ev), weights (N, H, L, S) or None, lse (N, H, L) or None).
+    ``out_dtype``: the dtype the caller will round the output to; the block engine's flash
+    path writes it in that dtype directly (others leave the rounding to the caller)."""
     if plan.path in ("blocks", "flex"):
-        return _run_tiles(problem, plan)
+        return _run_tiles(problem, plan, out_dtype)
     if plan.path == "decode":
         return _run_decode(problem, plan.forward_kernel)
     q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
@@ -142,7 +144,7 @@ def applies_nan_rule(problem: AttentionProblem, plan: Plan) -> bool:
     return plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v)
 
 
-def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
+def _run_tiles(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = None) -> Result:
     """The blocks / flex paths, then the weights and lse from where the Plan says."""
     if applies_nan_rule(problem, plan):
         # traced (torch.compile, torch.export): the engine's operators plan the tiles when the
@@ -161,7 +163,9 @@ def _run_tiles(problem: AttentionProblem, plan: Plan) -> Result:
         if plan.scores == "tiles":
             out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms, sinks, plan.forward_kernel)
         else:
-            out, lse = block_attention(q, k, v, mask, plan.tiles, scale, sinks, plan.forward_kernel, plan.backward_kernel)
+            out, lse = block_attention(
+                q, k, v, mask, plan.tiles, scale, sinks, plan.forward_kernel, plan.backward_kernel, out_dtype=out_dtype,
+            )  # fmt: skip
     else:
         assert plan.layout is not None
         _try_score_terms_eagerly(terms, q)

@@ -35,6 +35,7 @@ from qkv.attention.nan_rule import affected_rows, finite_problem, poison
 from qkv.attention.problem import autocast_dtype, check_indices, describe_problem, scan_magnitudes
 from qkv.bias import Bias
 from qkv.masks import Mask
+from qkv.native import magnitude
 from qkv.native.machine import compute_dtype, emulation_note
 from qkv.scores import ScoreMod
 
@@ -262,21 +263,30 @@ def attention(
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         dtype, device = q.dtype, q.device
         note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
-        q_max, narrow_bounds = _narrow_bounds(q, k, v, kv_bounds)
         plain = bias is None and score_mod is None and sinks is None and dropout == 0.0 and not (return_weights or return_lse)
         # FlexAttention would compile once per group size; decode takes few queries, widened by itself
         plain = plain and backend in ("auto", "fused", "math", "blocks")
-        rows = _rows_per_chunk(wide, q, k, v, mask) if plain and q_max is not None else None
-        if rows is not None:
-            assert q_max is not None and narrow_bounds is not None
-            return _attend_by_rows(wide, rows, q, k, v, mask, softcap, scale, backend, q_max, narrow_bounds)
-        (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
+        readable = not private_torch.host_unreadable(q, k, v)
+        rows = _rows_per_chunk(wide, q, k, v, mask) if plain and readable else None
+        scanned = _widened_and_scanned(wide, q, k, v) if rows is None and readable else None
+        q_max: float | None
+        narrow_bounds: KVBounds | None
+        kept: torch.Tensor | None
+        if scanned is not None:  # one read of q, k and v for their check and their copies
+            (q_wide, k_wide, v_wide), kept, (q_max, k_max, v_max) = scanned
+            narrow_bounds = KVBounds.of(k, v, k_max, v_max)
+        else:
+            q_max, narrow_bounds = _narrow_bounds(q, k, v, kv_bounds)
+            if rows is not None:
+                assert q_max is not None and narrow_bounds is not None
+                return _attend_by_rows(wide, rows, q, k, v, mask, softcap, scale, backend, q_max, narrow_bounds)
+            (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
         try:
             result = _attend(
                 q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
                 dropout=dropout, return_weights=return_weights, return_lse=return_lse, backend=backend,
                 kv_bounds=None if narrow_bounds is None else narrow_bounds.carried(k, v, k_wide, v_wide), sinks=sinks,
-                q_max=q_max,
+                q_max=q_max, out_dtype=q.dtype,
             )  # fmt: skip
         finally:
             if kept is not None:
@@ -307,9 +317,12 @@ def _attend(
     kv_bounds: KVBounds | None,
     sinks: torch.Tensor | None,
     q_max: float | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`attention` on inputs in the dtype they are computed in: validate, plan, run, the NaN
-    rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`)."""
+    rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`).
+    ``out_dtype``: the dtype the caller rounds the output to, which a path may write directly
+    (`qkv.attention.execute.run`); the output comes in it or in q's dtype."""
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
         sinks=sinks, q_max=q_max,
@@ -320,11 +333,11 @@ def _attend(
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
     if not problem.nonfinite or applies_nan_rule(problem, plan):
-        out, weights, lse = run(problem, plan)
+        out, weights, lse = run(problem, plan, out_dtype)
         return pack(problem, out, weights, lse, return_weights, return_lse)
     # the NaN rule (qkv.attention.nan_rule): compute on finite inputs, then NaN the rows that read a bad entry
     rows = affected_rows(problem)  # (N, H, L)
-    out, weights, lse = run(finite_problem(problem), plan)
+    out, weights, lse = run(finite_problem(problem), plan, out_dtype)
     out, weights, lse = poison(out, rows, False), poison(weights, rows, False), poison(lse, rows, True)
     assert out is not None
     return pack(problem, out, weights, lse, return_weights, return_lse)
@@ -350,23 +363,56 @@ def _widened(wide: torch.dtype, *tensors: torch.Tensor) -> tuple[tuple[torch.Ten
     gradient is recorded (nothing can save the copies for a backward pass), the tensors are
     contiguous and fit in `WIDEN_BUFFER_BYTES`; it is taken from this thread while in use (a
     nested call, from a score_mod say, gets its own) and given back by the caller."""
+    if not _buffer_fits(wide, tensors):
+        return tuple(t.to(wide) for t in tensors), None
+    buffer, views = _taken_buffer(wide, tensors)
+    return tuple(view.copy_(t) for view, t in zip(views, tensors, strict=True)), buffer
+
+
+def _buffer_fits(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the copies of ``tensors`` go into the kept buffer (`_widened`)."""
     itemsize = torch.empty((), dtype=wide).element_size()
     total = sum(t.numel() for t in tensors)
-    device = tensors[0].device
-    if (
-        torch.is_grad_enabled() or device.type != "cpu" or total * itemsize > WIDEN_BUFFER_BYTES
-        or not all(t.is_contiguous() for t in tensors)
-    ):  # fmt: skip
-        return tuple(t.to(wide) for t in tensors), None
+    return (
+        not torch.is_grad_enabled() and tensors[0].device.type == "cpu" and total * itemsize <= WIDEN_BUFFER_BYTES
+        and all(t.is_contiguous() for t in tensors)
+    )  # fmt: skip
+
+
+def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This thread's kept buffer (taken: the caller gives it back), grown to hold ``tensors``
+    in ``wide``, and its views of their shapes, one after another."""
+    total = sum(t.numel() for t in tensors)
     buffer = getattr(_buffers, "wide", None)
     _buffers.wide = None
     if buffer is None or buffer.numel() < total or buffer.dtype != wide:
-        buffer = torch.empty(total, dtype=wide, device=device)
-    copies, start = [], 0
+        buffer = torch.empty(total, dtype=wide, device=tensors[0].device)
+    views, start = [], 0
     for t in tensors:
-        copies.append(buffer[start : start + t.numel()].view(t.shape).copy_(t))
+        views.append(buffer[start : start + t.numel()].view(t.shape))  # (*t.shape)
         start += t.numel()
-    return tuple(copies), buffer
+    return buffer, views
+
+
+def _widened_and_scanned(
+    wide: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, tuple[float, float, float]] | None:
+    """The float32 copies of bfloat16 q, k and v in the kept buffer (`_widened`), the buffer, and
+    max |x| of each (inf when non-finite), from one compiled pass that reads each value once
+    (`qkv.native.magnitude.widen_bf16`): the input check's scan and the widening together, where
+    both would otherwise read the inputs. None, with nothing taken, when that pass does not
+    take them (another dtype, a copy outside the buffer, small or strided tensors, the scan
+    switched off or not built here): the caller scans and widens apart."""
+    tensors = (q, k, v)
+    if wide != torch.float32 or q.dtype != torch.bfloat16 or not _buffer_fits(wide, tensors):
+        return None
+    buffer, views = _taken_buffer(wide, tensors)
+    found = magnitude.widen_bf16(tensors, views)
+    if found is None:
+        _buffers.wide = buffer  # not used: back to this thread
+        return None
+    q_max, k_max, v_max = found
+    return (views[0], views[1], views[2]), buffer, (q_max, k_max, v_max)
 
 
 # An emulated call of many small batch rows (the encoder's B=32, H=12, L=128, E=32: 0.6 MB of
@@ -435,7 +481,7 @@ def _attend_by_rows(
             result = _attend(
                 q_w, k_w, v_w, group_mask, bias=None, softcap=softcap, score_mod=None, scale=problem.scale, dropout=0.0,
                 return_weights=False, return_lse=False, backend=backend, sinks=None, q_max=q_max,
-                kv_bounds=KVBounds.of(k_w, v_w, bounds.k_max, bounds.v_max),
+                kv_bounds=KVBounds.of(k_w, v_w, bounds.k_max, bounds.v_max), out_dtype=q.dtype,
             )  # (rows, H, L, Ev)
             assert isinstance(result, torch.Tensor)
             out[group] = result  # rounded to q's dtype while the group's output is in cache

@@ -6,5 +6,5 @@
 - `switches`: the names that `qkv.backends.disabled` switches off, read by the kernels here;
 - `inventory`: every kernel, what this machine says of it, and building them ahead of time;
 - one module per kernel, next to its ``.cpp`` source: `interval_bf16`, `interval_bf16_backward`,
-  `short_bf16`, `add_norm_bf16`, `magnitude_bf16`; `onednn_linear` (oneDNN's fused linear).
+  `short_bf16`, `add_norm_bf16`; built per CPU tier: `decode`, `magnitude`; `onednn_linear` (oneDNN's fused linear).
 """

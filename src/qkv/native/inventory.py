@@ -6,7 +6,8 @@ in the cache. `build_all` builds and self-checks every kernel that may run here,
 side (one compiler per core), and says how long each took (`qkv doctor --build`). Every
 kernel is a PyTorch operator ``torch.ops.qkv.<stem>`` (the interval pair:
 ``interval_bf16_forward`` and ``interval_bf16_backward``), registered when its module is
-imported, whether or not it can run here (`OPERATORS`).
+imported, whether or not it can run here (`OPERATORS`; the kernels built per tier, ``decode``
+and ``magnitude``, have one operator for all their builds).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from qkv.native import (
     decode,
     interval_bf16,
     interval_bf16_backward,
-    magnitude_bf16,
+    magnitude,
     short_bf16,
 )
 from qkv.native import build as compiled
@@ -32,7 +33,9 @@ from qkv.native import build as compiled
 __all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 
 # the kernel modules, each with NATIVE (its source and flags), _built and _build
-_MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16, magnitude_bf16)
+_MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)
+# the kernels built per tier (KERNEL_NAME, machine_build, build_now; their reason for float32 on the CPU)
+_TIERED: tuple[ModuleType, ...] = (decode, magnitude)
 # the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
 _NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
 # each kernel's operator, by its stem: torch.ops.qkv.<name>
@@ -41,7 +44,6 @@ OPERATORS: dict[str, str] = {
     "interval_bf16_backward": "interval_bf16_backward",
     "short_bf16": "short_bf16",
     "add_norm_bf16": "add_norm_bf16",
-    "magnitude_bf16": "magnitude_bf16",
 }
 
 
@@ -69,13 +71,18 @@ def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
     )  # fmt: skip
 
 
-def _decode_status(seconds: float | None = None) -> KernelStatus:
-    """The decode kernel, built per tier (`qkv.native.decode`): the build this machine runs."""
-    kernel = decode.machine_build()
+def _tiered_reason(module: ModuleType) -> str | None:
+    """Why a kernel built per tier does not run here for float32 inputs, or None."""
+    cpu = torch.device("cpu")
+    return decode.unavailable_reason(torch.float32, cpu) if module is decode else magnitude.kernel_reason(torch.float32, cpu)
+
+
+def _tiered_status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
+    """A kernel built per tier (`qkv.native.decode`, `qkv.native.magnitude`): the build this machine runs."""
+    kernel = module.machine_build()
     return KernelStatus(
-        name=f"{decode.KERNEL_NAME} ({kernel.tier} build)", stem=kernel.stem,
-        reason=decode.unavailable_reason(torch.float32, torch.device("cpu")), built=kernel.is_built(),
-        folder=str(kernel.folder()), seconds=seconds,
+        name=f"{module.KERNEL_NAME} ({kernel.tier} build)", stem=kernel.stem, reason=_tiered_reason(module),
+        built=kernel.is_built(), folder=str(kernel.folder()), seconds=seconds,
     )  # fmt: skip
 
 
@@ -85,7 +92,7 @@ def kernel_statuses() -> list[KernelStatus]:
     >>> sorted(s.stem for s in kernel_statuses())[:3]  # doctest: +ELLIPSIS
     ['add_norm_bf16', 'decode_...', 'interval_bf16']
     """
-    return [*(_status(module) for module in _MODULES), _decode_status()]
+    return [*(_status(module) for module in _MODULES), *(_tiered_status(module) for module in _TIERED)]
 
 
 def build_all() -> list[KernelStatus]:
@@ -100,13 +107,13 @@ def build_all() -> list[KernelStatus]:
         compiled.built_once(module._built, module._build)
         return _status(module, time.perf_counter() - started)
 
-    def attempt_decode() -> KernelStatus:
-        if _decode_status().reason is not None:
-            return _decode_status()
+    def attempt_tiered(module: ModuleType) -> KernelStatus:
+        if _tiered_status(module).reason is not None:
+            return _tiered_status(module)
         started = time.perf_counter()
-        decode.build_now()
-        return _decode_status(time.perf_counter() - started)
+        module.build_now()
+        return _tiered_status(module, time.perf_counter() - started)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES) + 1, os.cpu_count() or 1))) as pool:
-        decoded = pool.submit(attempt_decode)
-        return [*pool.map(attempt, _MODULES), decoded.result()]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES) + len(_TIERED), os.cpu_count() or 1))) as pool:
+        tiered = [pool.submit(attempt_tiered, module) for module in _TIERED]
+        return [*pool.map(attempt, _MODULES), *(done.result() for done in tiered)]

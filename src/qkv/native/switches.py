@@ -24,7 +24,7 @@ NAMES: dict[str, str] = {
     "interval_bf16_backward": "the block engine's fused bf16 backward kernel; the engine's backward runs per call",
     "short_bf16": "the short-sequence bf16 kernel of the fused path; PyTorch's SDPA runs",
     "add_norm_bf16": "the residual add + LayerNorm kernel of qkv.models; the eager ops run",
-    "magnitude_bf16": "the bf16 largest-magnitude scan; torch.aminmax runs",
+    "magnitude": "the compiled largest-magnitude scan of the input checks (float32, bf16, fp16); torch.aminmax runs",
     "onednn_linear": "oneDNN's fused linear of qkv.models; torch.nn.functional.linear runs",
     "native_decode": "the decode backend's compiled kernel; the decode backend's PyTorch ops run",
     "decode": "the decode backend for backend='auto' (backend='decode' raises)",

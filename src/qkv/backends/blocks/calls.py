@@ -226,7 +226,8 @@ class _MergedRows:
 
 
 def run_calls(
-    q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False, split: bool = False
+    q: torch.Tensor, plan: BlockPlan, compute: Callable[[Call], CallResult], rounded: bool = False, split: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> CallResult:
     """Run every call of ``plan`` and place or merge its (o, lse_o) into the output rows.
 
@@ -242,6 +243,10 @@ def run_calls(
     buffers of their own (`_MergedRows`) and rounded once at the end; only when most rows
     merge is the whole output float32, as without ``rounded``.
 
+    ``out_dtype`` (with ``rounded``): the dtype that output is kept in instead of q's, each
+    call's output rounded into it as it is placed (an emulated bf16 call computed in float32
+    gets its bf16 output without a float32 one in between).
+
     With ``split``, the lse stays in two parts, shift + rest (`merge.merge_split`), and the
     result is (output, shift (N, H, L), rest (N, H, L)): ``compute`` may return (o, shift_o,
     rest_o) for a call, and an (o, lse_o) is shift lse_o, rest 0.
@@ -251,7 +256,7 @@ def run_calls(
     merging = any(call.merge for call in plan.calls)
     wide_rows = _MergedRows.of(plan, H, Ep, acc_dtype) if rounded and merging else None
     keep_q_dtype = rounded and (not merging or wide_rows is not None)
-    out = torch.empty(N, L, H, Ep, dtype=q.dtype if keep_q_dtype else acc_dtype)
+    out = torch.empty(N, L, H, Ep, dtype=(out_dtype or q.dtype) if keep_q_dtype else acc_dtype)
     lse = torch.empty(N, L, H, dtype=acc_dtype)  # the shift with ``split``
     rest = torch.zeros(N, L, H, dtype=acc_dtype) if split else None
     # rows that no piece covers are "nothing seen": output 0, lse -inf (rows with no visible key)

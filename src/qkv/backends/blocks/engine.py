@@ -70,12 +70,14 @@ _NEG_INF = float("-inf")
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False, kernel: str = "cpu_flash_tiles"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False, kernel: str = "cpu_flash_tiles",
+    out_dtype: torch.dtype | None = None,
 ) -> CallResult:
     """Output (N, H, L, Ep) and lse (N, H, L), float32 or wider, from q, k, v (N, H, *, Ep):
     the fused bf16 kernel (`qkv.native.interval_bf16`) when the plan's ``kernel`` names it
     ("interval_bf16") and it builds, else the flash kernel per call. With ``rounded`` (no
-    backward will read it) the output may come in q's dtype instead."""
+    backward will read it) the output may come in q's dtype instead, or in ``out_dtype``
+    (the flash path: `calls.run_calls`)."""
     intervals = run.plan.intervals
     if kernel == "interval_bf16":
         assert intervals is not None  # dispatch names it for plans with intervals only
@@ -94,7 +96,8 @@ def _forward(
             lse_o = lse_o.masked_fill(empty_rows, _NEG_INF)
         return o, lse_o
 
-    return run_calls(q, run.plan, compute, rounded=True)  # the flash kernel's output is in q's dtype
+    # the flash kernel's output is in q's dtype; kept in out_dtype when asked (rounded: no backward reads it)
+    return run_calls(q, run.plan, compute, rounded=True, out_dtype=out_dtype if rounded else None)
 
 
 def _backward(
@@ -215,6 +218,7 @@ def block_attention(
     sinks: torch.Tensor | None = None,
     forward_kernel: str = "cpu_flash_tiles",
     backward_kernel: str = "engine_per_call",
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the tiles of ``plan``: (output (N, H, L, Ev) in q's dtype, lse (N, H, L)).
 
@@ -223,7 +227,9 @@ def block_attention(
     and lse includes it. Both results are differentiable in q, k, v and the sinks; lse is
     float32 (float64 for float64 inputs). ``forward_kernel`` and ``backward_kernel``: the kernels
     `qkv.attention.dispatch` chose (`Plan.forward_kernel`); by default the portable ones, which
-    take every plan.
+    take every plan. ``out_dtype``: the output's dtype instead of q's where no backward is
+    recorded (an emulated bf16 call computed in float32: rounded as it is placed, no float32
+    output in between); where one is, the output stays in q's dtype.
     """
     # causal squares run on the kernel's is_causal, which needs a positive scale
     kernel_q, kernel_scale = causal_kernel_scale(q, scale)
@@ -233,10 +239,10 @@ def block_attention(
         out, lse = _BlockAttention.apply(*inputs, run, (forward_kernel, backward_kernel), sinks)
     else:  # no backward: the fused kernel writes the output in q's dtype (half the bytes, no copy)
         # ... unless a sink rescales it first: then it is rounded once, after the fold
-        out_acc, lse = _forward(*inputs, run, rounded=sinks is None, kernel=forward_kernel)
+        out_acc, lse = _forward(*inputs, run, rounded=sinks is None, kernel=forward_kernel, out_dtype=out_dtype)
         if sinks is not None:
             out_acc, lse, _ = sink_fold(out_acc, lse, sinks)
-        out = out_acc.to(q.dtype)
+        out = out_acc.to(out_dtype or q.dtype)
     return out[..., : v.shape[3]], lse
 
 
