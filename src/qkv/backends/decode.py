@@ -121,15 +121,15 @@ def decode_attention(
     """softmax(q k^T * scale + bias, masked) v with the keys split into chunks, merged by lse.
 
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev); ``mask``: None, `qkv.masks.causal`,
-    `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a bias only (no softcap or
-    score_mod); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
+    `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a softcap and a bias (no
+    score_mod), in qkv's order (softcap first); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
     (`default_splits` when None; the compiled kernel's splits per KV head, `fused_splits`).
     ``kernel``: "native_decode" runs the compiled kernel (the caller checked `native_reason`),
     these PyTorch ops when its build failed; "decode" runs the PyTorch ops. Returns (output
     (N, H, L, Ev) in q's dtype, lse (N, H, L) in the accumulation dtype).
     """
     if kernel == "native_decode":
-        result = _native_attention(q, k, v, scale, mask, sinks, splits)
+        result = _native_attention(q, k, v, scale, mask, terms, sinks, splits, k.shape[2])
         if result is not None:
             return result
         # its build or self-check failed just now (noted once): the PyTorch ops below
@@ -140,11 +140,12 @@ def native_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms | None, grad: bool
 ) -> str | None:
     """Why the compiled kernel (`qkv.native.decode`) cannot take this decode step, or None:
-    it runs forward only, applies no bias, reads one dtype with a contiguous head dim. Never builds."""
+    it runs forward only, applies a softcap but no bias, reads one dtype with a contiguous head
+    dim. Never builds."""
     if grad:
         return "a gradient is needed (it runs forward only)"
-    if terms is not None and terms.active:
-        return f"it applies no score terms, got {terms.describe()}"
+    if terms is not None and (terms.bias is not None or terms.score_mod is not None):
+        return f"it applies a softcap but no other score terms, got {terms.describe()}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
     if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
@@ -153,18 +154,23 @@ def native_reason(
 
 
 def _native_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None, sinks: torch.Tensor | None,
-    splits: int | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None, terms: ScoreTerms | None,
+    sinks: torch.Tensor | None, splits: int | None, S: int, table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The compiled kernel: (output (N, H, L, Ev) in q's dtype, lse (N, H, L) float32), or None
-    when its build failed. Splits per KV head: `fused_splits` (one task per (row, KV head,
-    split), like the fused path's)."""
+    when its build failed. k, v: a cache (N, G, S, E | Ev), or pools (num_blocks, P, G, E | Ev)
+    read through ``table`` (N, blocks) of which the first S positions count. Splits per KV head:
+    `fused_splits` (one task per (row, KV head, split), like the fused path's), the same for a
+    pool as for a cache, so the two give equal bits."""
     N, _, L, _ = q.shape
-    G, S = k.shape[1], k.shape[2]
+    G = k.shape[1] if table is None else k.shape[2]
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    if table is not None and valid is not None:  # the kernel's key axis is the table's reach
+        valid = torch.nn.functional.pad(valid, (0, table.shape[1] * k.shape[1] - S))  # (N | 1, blocks * P)
     count = fused_splits(stop - start, N * G) if splits is None else splits
     count = max(1, min(count, stop - start))
-    result = native.forward(q, k, v, scale, start, stop, count, lo, hi, valid, sinks)
+    softcap = None if terms is None else terms.softcap
+    result = native.forward(q, k, v, scale, start, stop, count, lo, hi, valid, sinks, softcap=softcap, table=table)
     if result is None:
         return None
     out, lse = result  # (N, H, L, Ev), (N, H, L) float32
@@ -277,17 +283,21 @@ def decode_blocks(
     mask: Mask | None = None,
     terms: ScoreTerms | None = None,
     sinks: torch.Tensor | None = None,
+    spans: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` for one sequence in a pool of blocks, nothing gathered: q (1, H, L, E),
     k_pool (num_blocks, P, G, E), v_pool (num_blocks, P, G, Ev) (FlashAttention's paged layout),
     ``blocks`` the physical blocks of positions 0 .. S - 1 in order.
 
-    Runs of consecutive physical blocks are strided views (`block_runs`). When there are more
+    Where the compiled kernel runs (`native_reason`), it reads the blocks through the block
+    table, one call whatever the pool's fragmentation, with the bits of a contiguous cache.
+    Otherwise runs of consecutive physical blocks are strided views (`block_runs`). When there are more
     than `RUNS_APART` of them (a fragmented pool), the blocks whose keys every query sees go to
     the fused kernel in a few calls instead of one per run: each call takes a span of the pool
     whose blocks are at most `SPAN_GAP` apart as one strided sequence, the blocks of other
     sequences in it hidden by a (1, 1, 1, n*P) mask; the rest (edges, a part-filled last block)
-    run as runs."""
+    run as runs. ``spans=False``: never, for pools whose other blocks may hold anything (a
+    NaN there would reach the output through its zero weight)."""
     P = k_pool.shape[1]
     runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
@@ -299,10 +309,17 @@ def decode_blocks(
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
         kernel = "native_decode" if native_reason(q, k, v, terms, grad) is None else "decode"
         return decode_attention(q, k, v, scale, mask, terms, sinks, kernel=kernel)
-    if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+    if N == 1 and native_reason(q, runs[0][1], runs[0][2], terms, grad) is None:
+        # the compiled kernel reads the blocks through the table where they lie, in the blocks
+        # of keys it reads a cache in: the bits of the same keys in a contiguous cache
+        table = torch.tensor([list(blocks[: -(-S // P)])], dtype=torch.int64, device=q.device)  # (1, blocks)
+        result = _native_attention(q, k_pool, v_pool, scale, mask, terms, sinks, None, S, table)
+        if result is not None:
+            return result
+    if not spans or len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
         return decode_runs(q, runs, S, scale, mask, terms, sinks)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
     fused = _fused_range(q, runs, start, stop, lo, hi, valid, terms, grad)
     first, last = (0, 0) if fused is None else (math.ceil(fused[0] / P), fused[1] // P)  # whole blocks inside
     if last <= first:
@@ -402,8 +419,8 @@ def _fused_range(
 ) -> tuple[int, int] | None:
     """The keys a <= t < b that every query sees, when PyTorch's fused CPU attention kernel can
     take them (else None): CPU, no gradient (its lse output has none, and the merge needs one),
-    no bias, no key padding, equal key and value widths, unit stride along the head dim."""
-    if q.device.type != "cpu" or grad or valid is not None or (terms is not None and terms.bias is not None):
+    no score terms, no key padding, equal key and value widths, unit stride along the head dim."""
+    if q.device.type != "cpu" or grad or valid is not None or (terms is not None and terms.active):
         return None
     if stop <= start or any(k.shape[-1] != v.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 for _, k, v in runs):
         return None
@@ -509,6 +526,9 @@ def _chunk_states(
     # BLAS runs near the read rate, where (R*L, E) x (E, C) is a slow matrix-vector shape
     scores = torch.matmul(kc, qg.unsqueeze(2).transpose(-1, -2)).to(acc)  # (N, G, c, C, R*L)
     positions = torch.arange(a, b, device=qg.device)  # (c*C,)
+    if terms is not None and terms.softcap is not None:  # qkv's order: the softcap, then the bias
+        cap = terms.softcap
+        scores = torch.tanh(scores / cap) * cap if grad else scores.div_(cap).tanh_().mul_(cap)
     if terms is not None and terms.bias is not None:
         scores = scores + _bias_chunks(terms, positions, N, G, R, L, count, C).to(acc)
     hidden = None
