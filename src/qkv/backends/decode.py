@@ -20,8 +20,8 @@ causal; the middle of a window) go to PyTorch's fused (flash) CPU attention kern
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns each chunk's output and
 lse: the chunk axis is its batch axis (strided views, no copy), q is (N, G, R*L, E), so it runs
 one task per (chunk, KV head) that reads the chunk once for the whole group, with float32
-scores and sums for bf16 inputs. It takes no gradient through its lse, no bias and needs
-E == Ev, so gradients, biases, key padding and the masked edges take the chunked PyTorch ops
+scores and sums for bf16 inputs. It takes no gradient through its lse, no score term and needs
+E == Ev, so gradients, softcaps, biases, key padding and the masked edges take the chunked PyTorch ops
 below; all chunks merge as in 4. One fused chunk and no sink skip the merge. (benchmarks/decode.py,
 S = 32k, B=1 Hq=32 G=8 E=128, 2 AMX threads, loaded: fused float32 ~75% of the read bandwidth and
 ~2.5x SDPA, where the chunked ops reached ~20%: their reductions over (C, R*L) score tiles cost
@@ -33,10 +33,11 @@ interval are never read, so a window reads only its own keys. A row with no visi
 zeros and lse -inf, with a sink too (as the math path). The chunk count depends on S and
 the thread count only, never on timing: two calls at one thread count are bitwise equal.
 
-The compiled kernel. Without a gradient or a bias, with one dtype (float32 or bfloat16) and unit
-strides along the head dims, a call runs ``qkv.native.decode`` instead (the Plan names it
-``native_decode``; `native_reason` says why not): the same splits and merge in one C++ call per
-step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers. Its build is tried
+The compiled kernel. Without a gradient or a bias (a softcap it applies), with one dtype (float32
+or bfloat16) and unit strides along the head dims, a call runs ``qkv.native.decode`` instead (the
+Plan names it ``native_decode``; `native_reason` says why not): the same splits and merge in one
+C++ call per step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers; a paged
+pool (`decode_blocks`) is read through its block table in that same call. Its build is tried
 once per process; when it fails, these PyTorch ops run (one note on the ``qkv`` logger).
 
 Low-precision inputs whose products this CPU emulates are widened to the compute dtype

@@ -8,8 +8,11 @@ the keys) reads each K/V block once for the R = H / G query heads of its group, 
 widened to float32 in registers (never copied), each split keeps its max / sum / partial
 output and the splits merge by lse in a fixed order, so two runs at one thread count give equal
 bits. It applies the masks the decode backend takes (per-query key intervals from causal and
-sliding windows, key padding) and sinks; no bias, softcap or gradient (those keep the PyTorch
-path).
+sliding windows, key padding), sinks and a softcap (score -> softcap * tanh(score / softcap)
+before the mask, qkv's order of score terms; tanh is a vectorised float32 one, within 3 ulp of
+float64's); no bias or gradient (those keep the PyTorch path). It reads K/V from a cache
+(N, G, S, E) or through a block table from a paged pool (num_blocks, P, G, E), in the same
+blocks of keys either way, so paged and contiguous give equal bits.
 
 Tiers. The source is written for each of ``TIERS`` and compiled per tier with that tier's
 flags only (`qkv.native.build.TIER_CFLAGS`): AVX2 + FMA (8 float lanes, AMD EPYC), AVX-512
