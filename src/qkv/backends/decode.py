@@ -48,6 +48,7 @@ Gradients flow through the PyTorch ops (autograd keeps the scores and exponentia
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -300,24 +301,27 @@ def decode_blocks(
     run as runs. ``spans=False``: never, for pools whose other blocks may hold anything (a
     NaN there would reach the output through its zero weight)."""
     P = k_pool.shape[1]
-    runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
     G = k_pool.shape[2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+    used = list(blocks[: -(-S // P)])
+    one_run = all(b == a + 1 for a, b in itertools.pairwise(used))
+    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
+    if not one_run and N == 1 and native_reason(q, *like, terms, grad) is None:
+        # the compiled kernel reads the blocks through the table where they lie, in the blocks
+        # of keys it reads a cache in: the bits of the same keys in a contiguous cache (and no
+        # view per run: at 2,048 runs their views alone cost twice the kernel's step)
+        table = torch.tensor([used], dtype=torch.int64, device=q.device)  # (1, blocks)
+        result = _native_attention(q, k_pool, v_pool, scale, mask, terms, sinks, None, S, table)
+        if result is not None:
+            return result
+    runs = block_runs(k_pool, v_pool, blocks, S)
     if len(runs) == 1:
         # one run is a contiguous cache (a strided view of the pool): the step of `qkv.attention`
         # on it, the compiled kernel where it runs, so the two give equal bits
         _, k, v = runs[0]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
         kernel = "native_decode" if native_reason(q, k, v, terms, grad) is None else "decode"
         return decode_attention(q, k, v, scale, mask, terms, sinks, kernel=kernel)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
-    if N == 1 and native_reason(q, runs[0][1], runs[0][2], terms, grad) is None:
-        # the compiled kernel reads the blocks through the table where they lie, in the blocks
-        # of keys it reads a cache in: the bits of the same keys in a contiguous cache
-        table = torch.tensor([list(blocks[: -(-S // P)])], dtype=torch.int64, device=q.device)  # (1, blocks)
-        result = _native_attention(q, k_pool, v_pool, scale, mask, terms, sinks, None, S, table)
-        if result is not None:
-            return result
     if not spans or len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
         return decode_runs(q, runs, S, scale, mask, terms, sinks)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
@@ -328,7 +332,6 @@ def decode_blocks(
     extra = _block_states(q.reshape(1, G, H // G * L, E), k_pool, v_pool, blocks[first:last], scale)
     rest = block_runs(k_pool, v_pool, blocks[:first], first * P)
     rest += [(last * P + a, k, v) for a, k, v in block_runs(k_pool, v_pool, blocks[last:], S - last * P)]
-    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
     return _decode(q, rest, S, scale, mask, terms, sinks, None, like, extra)
 
 
