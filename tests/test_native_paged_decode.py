@@ -128,15 +128,38 @@ def test_softcap_matches_float64_math(
     assert float((uncapped - want).abs().max()) > 0.1
 
 
-def test_softcap_and_bias_take_the_pytorch_ops_in_order() -> None:
-    """A bias with a softcap: the kernel takes no bias, the decode path's PyTorch ops apply
-    the softcap first, then the bias (qkv's order), as float64 math does."""
+@pytest.mark.parametrize("tier", TIER_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("mask", [None, M.causal(), M.sliding_window(50)], ids=["none", "causal", "window"])
+def test_alibi_and_softcap_match_float64_math(
+    monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]], tier: str, dtype: torch.dtype, mask: M.Mask | None
+) -> None:
+    """ALiBi (slopes of both signs, so keys before and after the query position count) after
+    a softcap, in qkv's order, three queries bottom-right, by the kernel."""
+    if tier != "machine":
+        monkeypatch.setenv(TIER_VARIABLE, tier)
+    q, k, v = _inputs(2, 6, 2, 3, 1500, 32, 32, dtype, seed=2)
+    bias = qkv.bias.alibi(torch.tensor([0.01, 0.002, -0.001, 0.5, 0.03, 0.0], dtype=torch.float64))
+    want = qkv.attention(q.double(), k.double(), v.double(), mask, softcap=3.0, bias=bias, backend="math")
+    out = qkv.attention(q, k, v, mask, softcap=3.0, bias=bias)
+    torch.testing.assert_close(out.double(), want, atol=_tolerance(dtype), rtol=0)
+    runs = native.unavailable_reason(dtype, CPU) is None
+    assert [c["slopes"] is not None for c in calls] == ([True] if runs else [])
+    # the bias really acts: without it the result is another one
+    plain = qkv.attention(q.double(), k.double(), v.double(), mask, softcap=3.0, backend="math")
+    assert float((plain - want).abs().max()) > 0.1
+
+
+def test_other_biases_take_the_pytorch_ops_in_order() -> None:
+    """A T5 relative bias with a softcap: the kernel takes no such bias, the decode path's
+    PyTorch ops apply the softcap first, then the bias (qkv's order), as float64 math does."""
     q, k, v = _inputs(1, 4, 2, 2, 1500, 32, 32, torch.float32, seed=2)
-    plan = qkv.explain(q, k, v, M.causal(), softcap=3.0, bias=qkv.bias.alibi())
+    bias = qkv.bias.relative(torch.randn(4, 32, generator=torch.Generator().manual_seed(3)))
+    plan = qkv.explain(q, k, v, M.causal(), softcap=3.0, bias=bias)
     assert plan.path == "decode" and plan.forward_kernel.startswith("the split-key decode kernel")
     assert "no other score terms" in plan.forward_kernel
-    want = qkv.attention(q.double(), k.double(), v.double(), M.causal(), softcap=3.0, bias=qkv.bias.alibi(), backend="math")
-    out = qkv.attention(q, k, v, M.causal(), softcap=3.0, bias=qkv.bias.alibi())
+    want = qkv.attention(q.double(), k.double(), v.double(), M.causal(), softcap=3.0, bias=bias, backend="math")
+    out = qkv.attention(q, k, v, M.causal(), softcap=3.0, bias=bias)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
 
 
@@ -300,12 +323,14 @@ def test_a_fragmented_paged_cache_runs_the_kernel_with_the_contiguous_bits(
 
 @pytest.mark.parametrize("tier", TIER_CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 def test_flash_attn_with_kvcache_block_table_runs_the_kernel(
-    monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]], tier: str, dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]], tier: str, dtype: torch.dtype, alibi: bool
 ) -> None:
     """A batch of five rows of different lengths in a shuffled pool of 17-key blocks with NaN
-    spares, causal, softcap: each row through its table by the kernel, equal bit for bit to
-    `qkv.attention` on the row's keys in one piece (the kernel there too) and to float64 math."""
+    spares, causal, softcap, per-row ALiBi slopes: each row through its table by the kernel,
+    equal bit for bit to `qkv.attention` on the row's keys in one piece (the kernel there too)
+    and to float64 math."""
     if tier != "machine":
         monkeypatch.setenv(TIER_VARIABLE, tier)
     lengths, P, H, G, E = [1030, 1100, 1700, 2000, 1024], 17, 6, 2, 16
@@ -315,13 +340,20 @@ def test_flash_attn_with_kvcache_block_table_runs_the_kernel(
     k_pool, v_pool, table = _pool(keys, values, P, seed=10)
     q = torch.randn(5, 1, H, E, generator=gen).mul(2.0).to(dtype)  # (B, L, H, E)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    out = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table.int(), causal=True, softcap=3.0)
+    slopes = torch.rand(5, H, generator=gen) * 0.01 if alibi else None  # (B, H)
+    out = flash_attn_with_kvcache(
+        q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table.int(), causal=True, softcap=3.0, alibi_slopes=slopes
+    )
     runs = native.unavailable_reason(dtype, CPU) is None
     assert len(calls) == (5 if runs else 0) and all(c["table"] is not None for c in calls)
+    assert all((c["slopes"] is not None) == alibi for c in calls)
     for b in range(len(lengths)):
         qb = q[b : b + 1].transpose(1, 2)  # (1, H, L, E)
-        want = qkv.attention(qb.double(), keys[b][None].double(), values[b][None].double(), M.causal(), softcap=3.0, backend="math")
+        bias = None if slopes is None else qkv.bias.alibi(slopes[b].double())
+        want = qkv.attention(qb.double(), keys[b][None].double(), values[b][None].double(), M.causal(), softcap=3.0,
+                             bias=bias, backend="math")  # fmt: skip
         got = out[b : b + 1].transpose(1, 2)  # (1, H, L, Ev)
         torch.testing.assert_close(got.double(), want, atol=_tolerance(dtype), rtol=0)
         if runs:
-            assert torch.equal(got, qkv.attention(qb, keys[b][None], values[b][None], M.causal(), softcap=3.0))
+            bias = None if slopes is None else qkv.bias.alibi(slopes[b])
+            assert torch.equal(got, qkv.attention(qb, keys[b][None], values[b][None], M.causal(), softcap=3.0, bias=bias))

@@ -33,8 +33,8 @@ interval are never read, so a window reads only its own keys. A row with no visi
 zeros and lse -inf, with a sink too (as the math path). The chunk count depends on S and
 the thread count only, never on timing: two calls at one thread count are bitwise equal.
 
-The compiled kernel. Without a gradient or a bias (a softcap it applies), with one dtype (float32
-or bfloat16) and unit strides along the head dims, a call runs ``qkv.native.decode`` instead (the
+The compiled kernel. Without a gradient or a bias other than ALiBi (a softcap it applies too), with
+one dtype (float32 or bfloat16) and unit strides along the head dims, a call runs ``qkv.native.decode`` instead (the
 Plan names it ``native_decode``; `native_reason` says why not): the same splits and merge in one
 C++ call per step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers; a paged
 pool (`decode_blocks`) is read through its block table in that same call. Its build is tried
@@ -56,6 +56,7 @@ import torch
 
 from qkv._private.torch import cpu_flash_attention
 from qkv.backends.softmax import accumulation_dtype
+from qkv.bias import ALiBi
 from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
 from qkv.native import decode as native
 from qkv.native.machine import compute_dtype
@@ -142,12 +143,12 @@ def native_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms | None, grad: bool
 ) -> str | None:
     """Why the compiled kernel (`qkv.native.decode`) cannot take this decode step, or None:
-    it runs forward only, applies a softcap but no bias, reads one dtype with a contiguous head
-    dim. Never builds."""
+    it runs forward only, applies a softcap and ALiBi (per-head slopes) but no other bias, reads
+    one dtype with a contiguous head dim. Never builds."""
     if grad:
         return "a gradient is needed (it runs forward only)"
-    if terms is not None and (terms.bias is not None or terms.score_mod is not None):
-        return f"it applies a softcap but no other score terms, got {terms.describe()}"
+    if terms is not None and (terms.score_mod is not None or (terms.bias is not None and _slopes(terms) is None)):
+        return f"it applies a softcap and ALiBi but no other score terms, got {terms.describe()}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
     if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
@@ -172,11 +173,28 @@ def _native_attention(
     count = fused_splits(stop - start, N * G) if splits is None else splits
     count = max(1, min(count, stop - start))
     softcap = None if terms is None else terms.softcap
-    result = native.forward(q, k, v, scale, start, stop, count, lo, hi, valid, sinks, softcap=softcap, table=table)
+    slopes = qpos = None
+    if terms is not None and terms.bias is not None:
+        slopes = _slopes(terms)
+        assert slopes is not None  # native_reason checked it
+        rows = N if terms.positions is not None and terms.positions.shape[0] > 1 else 1
+        b = torch.arange(rows, device=q.device)[:, None]  # (N | 1, 1)
+        qpos = terms.q_pos(b, torch.arange(L, device=q.device)[None]).to(torch.int64)  # (N | 1, L)
+    result = native.forward(
+        q, k, v, scale, start, stop, count, lo, hi, valid, sinks, softcap=softcap, table=table, slopes=slopes, qpos=qpos
+    )
     if result is None:
         return None
     out, lse = result  # (N, H, L, Ev), (N, H, L) float32
     return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
+
+
+def _slopes(terms: ScoreTerms) -> torch.Tensor | None:
+    """The head slopes (H,) when the bias is ALiBi alone (bound: slopes set), else None."""
+    bias = terms.bias
+    if isinstance(bias, ALiBi) and bias.slopes is not None and bias.slopes.dim() == 1:
+        return bias.slopes
+    return None
 
 
 def decode_runs(
@@ -303,7 +321,7 @@ def decode_blocks(
     P = k_pool.shape[1]
     N, H, L, E = q.shape
     G = k_pool.shape[2]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool, *(terms.tensors() if terms else ())))
     used = list(blocks[: -(-S // P)])
     one_run = all(b == a + 1 for a, b in itertools.pairwise(used))
     like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)

@@ -66,7 +66,7 @@ FORWARD_KERNELS: dict[str, str] = {
     "math": "the explicit formula in PyTorch ops",
     "flex": "FlexAttention with qkv's BlockMask",
     "decode": "the split-key decode kernel in PyTorch ops",
-    "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, softcap, paged pools, built for this CPU's tier)",
+    "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, softcap, ALiBi, paged pools, built for this CPU's tier)",
     "interval_bf16": f"the {interval_bf16.KERNEL_NAME} (C++, AMX micro-kernels)",
     "cpu_flash_tiles": "PyTorch's CPU flash kernel per tile",
     # the block engine with score terms: a bias alone on PyTorch's CPU flash kernel with a bias

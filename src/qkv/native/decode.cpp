@@ -27,7 +27,8 @@
 // `splits` pieces of ceil((stop - start) / splits) keys; query l of batch row n sees key t
 // when lo[n|0][l] <= t <= hi[n|0][l] (no bounds: all) and valid[n|0][t] (no valid: all).
 // sinks (N | 1, H) float32 or null. softcap > 0: each score s becomes softcap * tanh(s / softcap)
-// before the mask (0: none). With a block table (N, table_stride) int64, k and v are pools
+// (0: none); then ALiBi's bias - slopes[h] * |qpos[n|0][l] - t| where slopes (H,) float32 is not
+// null, qpos (N | 1, L) int64; then the mask (qkv's order of score terms). With a block table (N, table_stride) int64, k and v are pools
 // (blocks, page, G, E | Ev) and key t of row n lies in block table[n][t / page] at t % page:
 // the kernel reads the keys in the same blocks of kBlock positions either way, so a paged
 // sequence gives the bits of the same keys in a contiguous cache. Outputs float32: out
@@ -544,6 +545,9 @@ struct Problem {
   float softcap;   // 0: none
   const int64_t* table;  // (N, table_stride) blocks of `page` keys, or null (k, v not paged)
   int64_t table_stride, page;
+  const float* slopes;  // ALiBi: (H,) head slopes, or null
+  const int64_t* qpos;  // (qpos_rows, L): each query's position among the keys (ALiBi's distances)
+  int64_t qpos_rows;
 };
 
 // One task: keys [a, b) of (batch row n, KV head g); its state goes to `state`.
@@ -618,7 +622,12 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
     }
     for (int64_t r = 0; r < RL; ++r) {
       float* s = scores.data() + r * kBlock;
-      if (P.softcap > 0.0f) soft_cap(s, round_up(cnt), P.softcap);  // softcap first, then the mask
+      if (P.softcap > 0.0f) soft_cap(s, round_up(cnt), P.softcap);  // softcap first, then the bias, then the mask
+      if (P.slopes != nullptr) {  // ALiBi: - slope_h * |p_i - t| (a distance below 2^24 is exact in float32)
+        const float slope = P.slopes[g * R + r / L];
+        const int64_t p = P.qpos[(P.qpos_rows == 1 ? 0 : n) * L + r % L];
+        for (int j = 0; j < cnt; ++j) s[j] -= slope * static_cast<float>(std::llabs(p - (j0 + j)));
+      }
       if (masked) {
         const int64_t lo = first[r] - j0, hi = last[r] - j0;  // visible: lo <= j < hi
         for (int j = 0; j < cnt; ++j) {
@@ -715,10 +724,11 @@ extern "C" int qkv_decode_forward(const void* q, const int64_t* qs, const void* 
                                   double scale, const int64_t* lo, const int64_t* hi, int64_t bound_rows,
                                   const uint8_t* valid, int64_t valid_rows, const float* sinks, int64_t sink_rows,
                                   float* scratch, float* out, float* lse, int64_t threads, double softcap,
-                                  const int64_t* table, int64_t table_stride, int64_t page) {
+                                  const int64_t* table, int64_t table_stride, int64_t page, const float* slopes,
+                                  const int64_t* qpos, int64_t qpos_rows) {
   Problem P{q, qs, k, ks, v, vs, N, H, G, L, E, S, Ev, start, stop, std::max<int64_t>(splits, 1),
             static_cast<float>(scale), lo, hi, bound_rows, valid, valid_rows, scratch,
-            static_cast<float>(softcap), table, table_stride, std::max<int64_t>(page, 1)};
+            static_cast<float>(softcap), table, table_stride, std::max<int64_t>(page, 1), slopes, qpos, qpos_rows};
   int failed = 0;
   const int nthreads = static_cast<int>(std::max<int64_t>(threads, 1));
   if (bf16) {

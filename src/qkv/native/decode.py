@@ -8,9 +8,10 @@ the keys) reads each K/V block once for the R = H / G query heads of its group, 
 widened to float32 in registers (never copied), each split keeps its max / sum / partial
 output and the splits merge by lse in a fixed order, so two runs at one thread count give equal
 bits. It applies the masks the decode backend takes (per-query key intervals from causal and
-sliding windows, key padding), sinks and a softcap (score -> softcap * tanh(score / softcap)
-before the mask, qkv's order of score terms; tanh is a vectorised float32 one, within 3 ulp of
-float64's); no bias or gradient (those keep the PyTorch path). It reads K/V from a cache
+sliding windows, key padding), sinks, a softcap (score -> softcap * tanh(score / softcap); tanh
+is a vectorised float32 one, within 3 ulp of float64's) and ALiBi (- slope_h * |p_i - t|), in
+qkv's order of score terms (softcap, bias, mask); no other bias and no gradient (those keep the
+PyTorch path). It reads K/V from a cache
 (N, G, S, E) or through a block table from a paged pool (num_blocks, P, G, E), in the same
 blocks of keys either way, so paged and contiguous give equal bits.
 
@@ -173,6 +174,7 @@ def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
         p, p, i64, p, i64, p, i64,  # lo, hi and their rows, valid and its rows, sinks and their rows
         p, p, p, i64,  # scratch, out, lse, threads
         ctypes.c_double, p, i64, i64,  # softcap (0: none), block table, its row stride, block size
+        p, p, i64,  # ALiBi slopes, query positions and their rows
     )  # fmt: skip
 
 
@@ -194,7 +196,8 @@ def _keys(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor | None) -> tuple
 def _argument_problem(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, stop: int, splits: int,
     lo: torch.Tensor | None, hi: torch.Tensor | None, valid: torch.Tensor | None, sinks: torch.Tensor | None,
-    softcap: float = 0.0, table: torch.Tensor | None = None,
+    softcap: float = 0.0, table: torch.Tensor | None = None, slopes: torch.Tensor | None = None,
+    qpos: torch.Tensor | None = None,
 ) -> str | None:
     """What is wrong with the operator's arguments, or None (the kernel reads raw memory: any
     mismatch must be refused before it runs)."""
@@ -215,6 +218,12 @@ def _argument_problem(
         return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (softcap == 0.0 or 0.0 < softcap < math.inf):
         return f"softcap must be positive and finite (0: none), got {softcap}"
+    if (slopes is None) != (qpos is None):
+        return "ALiBi's slopes and query positions come together"
+    if slopes is not None and (not slopes.is_floating_point() or tuple(slopes.shape) != (H,)):
+        return f"ALiBi's slopes must be float ({H},), not {slopes.dtype} {tuple(slopes.shape)}"
+    if qpos is not None and (qpos.dtype != torch.int64 or qpos.dim() != 2 or qpos.shape[1] != L or qpos.shape[0] not in (1, N)):
+        return f"query positions must be int64 (N | 1, L) = ({N} | 1, {L}), not {qpos.dtype} {tuple(qpos.shape)}"
     if E < 1 or v.shape[3] < 1:
         return "E and Ev must be positive"
     if (k.stride(3) != 1 and E > 1) or (v.stride(3) != 1 and v.shape[3] > 1):
@@ -230,7 +239,7 @@ def _argument_problem(
         return f"valid must be bool (N | 1, S) = ({N} | 1, {S}), not {valid.dtype} {tuple(valid.shape)}"
     if sinks is not None and (sinks.dim() != 2 or sinks.shape[1] != H or sinks.shape[0] not in (1, N)):
         return f"sinks must be (N | 1, H) = ({N} | 1, {H}), not {tuple(sinks.shape)}"
-    tensors = (q, k, v, *(t for t in (lo, hi, valid, sinks, table) if t is not None))
+    tensors = (q, k, v, *(t for t in (lo, hi, valid, sinks, table, slopes, qpos) if t is not None))
     if any(t.device.type != "cpu" for t in tensors):
         return "every tensor must be on the CPU"
     return None
@@ -267,10 +276,11 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
 def _run(
     library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int, stop: int,
     splits: int, lo: torch.Tensor | None, hi: torch.Tensor | None, valid: torch.Tensor | None, sinks: torch.Tensor | None,
-    softcap: float = 0.0, table: torch.Tensor | None = None,
+    softcap: float = 0.0, table: torch.Tensor | None = None, slopes: torch.Tensor | None = None,
+    qpos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on checked arguments: out (N, H, L, Ev) and lse (N, H, L), float32."""
-    problem = _argument_problem(q, k, v, start, stop, splits, lo, hi, valid, sinks, softcap, table)
+    problem = _argument_problem(q, k, v, start, stop, splits, lo, hi, valid, sinks, softcap, table, slopes, qpos)
     if problem is None and table is not None:
         problem = _table_problem(table, k.shape[0], k.shape[1], start, stop, lo, hi)
     if problem is not None:
@@ -282,6 +292,8 @@ def _run(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     lo, hi, valid, table = (None if t is None else t.contiguous() for t in (lo, hi, valid, table))
     sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    slopes = None if slopes is None else slopes.detach().to(torch.float32).contiguous()
+    qpos = None if qpos is None else qpos.contiguous()
     out, lse = _empty_outputs(q, v)
     scratch = q.new_empty(N * G * splits * (H // G) * L * (Ev + 2), dtype=torch.float32)  # every split's m, l, acc
     status = _entry(library)(
@@ -294,6 +306,8 @@ def _run(
         scratch.data_ptr(), out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         float(softcap), None if table is None else table.data_ptr(), 0 if table is None else table.shape[1],
         k.shape[1] if table is not None else 1,
+        None if slopes is None else slopes.data_ptr(), None if qpos is None else qpos.data_ptr(),
+        0 if qpos is None else qpos.shape[0],
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"the {KERNEL_NAME} could not allocate its working buffers")
@@ -304,29 +318,31 @@ def _run(
 @torch.library.custom_op(
     "qkv::decode", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float scale, int start, int stop, int splits, Tensor? lo, Tensor? hi, "
-    "Tensor? valid, Tensor? sinks, str tier, float softcap=0.0, Tensor? table=None) -> (Tensor, Tensor)",
+    "Tensor? valid, Tensor? sinks, str tier, float softcap=0.0, Tensor? table=None, Tensor? slopes=None, "
+    "Tensor? qpos=None) -> (Tensor, Tensor)",
 )  # fmt: skip
 def _decode_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int, stop: int, splits: int,
     lo: torch.Tensor | None, hi: torch.Tensor | None, valid: torch.Tensor | None, sinks: torch.Tensor | None, tier: str,
-    softcap: float = 0.0, table: torch.Tensor | None = None,
+    softcap: float = 0.0, table: torch.Tensor | None = None, slopes: torch.Tensor | None = None,
+    qpos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (out (N, H, L, Ev), lse (N, H, L), float32) of q (N, H, L, E), k
     (N, G, S, E), v (N, G, S, Ev) over keys start..stop-1 in ``splits`` splits, with query l of
     row n seeing keys lo[n|0, l] <= t <= hi[n|0, l] where valid[n|0, t]; softcap > 0 caps the
-    scores; with a block ``table`` (N, blocks), k and v are pools (num_blocks, P, G, E | Ev); the
+    scores, ALiBi ``slopes`` (H,) with ``qpos`` (N | 1, L) add - slopes[h] * |qpos - t|; with a block ``table`` (N, blocks), k and v are pools (num_blocks, P, G, E | Ev); the
     build of ``tier`` ("" for the machine's). Builds the kernel on first use; raises
     RuntimeError when it cannot run here."""
     wanted = tier or None
     reason = compiled.tier_reason(TIERS, q.dtype, q.device, DTYPES, wanted)
     built = _tier(wanted)
     library = compiled.loaded_or_raise(reason or _module(built or ""), KERNEL_NAME)
-    return _run(library, q, k, v, scale, start, stop, splits, lo, hi, valid, sinks, softcap, table)
+    return _run(library, q, k, v, scale, start, stop, splits, lo, hi, valid, sinks, softcap, table, slopes, qpos)
 
 
 @_decode_op.register_fake
-def _(q, k, v, scale, start, stop, splits, lo, hi, valid, sinks, tier, softcap=0.0, table=None):  # type: ignore[no-untyped-def]
-    problem = _argument_problem(q, k, v, start, stop, splits, lo, hi, valid, sinks, softcap, table)
+def _(q, k, v, scale, start, stop, splits, lo, hi, valid, sinks, tier, softcap=0.0, table=None, slopes=None, qpos=None):  # type: ignore[no-untyped-def]
+    problem = _argument_problem(q, k, v, start, stop, splits, lo, hi, valid, sinks, softcap, table, slopes, qpos)
     if problem is not None:
         raise ValueError(f"qkv::decode: {problem}")
     return _empty_outputs(q, v)
@@ -336,7 +352,7 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int, stop: int, splits: int,
     lo: torch.Tensor | None = None, hi: torch.Tensor | None = None, valid: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None, tier: str | None = None, softcap: float | None = None,
-    table: torch.Tensor | None = None,
+    table: torch.Tensor | None = None, slopes: torch.Tensor | None = None, qpos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(out (N, H, L, Ev), lse (N, H, L)) float32 of q (N, H, L, E), k (N, G, S, E), v
     (N, G, S, Ev) (float32 or bfloat16, any strides with a contiguous last dim: a cache's
@@ -344,7 +360,9 @@ def forward(
     seeing t when lo[n|0, l] <= t <= hi[n|0, l] (int64 (N | 1, L); None: all) and valid[n|0, t]
     (bool (N | 1, S); None: all); sinks (N | 1, H) join each row's denominator (lse includes
     them); a row with no visible key gives zeros and lse -inf. ``softcap``: each score s becomes
-    softcap * tanh(s / softcap) before the mask (qkv's order of score terms). ``table``: a block
+    softcap * tanh(s / softcap); ALiBi ``slopes`` (H,) (float) with ``qpos`` (N | 1, L) int64,
+    each query's position among the keys, then add - slopes[h] * |qpos[n|0, l] - t|; then the
+    mask (qkv's order of score terms). ``table``: a block
     table (N, blocks) (int64, or int32 like FlashAttention's): k and v are then pools
     (num_blocks, P, G, E | Ev) and key t of row n lies at [table[n, t // P], t % P], as in
     `qkv.compat.flash_attn_with_kvcache`; S = blocks * P. The keys are read in the same blocks
@@ -365,10 +383,12 @@ def forward(
     cap = 0.0 if softcap is None else float(softcap)
     if table is not None and table.dtype == torch.int32:
         table = table.long()  # (N, blocks): FlashAttention's and vLLM's dtype
-    tensors = (q, k, v, *(t for t in (lo, hi, valid, sinks, table) if t is not None))
+    tensors = (q, k, v, *(t for t in (lo, hi, valid, sinks, table, slopes, qpos) if t is not None))
     if compiled.direct_call(*tensors):
-        return _run(library, q, k, v, float(scale), start, stop, splits, lo, hi, valid, sinks, cap, table)
-    return torch.ops.qkv.decode(q, k, v, float(scale), start, stop, splits, lo, hi, valid, sinks, tier or "", cap, table)
+        return _run(library, q, k, v, float(scale), start, stop, splits, lo, hi, valid, sinks, cap, table, slopes, qpos)
+    return torch.ops.qkv.decode(
+        q, k, v, float(scale), start, stop, splits, lo, hi, valid, sinks, tier or "", cap, table, slopes, qpos
+    )
 
 
 def tanh(x: torch.Tensor, tier: str | None = None) -> torch.Tensor | None:
