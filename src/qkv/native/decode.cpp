@@ -323,15 +323,27 @@ inline void store_sums(const vf* acc, float* scores, float scale) {
   for (; r < NR; ++r) scores[r * kBlock] = vsum(acc[r]) * scale;
 }
 
+// The rows of a block's keys (or values), row j at [j]: a cache's, `step` apart (the compiler
+// sees one stride, as before paging existed), or a paged pool's, one pointer per key.
+template <typename T>
+struct Strided {
+  const T* base;
+  int64_t step;
+  const T* operator[](int64_t j) const { return base + j * step; }
+};
+template <typename T>
+struct Listed {
+  const T* const* rows;
+  const T* operator[](int64_t j) const { return rows[j]; }
+};
+
 // scores[r * kBlock + j] = q_r . k_j for the NR rows q (rows `q_stride` apart, E floats
-// padded with zeros to a multiple of W) and the keys k[0]..k[n-1] (one pointer per key: a
-// cache's rows or a paged pool's, wherever its blocks lie). With `ahead` > 0, the keys and
+// padded with zeros to a multiple of W) and the keys k[0]..k[n-1] (`Strided` or `Listed`). With `ahead` > 0, the keys and
 // values k[n..n+ahead), v[n..n+ahead) are prefetched, key by key (without it the value pass,
 // which walks the block's rows column by column, waits on memory: one thread, bf16, R = 4,
 // E = 128, 256k keys, loaded machine: 175 ns a key without, 91 with).
-template <int NR, typename T>
-void score_rows(const float* q, int64_t q_stride, const T* const* k, int n, int E, float* scores,
-                const T* const* v, int Ev, int ahead) {
+template <int NR, typename T, typename A>
+void score_rows(const float* q, int64_t q_stride, A k, int n, int E, float* scores, A v, int Ev, int ahead) {
   const int body = E / W * W;
   for (int j = 0; j < n; ++j) {
     const T* key = k[j];
@@ -368,8 +380,8 @@ void score_rows(const float* q, int64_t q_stride, const T* const* k, int n, int 
 
 // acc[r] += sum_j p[r * kBlock + j] v[j] for NR rows (acc rows `acc_stride` apart, Ev floats).
 // Columns below paired<T>(Ev) are in the paired order (`vload_pairs`).
-template <int NR, typename T>
-void accumulate_rows(const float* p, const T* const* v, int n, int Ev, float* acc, int64_t acc_stride) {
+template <int NR, typename T, typename A>
+void accumulate_rows(const float* p, A v, int n, int Ev, float* acc, int64_t acc_stride) {
   const int body = Ev / W * W, two = paired<T>(Ev);
   if constexpr (std::is_same_v<T, uint16_t>) {
     // 2 NR sums + 3 operands: AVX2's 16 registers take four rows at a time
@@ -428,9 +440,9 @@ void accumulate_rows(const float* p, const T* const* v, int n, int Ev, float* ac
 // zero-padded to a multiple of 32, and the scale multiplies the float32 sum. The products of
 // two bf16 values are exact in float32, as in the widened path.
 constexpr int kPair = 32;  // bf16 values per 512-bit vector
-template <int NR>
-void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* const* k, int n, int E, float scale,
-                     float* scores, const uint16_t* const* v, int Ev, int ahead) {
+template <int NR, typename A>
+void score_rows_bf16(const uint16_t* q, int64_t q_stride, A k, int n, int E, float scale, float* scores, A v, int Ev,
+                     int ahead) {
   const int body = E / kPair * kPair;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (E - body)) - 1);
   for (int j = 0; j < n; ++j) {
@@ -453,17 +465,18 @@ void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* const*
   }
 }
 
-void score_group_bf16(int rows, const uint16_t* q, int64_t qs, const uint16_t* const* k, int n, int E, float scale,
-                      float* s, const uint16_t* const* v, int Ev, int ahead) {
+template <typename A>
+void score_group_bf16(int rows, const uint16_t* q, int64_t qs, A k, int n, int E, float scale, float* s, A v, int Ev,
+                      int ahead) {
   switch (rows) {
-    case 1: return score_rows_bf16<1>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 2: return score_rows_bf16<2>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 3: return score_rows_bf16<3>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 4: return score_rows_bf16<4>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 5: return score_rows_bf16<5>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 6: return score_rows_bf16<6>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    case 7: return score_rows_bf16<7>(q, qs, k, n, E, scale, s, v, Ev, ahead);
-    default: return score_rows_bf16<8>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 1: return score_rows_bf16<1, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 2: return score_rows_bf16<2, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 3: return score_rows_bf16<3, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 4: return score_rows_bf16<4, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 5: return score_rows_bf16<5, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 6: return score_rows_bf16<6, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 7: return score_rows_bf16<7, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    default: return score_rows_bf16<8, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
   }
 }
 constexpr bool kDotBf16 = true;
@@ -472,32 +485,31 @@ constexpr bool kDotBf16 = false;
 #endif
 
 // The register-blocked kernels for a row group of `rows` <= kRows rows.
-template <typename T>
-void score_group(int rows, const float* q, int64_t qs, const T* const* k, int n, int E, float* s, const T* const* v,
-                 int Ev, int ahead) {
+template <typename T, typename A>
+void score_group(int rows, const float* q, int64_t qs, A k, int n, int E, float* s, A v, int Ev, int ahead) {
   switch (rows) {
-    case 1: return score_rows<1>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 2: return score_rows<2>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 3: return score_rows<3>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 4: return score_rows<4>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 5: return score_rows<5>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 6: return score_rows<6>(q, qs, k, n, E, s, v, Ev, ahead);
-    case 7: return score_rows<7>(q, qs, k, n, E, s, v, Ev, ahead);
-    default: return score_rows<8>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 1: return score_rows<1, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 2: return score_rows<2, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 3: return score_rows<3, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 4: return score_rows<4, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 5: return score_rows<5, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 6: return score_rows<6, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 7: return score_rows<7, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    default: return score_rows<8, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
   }
 }
 
-template <typename T>
-void accumulate_group(int rows, const float* p, const T* const* v, int n, int Ev, float* acc, int64_t as) {
+template <typename T, typename A>
+void accumulate_group(int rows, const float* p, A v, int n, int Ev, float* acc, int64_t as) {
   switch (rows) {
-    case 1: return accumulate_rows<1>(p, v, n, Ev, acc, as);
-    case 2: return accumulate_rows<2>(p, v, n, Ev, acc, as);
-    case 3: return accumulate_rows<3>(p, v, n, Ev, acc, as);
-    case 4: return accumulate_rows<4>(p, v, n, Ev, acc, as);
-    case 5: return accumulate_rows<5>(p, v, n, Ev, acc, as);
-    case 6: return accumulate_rows<6>(p, v, n, Ev, acc, as);
-    case 7: return accumulate_rows<7>(p, v, n, Ev, acc, as);
-    default: return accumulate_rows<8>(p, v, n, Ev, acc, as);
+    case 1: return accumulate_rows<1, T, A>(p, v, n, Ev, acc, as);
+    case 2: return accumulate_rows<2, T, A>(p, v, n, Ev, acc, as);
+    case 3: return accumulate_rows<3, T, A>(p, v, n, Ev, acc, as);
+    case 4: return accumulate_rows<4, T, A>(p, v, n, Ev, acc, as);
+    case 5: return accumulate_rows<5, T, A>(p, v, n, Ev, acc, as);
+    case 6: return accumulate_rows<6, T, A>(p, v, n, Ev, acc, as);
+    case 7: return accumulate_rows<7, T, A>(p, v, n, Ev, acc, as);
+    default: return accumulate_rows<8, T, A>(p, v, n, Ev, acc, as);
   }
 }
 
@@ -509,12 +521,9 @@ struct Rows {
   int64_t step, block, page;
   const int64_t* table;  // this batch row's blocks, or null
 
-  // ptr[i] = the row of key first + i, for i < count (one division per call, not per key)
+  // ptr[i] = the row of key first + i, for i < count, through the table (one division per
+  // call, not per key); a cache's rows are `Strided` instead
   void fill(int64_t first, int count, const T** ptr) const {
-    if (table == nullptr) {
-      for (int i = 0; i < count; ++i) ptr[i] = base + (first + i) * step;
-      return;
-    }
     int64_t b = first / page, at = first % page;
     for (int i = 0; i < count; ++i) {
       ptr[i] = base + table[b] * block + at * step;
@@ -597,7 +606,8 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
     keys = {static_cast<const T*>(P.k) + g * P.ks[2], P.ks[1], P.ks[0], P.page, table};
     values = {static_cast<const T*>(P.v) + g * P.vs[2], P.vs[1], P.vs[0], P.page, table};
   }
-  // the rows of this block's keys and values, then of the next block's first `ahead` (prefetched)
+  // paged: the rows of this block's keys and values, then of the next block's first `ahead` (prefetched)
+  const bool paged = P.table != nullptr;
   const T* krow[2 * kBlock];
   const T* vrow[2 * kBlock];
   const int64_t lowest = *std::min_element(first.begin(), first.end());
@@ -606,19 +616,26 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
     const int cnt = static_cast<int>(std::min<int64_t>(kBlock, highest - j0));
     // the first row group prefetches the next block, key by key, as it reads this one
     const int ahead = static_cast<int>(std::clamp<int64_t>(highest - j0 - kBlock, 0, std::min<int64_t>(kBlock, cnt)));
-    keys.fill(j0, cnt + ahead, krow);
-    values.fill(j0, cnt + ahead, vrow);
-    for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
+    auto score = [&](auto kk, auto vv) {
+      for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
 #if defined(__AVX512BF16__)
-      if constexpr (dot) {
-        score_group_bf16(rows, qraw.data() + r0 * Ep2, Ep2, krow, cnt, static_cast<int>(E), P.scale,
-                         scores.data() + r0 * kBlock, vrow, static_cast<int>(Ev), r0 == 0 ? ahead : 0);
-        continue;
-      }
+        if constexpr (dot) {
+          score_group_bf16(rows, qraw.data() + r0 * Ep2, Ep2, kk, cnt, static_cast<int>(E), P.scale,
+                           scores.data() + r0 * kBlock, vv, static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+          continue;
+        }
 #endif
-      score_group<T>(rows, qrows.data() + r0 * Ep, Ep, krow, cnt, static_cast<int>(E), scores.data() + r0 * kBlock, vrow,
-                     static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+        score_group<T>(rows, qrows.data() + r0 * Ep, Ep, kk, cnt, static_cast<int>(E), scores.data() + r0 * kBlock, vv,
+                       static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+      }
+    };
+    if (paged) {
+      keys.fill(j0, cnt + ahead, krow);
+      values.fill(j0, cnt + ahead, vrow);
+      score(Listed<T>{krow}, Listed<T>{vrow});
+    } else {
+      score(Strided<T>{keys.base + j0 * keys.step, keys.step}, Strided<T>{values.base + j0 * values.step, values.step});
     }
     for (int64_t r = 0; r < RL; ++r) {
       float* s = scores.data() + r * kBlock;
@@ -649,9 +666,16 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
       }
       l[r] += total;
     }
-    for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
-      accumulate_group<T>(rows, scores.data() + r0 * kBlock, vrow, cnt, static_cast<int>(Ev), acc + r0 * Ev, Ev);
+    auto accumulate = [&](auto vv) {
+      for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
+        accumulate_group<T>(rows, scores.data() + r0 * kBlock, vv, cnt, static_cast<int>(Ev), acc + r0 * Ev, Ev);
+      }
+    };
+    if (paged) {
+      accumulate(Listed<T>{vrow});
+    } else {
+      accumulate(Strided<T>{values.base + j0 * values.step, values.step});
     }
   }
 }
