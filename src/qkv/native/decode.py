@@ -28,6 +28,11 @@ Measured (benchmarks/decode.py --portable, B=1 Hq=32 G=8 E=128, S = 32k, 2 threa
 and 3.1x SDPA where the PyTorch ops reached 43 % and 2.1x; float32 95 % / 3.5x against 73 % /
 2.4x; the AVX2 build (QKV_CPU_TIER=avx2) bf16 73 % / 3.3x against the ops' 10 % / 0.37x (they
 widen waves of keys to float32 there). At S = 8k bf16 gave 44 % / 1.4x (ops 37 % / 0.7x).
+With softcap 30 (same shape, load 2-3): float32 3.1x and bf16 2.7x the uncapped SDPA step, the
+ops 0.7x / 1.4x (before the kernel took softcaps, the step went to the math path: 1.5 s against
+SDPA's 68 ms). Paged (`qkv.PagedKVCache`, 16-key blocks): a fragmented pool (a run per block)
+1.6x / 1.2x SDPA on the contiguous keys, the ops 0.56x / 0.51x; the pool's layout (num_blocks,
+P, G, E), a head's rows G*E apart, reads at about half the contiguous cache's rate, shuffled or not.
 
 `unavailable_reason` says why it cannot run without building; `forward` builds on first use
 (seconds, one note on the ``qkv`` logger) and returns None when the build or its self-check
