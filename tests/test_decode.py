@@ -196,7 +196,8 @@ def test_auto_routes_decode_steps_only() -> None:
     assert qkv.explain(q, k[:, :, :1023], v[:, :, :1023]).path != "decode"
     long_q = torch.randn(1, 8, 17, 16)
     assert qkv.explain(long_q, k, v, CAUSAL).path != "decode"
-    assert qkv.explain(q, k, v, CAUSAL, softcap=30.0).path != "decode"
+    assert qkv.explain(q, k, v, CAUSAL, softcap=30.0).path == "decode"  # the kernel applies a softcap
+    assert qkv.explain(q, k, v, CAUSAL, score_mod=lambda s, b, h, i, j: s).path != "decode"
     assert qkv.explain(q, k, v, CAUSAL, return_weights=True).path != "decode"
 
 
@@ -209,7 +210,7 @@ def test_default_splits_give_every_thread_work() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"softcap": 5.0}, "bias only"),
+        ({"score_mod": lambda s, b, h, i, j: s}, "softcap and a bias only"),
         ({"return_weights": True}, "no weights"),
         ({"mask": torch.ones(1, 1, 1, 64, dtype=torch.bool)}, "got bool"),
         ({"mask": qkv.masks.prefix_lm(3)}, "causal"),

@@ -264,8 +264,10 @@ def test_gradients_and_biases_keep_the_pytorch_ops(ran: list[str]) -> None:
     out = qkv.attention(q, k, v)
     out.sum().backward()
     assert k.grad is not None and not ran
-    plan = _plan(q, k.detach(), v, None, bias=qkv.bias.alibi())
+    plan = _plan(q, k.detach(), v, None, bias=qkv.bias.dense(torch.zeros(1, 4, 1, 2048)))
     assert plan.forward_kernel == "decode" and "score terms" in (plan.forward_absent or "")
+    plan = _plan(q, k.detach(), v, None, bias=qkv.bias.alibi(torch.ones(4, requires_grad=True)))
+    assert plan.forward_kernel == "decode" and "gradient" in (plan.forward_absent or "")
 
 
 def test_no_compiled_kernels_keeps_the_pytorch_ops(monkeypatch: pytest.MonkeyPatch, ran: list[str]) -> None:

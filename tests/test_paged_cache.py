@@ -151,9 +151,12 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
     sequence's runs of consecutive blocks: nothing gathered (keys_values is never called and no
     operator allocates as many bytes as one sequence's keys), equal to a contiguous KVCache (bit for
     bit for a sequence in one run, which the contiguous decode path computes the same way) and
-    to the float64 reference, with GQA, sinks and a sliding window."""
+    to the float64 reference, with GQA, sinks and a sliding window. The PyTorch ops' paths: the
+    compiled kernel (which reads the blocks through the table) is kept out here and tested in
+    tests/test_native_paged_decode.py."""
     from qkv.backends import decode
 
+    monkeypatch.setattr(decode, "native_reason", lambda *args: "kept out of this test")
     monkeypatch.setattr(decode, "RUNS_APART", runs_apart)
     seen = []
     real = decode._block_states

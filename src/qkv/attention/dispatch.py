@@ -365,7 +365,7 @@ def decode_widens_itself(
     """Whether a call in an emulated low-precision dtype will take the decode path, which widens
     its keys and values to float32 one wave of chunks at a time: then `qkv.attention` does not
     copy the whole cache to float32 first. The shape-level conditions of `decode_plan` (``scored``:
-    a softcap or score_mod is given); the checks that need the validated problem stay there."""
+    a score_mod is given); the checks that need the validated problem stay there."""
     if backend not in ("auto", "decode") or q.device.type != "cpu" or q.dim() < 2 or k.dim() < 2:
         return False
     if switches.is_off("decode"):

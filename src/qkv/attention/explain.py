@@ -112,7 +112,7 @@ _SCORE_ROUTES = {
     "formula": "the score terms are applied by the formula",
     "tiles": "the score terms are applied tile by tile",
     "score_mod": "the score terms are FlexAttention's score_mod",
-    "chunks": "the bias is added to each key chunk",
+    "chunks": "the score terms (softcap, then bias) are applied to each key chunk",
 }
 _SOURCES = {"kernel": "the kernel", "dense": "the dense formula", "tiles": "the tiles"}
 

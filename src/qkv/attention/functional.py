@@ -254,7 +254,7 @@ def attention(
                 sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
-    scored = softcap is not None or score_mod is not None
+    scored = score_mod is not None  # the decode path applies a softcap, no score_mod
     if wide is not None and isinstance(k, torch.Tensor) and decode_widens_itself(
         q, k, mask, backend, scored=scored, dropout=dropout, return_weights=return_weights
     ):

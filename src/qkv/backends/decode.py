@@ -20,8 +20,8 @@ causal; the middle of a window) go to PyTorch's fused (flash) CPU attention kern
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns each chunk's output and
 lse: the chunk axis is its batch axis (strided views, no copy), q is (N, G, R*L, E), so it runs
 one task per (chunk, KV head) that reads the chunk once for the whole group, with float32
-scores and sums for bf16 inputs. It takes no gradient through its lse, no bias and needs
-E == Ev, so gradients, biases, key padding and the masked edges take the chunked PyTorch ops
+scores and sums for bf16 inputs. It takes no gradient through its lse, no score term and needs
+E == Ev, so gradients, softcaps, biases, key padding and the masked edges take the chunked PyTorch ops
 below; all chunks merge as in 4. One fused chunk and no sink skip the merge. (benchmarks/decode.py,
 S = 32k, B=1 Hq=32 G=8 E=128, 2 AMX threads, loaded: fused float32 ~75% of the read bandwidth and
 ~2.5x SDPA, where the chunked ops reached ~20%: their reductions over (C, R*L) score tiles cost
@@ -33,10 +33,11 @@ interval are never read, so a window reads only its own keys. A row with no visi
 zeros and lse -inf, with a sink too (as the math path). The chunk count depends on S and
 the thread count only, never on timing: two calls at one thread count are bitwise equal.
 
-The compiled kernel. Without a gradient or a bias, with one dtype (float32 or bfloat16) and unit
-strides along the head dims, a call runs ``qkv.native.decode`` instead (the Plan names it
-``native_decode``; `native_reason` says why not): the same splits and merge in one C++ call per
-step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers. Its build is tried
+The compiled kernel. Without a gradient or a bias other than ALiBi (a softcap it applies too), with
+one dtype (float32 or bfloat16) and unit strides along the head dims, a call runs ``qkv.native.decode`` instead (the
+Plan names it ``native_decode``; `native_reason` says why not): the same splits and merge in one
+C++ call per step, built for this CPU's tier (AVX2 or AVX-512), bf16 widened in registers; a paged
+pool (`decode_blocks`) is read through its block table in that same call. Its build is tried
 once per process; when it fails, these PyTorch ops run (one note on the ``qkv`` logger).
 
 Low-precision inputs whose products this CPU emulates are widened to the compute dtype
@@ -47,6 +48,7 @@ Gradients flow through the PyTorch ops (autograd keeps the scores and exponentia
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -54,6 +56,7 @@ import torch
 
 from qkv._private.torch import cpu_flash_attention
 from qkv.backends.softmax import accumulation_dtype
+from qkv.bias import ALiBi
 from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
 from qkv.native import decode as native
 from qkv.native.machine import compute_dtype
@@ -121,15 +124,15 @@ def decode_attention(
     """softmax(q k^T * scale + bias, masked) v with the keys split into chunks, merged by lse.
 
     q (N, H, L, E), k (N, G, S, E), v (N, G, S, Ev); ``mask``: None, `qkv.masks.causal`,
-    `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a bias only (no softcap or
-    score_mod); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
+    `sliding_window` or `key_padding` (`supports_mask`); ``terms``: a softcap and a bias (no
+    score_mod), in qkv's order (softcap first); ``sinks`` (N | 1, H) float32 or wider; ``splits``: the chunk count
     (`default_splits` when None; the compiled kernel's splits per KV head, `fused_splits`).
     ``kernel``: "native_decode" runs the compiled kernel (the caller checked `native_reason`),
     these PyTorch ops when its build failed; "decode" runs the PyTorch ops. Returns (output
     (N, H, L, Ev) in q's dtype, lse (N, H, L) in the accumulation dtype).
     """
     if kernel == "native_decode":
-        result = _native_attention(q, k, v, scale, mask, sinks, splits)
+        result = _native_attention(q, k, v, scale, mask, terms, sinks, splits, k.shape[2])
         if result is not None:
             return result
         # its build or self-check failed just now (noted once): the PyTorch ops below
@@ -140,11 +143,12 @@ def native_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms | None, grad: bool
 ) -> str | None:
     """Why the compiled kernel (`qkv.native.decode`) cannot take this decode step, or None:
-    it runs forward only, applies no bias, reads one dtype with a contiguous head dim. Never builds."""
+    it runs forward only, applies a softcap and ALiBi (per-head slopes) but no other bias, reads
+    one dtype with a contiguous head dim. Never builds."""
     if grad:
         return "a gradient is needed (it runs forward only)"
-    if terms is not None and terms.active:
-        return f"it applies no score terms, got {terms.describe()}"
+    if terms is not None and (terms.score_mod is not None or (terms.bias is not None and _slopes(terms) is None)):
+        return f"it applies a softcap and ALiBi but no other score terms, got {terms.describe()}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k and v differ in dtype ({q.dtype}, {k.dtype}, {v.dtype})"
     if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
@@ -153,22 +157,44 @@ def native_reason(
 
 
 def _native_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None, sinks: torch.Tensor | None,
-    splits: int | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None, terms: ScoreTerms | None,
+    sinks: torch.Tensor | None, splits: int | None, S: int, table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The compiled kernel: (output (N, H, L, Ev) in q's dtype, lse (N, H, L) float32), or None
-    when its build failed. Splits per KV head: `fused_splits` (one task per (row, KV head,
-    split), like the fused path's)."""
+    when its build failed. k, v: a cache (N, G, S, E | Ev), or pools (num_blocks, P, G, E | Ev)
+    read through ``table`` (N, blocks) of which the first S positions count. Splits per KV head:
+    `fused_splits` (one task per (row, KV head, split), like the fused path's), the same for a
+    pool as for a cache, so the two give equal bits."""
     N, _, L, _ = q.shape
-    G, S = k.shape[1], k.shape[2]
+    G = k.shape[1] if table is None else k.shape[2]
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
+    if table is not None and valid is not None:  # the kernel's key axis is the table's reach
+        valid = torch.nn.functional.pad(valid, (0, table.shape[1] * k.shape[1] - S))  # (N | 1, blocks * P)
     count = fused_splits(stop - start, N * G) if splits is None else splits
     count = max(1, min(count, stop - start))
-    result = native.forward(q, k, v, scale, start, stop, count, lo, hi, valid, sinks)
+    softcap = None if terms is None else terms.softcap
+    slopes = qpos = None
+    if terms is not None and terms.bias is not None:
+        slopes = _slopes(terms)
+        assert slopes is not None  # native_reason checked it
+        rows = N if terms.positions is not None and terms.positions.shape[0] > 1 else 1
+        b = torch.arange(rows, device=q.device)[:, None]  # (N | 1, 1)
+        qpos = terms.q_pos(b, torch.arange(L, device=q.device)[None]).to(torch.int64)  # (N | 1, L)
+    result = native.forward(
+        q, k, v, scale, start, stop, count, lo, hi, valid, sinks, softcap=softcap, table=table, slopes=slopes, qpos=qpos
+    )
     if result is None:
         return None
     out, lse = result  # (N, H, L, Ev), (N, H, L) float32
     return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
+
+
+def _slopes(terms: ScoreTerms) -> torch.Tensor | None:
+    """The head slopes (H,) when the bias is ALiBi alone (bound: slopes set), else None."""
+    bias = terms.bias
+    if isinstance(bias, ALiBi) and bias.slopes is not None and bias.slopes.dim() == 1:
+        return bias.slopes
+    return None
 
 
 def decode_runs(
@@ -277,32 +303,46 @@ def decode_blocks(
     mask: Mask | None = None,
     terms: ScoreTerms | None = None,
     sinks: torch.Tensor | None = None,
+    spans: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` for one sequence in a pool of blocks, nothing gathered: q (1, H, L, E),
     k_pool (num_blocks, P, G, E), v_pool (num_blocks, P, G, Ev) (FlashAttention's paged layout),
     ``blocks`` the physical blocks of positions 0 .. S - 1 in order.
 
-    Runs of consecutive physical blocks are strided views (`block_runs`). When there are more
+    Where the compiled kernel runs (`native_reason`), it reads the blocks through the block
+    table, one call whatever the pool's fragmentation, with the bits of a contiguous cache.
+    Otherwise runs of consecutive physical blocks are strided views (`block_runs`). When there are more
     than `RUNS_APART` of them (a fragmented pool), the blocks whose keys every query sees go to
     the fused kernel in a few calls instead of one per run: each call takes a span of the pool
     whose blocks are at most `SPAN_GAP` apart as one strided sequence, the blocks of other
     sequences in it hidden by a (1, 1, 1, n*P) mask; the rest (edges, a part-filled last block)
-    run as runs."""
+    run as runs. ``spans=False``: never, for pools whose other blocks may hold anything (a
+    NaN there would reach the output through its zero weight)."""
     P = k_pool.shape[1]
-    runs = block_runs(k_pool, v_pool, blocks, S)
     N, H, L, E = q.shape
     G = k_pool.shape[2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool, *(terms.tensors() if terms else ())))
+    used = list(blocks[: -(-S // P)])
+    one_run = all(b == a + 1 for a, b in itertools.pairwise(used))
+    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
+    if not one_run and N == 1 and native_reason(q, *like, terms, grad) is None:
+        # the compiled kernel reads the blocks through the table where they lie, in the blocks
+        # of keys it reads a cache in: the bits of the same keys in a contiguous cache (and no
+        # view per run: at 2,048 runs their views alone cost twice the kernel's step)
+        table = torch.tensor([used], dtype=torch.int64, device=q.device)  # (1, blocks)
+        result = _native_attention(q, k_pool, v_pool, scale, mask, terms, sinks, None, S, table)
+        if result is not None:
+            return result
+    runs = block_runs(k_pool, v_pool, blocks, S)
     if len(runs) == 1:
         # one run is a contiguous cache (a strided view of the pool): the step of `qkv.attention`
         # on it, the compiled kernel where it runs, so the two give equal bits
         _, k, v = runs[0]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
         kernel = "native_decode" if native_reason(q, k, v, terms, grad) is None else "decode"
         return decode_attention(q, k, v, scale, mask, terms, sinks, kernel=kernel)
-    if len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
+    if not spans or len(runs) <= RUNS_APART or N != 1 or compute_dtype(q.dtype, q.device) != q.dtype:
         return decode_runs(q, runs, S, scale, mask, terms, sinks)
     start, stop, lo, hi, valid = _key_range(mask, N, L, S, q.device)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool))
     fused = _fused_range(q, runs, start, stop, lo, hi, valid, terms, grad)
     first, last = (0, 0) if fused is None else (math.ceil(fused[0] / P), fused[1] // P)  # whole blocks inside
     if last <= first:
@@ -310,7 +350,6 @@ def decode_blocks(
     extra = _block_states(q.reshape(1, G, H // G * L, E), k_pool, v_pool, blocks[first:last], scale)
     rest = block_runs(k_pool, v_pool, blocks[:first], first * P)
     rest += [(last * P + a, k, v) for a, k, v in block_runs(k_pool, v_pool, blocks[last:], S - last * P)]
-    like = (k_pool[0].transpose(0, 1)[None], v_pool[0].transpose(0, 1)[None])  # (1, G, P, E), (1, G, P, Ev)
     return _decode(q, rest, S, scale, mask, terms, sinks, None, like, extra)
 
 
@@ -402,8 +441,8 @@ def _fused_range(
 ) -> tuple[int, int] | None:
     """The keys a <= t < b that every query sees, when PyTorch's fused CPU attention kernel can
     take them (else None): CPU, no gradient (its lse output has none, and the merge needs one),
-    no bias, no key padding, equal key and value widths, unit stride along the head dim."""
-    if q.device.type != "cpu" or grad or valid is not None or (terms is not None and terms.bias is not None):
+    no score terms, no key padding, equal key and value widths, unit stride along the head dim."""
+    if q.device.type != "cpu" or grad or valid is not None or (terms is not None and terms.active):
         return None
     if stop <= start or any(k.shape[-1] != v.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1 for _, k, v in runs):
         return None
@@ -509,6 +548,9 @@ def _chunk_states(
     # BLAS runs near the read rate, where (R*L, E) x (E, C) is a slow matrix-vector shape
     scores = torch.matmul(kc, qg.unsqueeze(2).transpose(-1, -2)).to(acc)  # (N, G, c, C, R*L)
     positions = torch.arange(a, b, device=qg.device)  # (c*C,)
+    if terms is not None and terms.softcap is not None:  # qkv's order: the softcap, then the bias
+        cap = terms.softcap
+        scores = torch.tanh(scores / cap) * cap if grad else scores.div_(cap).tanh_().mul_(cap)
     if terms is not None and terms.bias is not None:
         scores = scores + _bias_chunks(terms, positions, N, G, R, L, count, C).to(acc)
     hidden = None

@@ -66,7 +66,7 @@ FORWARD_KERNELS: dict[str, str] = {
     "math": "the explicit formula in PyTorch ops",
     "flex": "FlexAttention with qkv's BlockMask",
     "decode": "the split-key decode kernel in PyTorch ops",
-    "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, built for this CPU's tier)",
+    "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, softcap, ALiBi, paged pools, built for this CPU's tier)",
     "interval_bf16": f"the {interval_bf16.KERNEL_NAME} (C++, AMX micro-kernels)",
     "cpu_flash_tiles": "PyTorch's CPU flash kernel per tile",
     # the block engine with score terms: a bias alone on PyTorch's CPU flash kernel with a bias
@@ -208,8 +208,8 @@ def decode_reason(problem: AttentionProblem) -> str | None:
         return f"it takes at most {decode_module.MAX_QUERIES} queries, got L={problem.L}"
     if not decode_module.supports_mask(problem.mask):
         return f"it applies no mask, causal(), sliding_window() or key_padding() only, got {problem.mask_kind}"
-    if terms.softcap is not None or terms.score_mod is not None:
-        return f"it applies a bias only, got {terms.describe()}"
+    if terms.score_mod is not None:
+        return f"it applies a softcap and a bias only, got {terms.describe()}"
     if problem.dropout > 0.0:
         return f"it has no dropout (got dropout={problem.dropout})"
     return None

@@ -13,6 +13,9 @@ achieves with every intra-op thread.
 one sequence alone (its blocks one run) and one of two sequences appended in turn (a run per
 block, the fragmented pool of a server), against the contiguous `qkv.KVCache` and SDPA.
 
+``softcap``: qkv's step caps its scores (Gemma 2, gpt-oss style); SDPA has no softcap, so its
+column stays the uncapped step, the time a capped step would have to match.
+
 `generation` times greedy generation with a random Llama-shaped transformers model
 (``attn_implementation`` qkv vs sdpa): time to first token (the prompt's forward) and
 tokens per second of the decode steps after it.
@@ -74,7 +77,9 @@ def read_bandwidth_probe(nbytes: int = PROBE_BYTES) -> tuple[torch.Tensor, int]:
     return buffer, buffer.numel() * 4
 
 
-def decode_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, probe_bytes: int = PROBE_BYTES) -> list[DecodeRow]:
+def decode_steps(
+    lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, probe_bytes: int = PROBE_BYTES, softcap: float | None = None
+) -> list[DecodeRow]:
     """The decode step at each cache length and dtype, qkv vs SDPA, with the read bandwidth."""
     from qkv.attention.functional import explain
     from qkv.nn.cache import KVCache
@@ -93,23 +98,24 @@ def decode_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, p
             keys, values = cache.update(k, v)  # (1, G, S, E) views of the filled prefix
             del k, v
             with torch.inference_mode():
-                times = fastest(_step_calls(q, keys, values, cache.bounds, probe), reps, warmup=1)
-            path = explain(q, keys, values, causal).path
+                times = fastest(_step_calls(q, keys, values, cache.bounds, probe, softcap), reps, warmup=1)
+            path = explain(q, keys, values, causal, softcap=softcap).path
             kv_bytes = (keys.numel() + values.numel()) * keys.element_size()
             rows.append(DecodeRow(S, dtype_name, times["qkv"], times["sdpa"], kv_bytes, probe_size / times["probe"], path))
     return rows
 
 
 def _step_calls(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: KVBounds, probe: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: KVBounds, probe: torch.Tensor,
+    softcap: float | None = None,
 ) -> dict[str, Callable[[], object]]:
-    """The timed calls of one size: the bandwidth probe, qkv's step and SDPA's."""
+    """The timed calls of one size: the bandwidth probe, qkv's step (with ``softcap``) and SDPA's (none)."""
     from qkv.attention.functional import attention
 
     causal = masks.causal()
     return {
         "probe": lambda: probe.sum(),
-        "qkv": lambda: attention(q, keys, values, causal, kv_bounds=bounds),
+        "qkv": lambda: attention(q, keys, values, causal, kv_bounds=bounds, softcap=softcap),
         "sdpa": lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
     }
 
@@ -131,13 +137,15 @@ class PagedRow:
     sdpa_seconds: float
 
 
-def paged_steps(lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int) -> list[PagedRow]:
+def paged_steps(
+    lengths: tuple[int, ...], dtypes: tuple[str, ...], reps: int, softcap: float | None = None
+) -> list[PagedRow]:
     """`PagedKVCache.attend` for one decode step at each length and dtype, beside the contiguous
-    cache's `qkv.attention` and SDPA on the same keys."""
-    return [_paged_row(S, dtype_name, reps) for dtype_name in dtypes for S in lengths]
+    cache's `qkv.attention` and SDPA on the same keys (qkv's steps with ``softcap``, SDPA's without)."""
+    return [_paged_row(S, dtype_name, reps, softcap) for dtype_name in dtypes for S in lengths]
 
 
-def _paged_row(S: int, dtype_name: str, reps: int) -> PagedRow:
+def _paged_row(S: int, dtype_name: str, reps: int, softcap: float | None) -> PagedRow:
     from qkv.attention.functional import attention
     from qkv.nn.cache import KVCache
     from qkv.nn.paged_cache import PagedKVCache
@@ -159,9 +167,9 @@ def _paged_row(S: int, dtype_name: str, reps: int) -> PagedRow:
         part_k, part_v = k[:, first : first + PAGE], v[:, first : first + PAGE]  # (G, PAGE, E)
         pool.append(ids, [part_k, part_k], [part_v, part_v])
     calls = {
-        "contiguous": lambda: attention(q[None], keys, values, causal, kv_bounds=cache.bounds),
-        "paged": lambda: alone.attend([one], [q], causal),
-        "fragmented": lambda: pool.attend(ids[:1], [q], causal),
+        "contiguous": lambda: attention(q[None], keys, values, causal, kv_bounds=cache.bounds, softcap=softcap),
+        "paged": lambda: alone.attend([one], [q], causal, softcap=softcap),
+        "fragmented": lambda: pool.attend(ids[:1], [q], causal, softcap=softcap),
         "sdpa": lambda: F.scaled_dot_product_attention(q[None], keys, values, enable_gqa=True),
     }
     with torch.inference_mode():

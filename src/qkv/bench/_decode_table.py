@@ -11,11 +11,15 @@ from qkv.native.machine import machine_line
 __all__ = ["print_decode", "print_generation", "print_paged"]
 
 
-def print_decode(rows: list[DecodeRow], console: Console) -> None:
+def _capped(softcap: float | None) -> str:
+    return "" if softcap is None else f", qkv with softcap {softcap:g} (SDPA: none)"
+
+
+def print_decode(rows: list[DecodeRow], console: Console, softcap: float | None = None) -> None:
     """One line per cache length and dtype: times, the qkv / SDPA ratio, K + V GB/s and the fraction of bandwidth."""
     bandwidth = max(row.bandwidth for row in rows)
     table = Table(
-        title=f"decode step, B=1 Hq=32 G=8 E=128, causal; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        title=f"decode step, B=1 Hq=32 G=8 E=128, causal{_capped(softcap)}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
         "(torch.sum over 512 MiB, same run)\n" + machine_line()
     )
     for column in ("S", "dtype", "qkv path", "qkv ms", "SDPA ms", "qkv vs SDPA", "qkv K+V GB/s", "of bandwidth", "SDPA GB/s"):
@@ -29,21 +33,22 @@ def print_decode(rows: list[DecodeRow], console: Console) -> None:
     console.print(table)
 
 
-def print_paged(rows: list[PagedRow], console: Console) -> None:
+def print_paged(rows: list[PagedRow], console: Console, softcap: float | None = None) -> None:
     """One line per cache length and dtype: the paged step (one run, fragmented) against the
     contiguous cache's and SDPA's, as ratios of times."""
     table = Table(
-        title=f"decode step over a PagedKVCache ({PAGE}-position blocks), B=1 Hq=32 G=8 E=128, causal\n" + machine_line()
+        title=f"decode step over a PagedKVCache ({PAGE}-position blocks), B=1 Hq=32 G=8 E=128, causal{_capped(softcap)}\n"
+        + machine_line()
     )
     for column in ("S", "dtype", "contiguous ms", "paged ms", "fragmented ms", "SDPA ms", "paged vs contiguous",
-                   "paged vs SDPA", "fragmented vs SDPA"):  # fmt: skip
+                   "paged vs SDPA", "fragmented vs SDPA", "fragmented vs contiguous"):  # fmt: skip
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             f"{row.S:,}", row.dtype, f"{row.contiguous_seconds * 1e3:.1f}", f"{row.paged_seconds * 1e3:.1f}",
             f"{row.fragmented_seconds * 1e3:.1f}", f"{row.sdpa_seconds * 1e3:.1f}",
             f"{row.contiguous_seconds / row.paged_seconds:.2f}x", f"{row.sdpa_seconds / row.paged_seconds:.2f}x",
-            f"{row.sdpa_seconds / row.fragmented_seconds:.2f}x",
+            f"{row.sdpa_seconds / row.fragmented_seconds:.2f}x", f"{row.contiguous_seconds / row.fragmented_seconds:.2f}x",
         )  # fmt: skip
     console.print(table)
 

@@ -15,9 +15,11 @@ block_size works here (FlashAttention's CUDA kernel wants a multiple of 256). En
 past its ceil(n_b / block_size) blocks are never read, nor are blocks no row names.
 
 A paged decoding step (few queries, many keys: where `qkv.attention` would take the decode
-path) attends in place over the pool, as `qkv.PagedKVCache.attend` does: each row's runs of
-consecutive blocks are strided views that the decode kernel reads chunk by chunk and merges by
-lse, nothing gathered. Other calls (long query blocks, short caches, score terms the decode
+path) attends in place over the pool, as `qkv.PagedKVCache.attend` does
+(`qkv.backends.decode.decode_blocks`), nothing gathered: the compiled decode kernel reads each
+row's blocks through its block table (the bits of a contiguous cache); where it does not run
+(a bias such as ALiBi, no compiler), each row's runs of consecutive blocks are strided views that
+the decode kernel's PyTorch ops read chunk by chunk and merge by lse. Other calls (long query blocks, short caches, score terms the decode
 kernel does not take, non-finite data for the NaN rule) gather each row's blocks into one
 contiguous copy and run `qkv.attention` on it.
 
@@ -36,7 +38,7 @@ from qkv.attention.bounds import KVBounds, largest_magnitude
 from qkv.attention.dispatch import choose_path
 from qkv.attention.functional import attention
 from qkv.attention.problem import describe_problem
-from qkv.backends.decode import block_runs, decode_runs
+from qkv.backends.decode import block_runs, decode_blocks
 from qkv.backends.softmax import accumulation_dtype
 from qkv.compat._alibi import alibi_from_slopes
 from qkv.compat._args import (
@@ -362,7 +364,8 @@ def _paged_in_place(
     outs, lses = [], []
     for b in range(B):
         S = lengths[b]
-        runs = block_runs(k_pool, v_pool, blocks[b][: (S + P - 1) // P], S)  # (first, k (1, G, m, E), v) views
+        row_blocks = blocks[b][: (S + P - 1) // P]
+        runs = block_runs(k_pool, v_pool, row_blocks, S)  # (first, k (1, G, m, E), v) views
         k_max = max(largest_magnitude(k) for _, k, _ in runs)
         v_max = max(largest_magnitude(v) for _, _, v in runs)
         if not (math.isfinite(k_max) and math.isfinite(v_max)):
@@ -382,7 +385,8 @@ def _paged_in_place(
         if problem.nonfinite or choose_path(problem, "auto", False, want_lse).path != "decode":
             return None
         assert problem.mask is None or isinstance(problem.mask, Mask)  # flash_mask's, as the decode path takes it
-        out, lse = decode_runs(problem.q, runs, S, problem.scale, problem.mask, problem.terms)  # (1, H, L, Ev), (1, H, L)
+        # spans=False: the pool is the caller's, its other blocks may hold NaN (FlashAttention never reads them)
+        out, lse = decode_blocks(problem.q, k_pool, v_pool, row_blocks, S, problem.scale, problem.mask, problem.terms, spans=False)  # (1, H, L, Ev), (1, H, L)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)  # (B, H, L, Ev), (B, H, L)

@@ -26,8 +26,13 @@
 // v (N, G, S, Ev), same dtype (float32 or bfloat16). Keys start <= t < stop are read, in
 // `splits` pieces of ceil((stop - start) / splits) keys; query l of batch row n sees key t
 // when lo[n|0][l] <= t <= hi[n|0][l] (no bounds: all) and valid[n|0][t] (no valid: all).
-// sinks (N | 1, H) float32 or null. Outputs float32: out (N, H, L, Ev) contiguous, lse
-// (N, H, L); scratch holds N*G*splits*R*L*(Ev + 2) floats.
+// sinks (N | 1, H) float32 or null. softcap > 0: each score s becomes softcap * tanh(s / softcap)
+// (0: none); then ALiBi's bias - slopes[h] * |qpos[n|0][l] - t| where slopes (H,) float32 is not
+// null, qpos (N | 1, L) int64; then the mask (qkv's order of score terms). With a block table (N, table_stride) int64, k and v are pools
+// (blocks, page, G, E | Ev) and key t of row n lies in block table[n][t / page] at t % page:
+// the kernel reads the keys in the same blocks of kBlock positions either way, so a paged
+// sequence gives the bits of the same keys in a contiguous cache. Outputs float32: out
+// (N, H, L, Ev) contiguous, lse (N, H, L); scratch holds N*G*splits*R*L*(Ev + 2) floats.
 
 #include <omp.h>
 
@@ -76,6 +81,15 @@ inline vf vzero_below(vf x, vf value, float limit) {  // value where x >= limit,
   __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GE_OQ);
   return _mm512_maskz_mov_ps(keep, value);
 }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm512_abs_ps(x); }
+inline vf vsign_of(vf x, vf magnitude) {  // magnitude (>= 0) with x's sign bit
+  __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
+}
+inline vf vpick_below(vf x, float limit, vf low, vf high) {  // low where x < limit, else high
+  return _mm512_mask_mov_ps(high, _mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ), low);
+}
 #elif defined(__AVX2__)
 constexpr int W = 8;
 using vf = __m256;
@@ -107,6 +121,12 @@ inline vf vpow2(vf n) {
 inline vf vzero_below(vf x, vf value, float limit) {
   return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ), value);
 }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+inline vf vsign_of(vf x, vf magnitude) { return _mm256_or_ps(magnitude, _mm256_and_ps(x, _mm256_set1_ps(-0.0f))); }
+inline vf vpick_below(vf x, float limit, vf low, vf high) {
+  return _mm256_blendv_ps(high, low, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ));
+}
 #else
 constexpr int W = 1;
 using vf = float;
@@ -135,6 +155,10 @@ inline vf vpow2(vf n) {
   return x;
 }
 inline vf vzero_below(vf x, vf value, float limit) { return x >= limit ? value : 0.0f; }
+inline vf vdiv(vf a, vf b) { return a / b; }
+inline vf vabs(vf x) { return std::fabs(x); }
+inline vf vsign_of(vf x, vf magnitude) { return std::copysign(magnitude, x); }
+inline vf vpick_below(vf x, float limit, vf low, vf high) { return x < limit ? low : high; }
 #endif
 
 // One float32 of either storage dtype.
@@ -207,6 +231,35 @@ inline vf vexp(vf x) {
   return vzero_below(x, vmul(p, vpow2(n)), kLimit);
 }
 
+// tanh(x) to float32 accuracy (within 3 units in the last place of the float64 value, for every
+// finite or infinite x): odd, so it works on a = |x| and puts x's sign back. Below kTanhSmall,
+// tanh(a) / a is a polynomial in a^2 (degree 5, fitted to relative error 8e-9 on [0, 0.625]), so
+// tiny and subnormal x come back as themselves; above it, with t = e^(-2a) <= 0.29 from vexp
+// (never an overflow: the argument is <= 0), tanh(a) = (1 - t) / (1 + t), where 1 - t loses no
+// digits; for large a, t is too small to count (0 from a = 44) and the result is 1.
+constexpr float kTanhSmall = 0.625f;
+inline vf vtanh(vf x) {
+  vf a = vabs(x);
+  vf u = vmul(a, a);
+  vf p = vset(-0.005659983964551926f);
+  p = vfma(p, u, vset(0.020590983362462182f));
+  p = vfma(p, u, vset(-0.05372106626197049f));
+  p = vfma(p, u, vset(0.133311275095633f));
+  p = vfma(p, u, vset(-0.3333326052530349f));
+  p = vfma(p, u, vset(1.0f));
+  vf small = vmul(a, p);
+  vf t = vexp(vmul(a, vset(-2.0f)));
+  vf large = vdiv(vsub(vset(1.0f), t), vadd(vset(1.0f), t));
+  return vsign_of(x, vpick_below(a, kTanhSmall, small, large));
+}
+
+// s[j] = cap * tanh(s[j] / cap) for j < n (n a multiple of W): a score's softcap, before the
+// bias and mask in qkv's order of score terms (qkv/scores.py).
+inline void soft_cap(float* s, int n, float cap) {
+  const vf c = vset(cap);
+  for (int j = 0; j < n; j += W) vstore(s + j, vmul(c, vtanh(vdiv(vload(s + j), c))));
+}
+
 // n rounded up to whole vectors.
 inline int round_up(int n) { return (n + W - 1) / W * W; }
 
@@ -270,20 +323,33 @@ inline void store_sums(const vf* acc, float* scores, float scale) {
   for (; r < NR; ++r) scores[r * kBlock] = vsum(acc[r]) * scale;
 }
 
+// The rows of a block's keys (or values), row j at [j]: a cache's, `step` apart (the compiler
+// sees one stride, as before paging existed), or a paged pool's, one pointer per key.
+template <typename T>
+struct Strided {
+  const T* base;
+  int64_t step;
+  const T* operator[](int64_t j) const { return base + j * step; }
+};
+template <typename T>
+struct Listed {
+  const T* const* rows;
+  const T* operator[](int64_t j) const { return rows[j]; }
+};
+
 // scores[r * kBlock + j] = q_r . k_j for the NR rows q (rows `q_stride` apart, E floats
-// padded with zeros to a multiple of W) and the keys k_0..k_{n-1} (k_stride apart). With
-// `ahead` > 0, the rows of k and v that many keys ahead are prefetched, key by key (without
-// it the value pass, which walks the block's rows column by column, waits on memory: one
-// thread, bf16, R = 4, E = 128, 256k keys, loaded machine: 175 ns a key without, 91 with).
-template <int NR, typename T>
-void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, int n, int E, float* scores,
-                const T* v = nullptr, int64_t v_stride = 0, int Ev = 0, int ahead = 0) {
+// padded with zeros to a multiple of W) and the keys k[0]..k[n-1] (`Strided` or `Listed`). With `ahead` > 0, the keys and
+// values k[n..n+ahead), v[n..n+ahead) are prefetched, key by key (without it the value pass,
+// which walks the block's rows column by column, waits on memory: one thread, bf16, R = 4,
+// E = 128, 256k keys, loaded machine: 175 ns a key without, 91 with).
+template <int NR, typename T, typename A>
+void score_rows(const float* q, int64_t q_stride, A k, int n, int E, float* scores, A v, int Ev, int ahead) {
   const int body = E / W * W;
   for (int j = 0; j < n; ++j) {
-    const T* key = k + j * k_stride;
+    const T* key = k[j];
     if (j < ahead) {
-      prefetch_row(key + ahead * k_stride, E * static_cast<int64_t>(sizeof(T)));
-      prefetch_row(v + (j + ahead) * v_stride, Ev * static_cast<int64_t>(sizeof(T)));
+      prefetch_row(k[n + j], E * static_cast<int64_t>(sizeof(T)));
+      prefetch_row(v[n + j], Ev * static_cast<int64_t>(sizeof(T)));
     }
     vf acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = vzero();
@@ -312,10 +378,10 @@ void score_rows(const float* q, int64_t q_stride, const T* k, int64_t k_stride, 
   }
 }
 
-// acc[r] += sum_j p[r * kBlock + j] v_j for NR rows (acc rows `acc_stride` apart, Ev floats).
+// acc[r] += sum_j p[r * kBlock + j] v[j] for NR rows (acc rows `acc_stride` apart, Ev floats).
 // Columns below paired<T>(Ev) are in the paired order (`vload_pairs`).
-template <int NR, typename T>
-void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev, float* acc, int64_t acc_stride) {
+template <int NR, typename T, typename A>
+void accumulate_rows(const float* p, A v, int n, int Ev, float* acc, int64_t acc_stride) {
   const int body = Ev / W * W, two = paired<T>(Ev);
   if constexpr (std::is_same_v<T, uint16_t>) {
     // 2 NR sums + 3 operands: AVX2's 16 registers take four rows at a time
@@ -332,7 +398,7 @@ void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev
         }
         for (int j = 0; j < n; ++j) {
           vf ve, vo;
-          vload_pairs(v + j * v_stride + e, ve, vo);
+          vload_pairs(v[j] + e, ve, vo);
           for (int r = 0; r < kAt; ++r) {
             if (r < rows) {
               vf w = vset(p[(r0 + r) * kBlock + j]);
@@ -354,7 +420,7 @@ void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev
     vf sum[NR];
     for (int r = 0; r < NR; ++r) sum[r] = vload(acc + r * acc_stride + e);
     for (int j = 0; j < n; ++j) {
-      vf vv = vload(v + j * v_stride + e);
+      vf vv = vload(v[j] + e);
       for (int r = 0; r < NR; ++r) sum[r] = vfma(vset(p[r * kBlock + j]), vv, sum[r]);
     }
     for (int r = 0; r < NR; ++r) vstore(acc + r * acc_stride + e, sum[r]);
@@ -362,7 +428,7 @@ void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev
   for (int e = body; e < Ev; ++e) {
     for (int r = 0; r < NR; ++r) {
       float s = acc[r * acc_stride + e];
-      for (int j = 0; j < n; ++j) s += p[r * kBlock + j] * scalar(v + j * v_stride + e);
+      for (int j = 0; j < n; ++j) s += p[r * kBlock + j] * scalar(v[j] + e);
       acc[r * acc_stride + e] = s;
     }
   }
@@ -374,16 +440,16 @@ void accumulate_rows(const float* p, const T* v, int64_t v_stride, int n, int Ev
 // zero-padded to a multiple of 32, and the scale multiplies the float32 sum. The products of
 // two bf16 values are exact in float32, as in the widened path.
 constexpr int kPair = 32;  // bf16 values per 512-bit vector
-template <int NR>
-void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, int n, int E,
-                     float scale, float* scores, const uint16_t* v, int64_t v_stride, int Ev, int ahead) {
+template <int NR, typename A>
+void score_rows_bf16(const uint16_t* q, int64_t q_stride, A k, int n, int E, float scale, float* scores, A v, int Ev,
+                     int ahead) {
   const int body = E / kPair * kPair;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (E - body)) - 1);
   for (int j = 0; j < n; ++j) {
-    const uint16_t* key = k + j * k_stride;
+    const uint16_t* key = k[j];
     if (j < ahead) {
-      prefetch_row(key + ahead * k_stride, E * 2);
-      prefetch_row(v + (j + ahead) * v_stride, Ev * 2);
+      prefetch_row(k[n + j], E * 2);
+      prefetch_row(v[n + j], Ev * 2);
     }
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
@@ -399,17 +465,18 @@ void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
   }
 }
 
-void score_group_bf16(int rows, const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks, int n, int E, float scale,
-                      float* s, const uint16_t* v, int64_t vs, int Ev, int ahead) {
+template <typename A>
+void score_group_bf16(int rows, const uint16_t* q, int64_t qs, A k, int n, int E, float scale, float* s, A v, int Ev,
+                      int ahead) {
   switch (rows) {
-    case 1: return score_rows_bf16<1>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 2: return score_rows_bf16<2>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 3: return score_rows_bf16<3>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 4: return score_rows_bf16<4>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 5: return score_rows_bf16<5>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 6: return score_rows_bf16<6>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    case 7: return score_rows_bf16<7>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
-    default: return score_rows_bf16<8>(q, qs, k, ks, n, E, scale, s, v, vs, Ev, ahead);
+    case 1: return score_rows_bf16<1, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 2: return score_rows_bf16<2, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 3: return score_rows_bf16<3, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 4: return score_rows_bf16<4, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 5: return score_rows_bf16<5, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 6: return score_rows_bf16<6, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    case 7: return score_rows_bf16<7, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
+    default: return score_rows_bf16<8, A>(q, qs, k, n, E, scale, s, v, Ev, ahead);
   }
 }
 constexpr bool kDotBf16 = true;
@@ -418,34 +485,55 @@ constexpr bool kDotBf16 = false;
 #endif
 
 // The register-blocked kernels for a row group of `rows` <= kRows rows.
-template <typename T>
-void score_group(int rows, const float* q, int64_t qs, const T* k, int64_t ks, int n, int E, float* s, const T* v,
-                 int64_t vs, int Ev, int ahead) {
+template <typename T, typename A>
+void score_group(int rows, const float* q, int64_t qs, A k, int n, int E, float* s, A v, int Ev, int ahead) {
   switch (rows) {
-    case 1: return score_rows<1>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 2: return score_rows<2>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 3: return score_rows<3>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 4: return score_rows<4>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 5: return score_rows<5>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 6: return score_rows<6>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    case 7: return score_rows<7>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
-    default: return score_rows<8>(q, qs, k, ks, n, E, s, v, vs, Ev, ahead);
+    case 1: return score_rows<1, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 2: return score_rows<2, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 3: return score_rows<3, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 4: return score_rows<4, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 5: return score_rows<5, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 6: return score_rows<6, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    case 7: return score_rows<7, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
+    default: return score_rows<8, T, A>(q, qs, k, n, E, s, v, Ev, ahead);
   }
 }
 
-template <typename T>
-void accumulate_group(int rows, const float* p, const T* v, int64_t vs, int n, int Ev, float* acc, int64_t as) {
+template <typename T, typename A>
+void accumulate_group(int rows, const float* p, A v, int n, int Ev, float* acc, int64_t as) {
   switch (rows) {
-    case 1: return accumulate_rows<1>(p, v, vs, n, Ev, acc, as);
-    case 2: return accumulate_rows<2>(p, v, vs, n, Ev, acc, as);
-    case 3: return accumulate_rows<3>(p, v, vs, n, Ev, acc, as);
-    case 4: return accumulate_rows<4>(p, v, vs, n, Ev, acc, as);
-    case 5: return accumulate_rows<5>(p, v, vs, n, Ev, acc, as);
-    case 6: return accumulate_rows<6>(p, v, vs, n, Ev, acc, as);
-    case 7: return accumulate_rows<7>(p, v, vs, n, Ev, acc, as);
-    default: return accumulate_rows<8>(p, v, vs, n, Ev, acc, as);
+    case 1: return accumulate_rows<1, T, A>(p, v, n, Ev, acc, as);
+    case 2: return accumulate_rows<2, T, A>(p, v, n, Ev, acc, as);
+    case 3: return accumulate_rows<3, T, A>(p, v, n, Ev, acc, as);
+    case 4: return accumulate_rows<4, T, A>(p, v, n, Ev, acc, as);
+    case 5: return accumulate_rows<5, T, A>(p, v, n, Ev, acc, as);
+    case 6: return accumulate_rows<6, T, A>(p, v, n, Ev, acc, as);
+    case 7: return accumulate_rows<7, T, A>(p, v, n, Ev, acc, as);
+    default: return accumulate_rows<8, T, A>(p, v, n, Ev, acc, as);
   }
 }
+
+// Where the keys (or values) of one (batch row, KV head) lie: key t at base + t * step, or,
+// through a block table (a paged pool), at base + table[t / page] * block + (t % page) * step.
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t step, block, page;
+  const int64_t* table;  // this batch row's blocks, or null
+
+  // ptr[i] = the row of key first + i, for i < count, through the table (one division per
+  // call, not per key); a cache's rows are `Strided` instead
+  void fill(int64_t first, int count, const T** ptr) const {
+    int64_t b = first / page, at = first % page;
+    for (int i = 0; i < count; ++i) {
+      ptr[i] = base + table[b] * block + at * step;
+      if (++at == page) {
+        at = 0;
+        ++b;
+      }
+    }
+  }
+};
 
 struct Problem {
   const void* q;
@@ -463,6 +551,12 @@ struct Problem {
   const uint8_t* valid;  // (valid_rows, S) or null
   int64_t valid_rows;
   float* scratch;  // per task: m (RL), l (RL), acc (RL, Ev)
+  float softcap;   // 0: none
+  const int64_t* table;  // (N, table_stride) blocks of `page` keys, or null (k, v not paged)
+  int64_t table_stride, page;
+  const float* slopes;  // ALiBi: (H,) head slopes, or null
+  const int64_t* qpos;  // (qpos_rows, L): each query's position among the keys (ALiBi's distances)
+  int64_t qpos_rows;
 };
 
 // One task: keys [a, b) of (batch row n, KV head g); its state goes to `state`.
@@ -503,29 +597,54 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
   }
   const uint8_t* valid = P.valid == nullptr ? nullptr : P.valid + (P.valid_rows == 1 ? 0 : n) * P.S;
   const bool masked = P.lo != nullptr || valid != nullptr;
-  const T* k = static_cast<const T*>(P.k) + n * P.ks[0] + g * P.ks[1];
-  const T* v = static_cast<const T*>(P.v) + n * P.vs[0] + g * P.vs[1];
+  Rows<T> keys{}, values{};
+  if (P.table == nullptr) {  // k (N, G, S, E), v (N, G, S, Ev)
+    keys = {static_cast<const T*>(P.k) + n * P.ks[0] + g * P.ks[1], P.ks[2], 0, 1, nullptr};
+    values = {static_cast<const T*>(P.v) + n * P.vs[0] + g * P.vs[1], P.vs[2], 0, 1, nullptr};
+  } else {  // pools k (blocks, page, G, E), v (blocks, page, G, Ev)
+    const int64_t* table = P.table + n * P.table_stride;
+    keys = {static_cast<const T*>(P.k) + g * P.ks[2], P.ks[1], P.ks[0], P.page, table};
+    values = {static_cast<const T*>(P.v) + g * P.vs[2], P.vs[1], P.vs[0], P.page, table};
+  }
+  // paged: the rows of this block's keys and values, then of the next block's first `ahead` (prefetched)
+  const bool paged = P.table != nullptr;
+  const T* krow[2 * kBlock];
+  const T* vrow[2 * kBlock];
   const int64_t lowest = *std::min_element(first.begin(), first.end());
   const int64_t highest = *std::max_element(last.begin(), last.end());
   for (int64_t j0 = std::max(a, lowest); j0 < highest; j0 += kBlock) {
     const int cnt = static_cast<int>(std::min<int64_t>(kBlock, highest - j0));
     // the first row group prefetches the next block, key by key, as it reads this one
     const int ahead = static_cast<int>(std::clamp<int64_t>(highest - j0 - kBlock, 0, std::min<int64_t>(kBlock, cnt)));
-    for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
+    auto score = [&](auto kk, auto vv) {
+      for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
 #if defined(__AVX512BF16__)
-      if constexpr (dot) {
-        score_group_bf16(rows, qraw.data() + r0 * Ep2, Ep2, k + j0 * P.ks[2], P.ks[2], cnt, static_cast<int>(E), P.scale,
-                         scores.data() + r0 * kBlock, v + j0 * P.vs[2], P.vs[2], static_cast<int>(Ev),
-                         r0 == 0 ? ahead : 0);
-        continue;
-      }
+        if constexpr (dot) {
+          score_group_bf16(rows, qraw.data() + r0 * Ep2, Ep2, kk, cnt, static_cast<int>(E), P.scale,
+                           scores.data() + r0 * kBlock, vv, static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+          continue;
+        }
 #endif
-      score_group<T>(rows, qrows.data() + r0 * Ep, Ep, k + j0 * P.ks[2], P.ks[2], cnt, static_cast<int>(E),
-                     scores.data() + r0 * kBlock, v + j0 * P.vs[2], P.vs[2], static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+        score_group<T>(rows, qrows.data() + r0 * Ep, Ep, kk, cnt, static_cast<int>(E), scores.data() + r0 * kBlock, vv,
+                       static_cast<int>(Ev), r0 == 0 ? ahead : 0);
+      }
+    };
+    if (paged) {
+      keys.fill(j0, cnt + ahead, krow);
+      values.fill(j0, cnt + ahead, vrow);
+      score(Listed<T>{krow}, Listed<T>{vrow});
+    } else {
+      score(Strided<T>{keys.base + j0 * keys.step, keys.step}, Strided<T>{values.base + j0 * values.step, values.step});
     }
     for (int64_t r = 0; r < RL; ++r) {
       float* s = scores.data() + r * kBlock;
+      if (P.softcap > 0.0f) soft_cap(s, round_up(cnt), P.softcap);  // softcap first, then the bias, then the mask
+      if (P.slopes != nullptr) {  // ALiBi: - slope_h * |p_i - t| (a distance below 2^24 is exact in float32)
+        const float slope = P.slopes[g * R + r / L];
+        const int64_t p = P.qpos[(P.qpos_rows == 1 ? 0 : n) * L + r % L];
+        for (int j = 0; j < cnt; ++j) s[j] -= slope * static_cast<float>(std::llabs(p - (j0 + j)));
+      }
       if (masked) {
         const int64_t lo = first[r] - j0, hi = last[r] - j0;  // visible: lo <= j < hi
         for (int j = 0; j < cnt; ++j) {
@@ -547,10 +666,16 @@ void run_split(const Problem& P, int64_t n, int64_t g, int64_t a, int64_t b, flo
       }
       l[r] += total;
     }
-    for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
-      accumulate_group<T>(rows, scores.data() + r0 * kBlock, v + j0 * P.vs[2], P.vs[2], cnt, static_cast<int>(Ev),
-                          acc + r0 * Ev, Ev);
+    auto accumulate = [&](auto vv) {
+      for (int64_t r0 = 0; r0 < RL; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, RL - r0));
+        accumulate_group<T>(rows, scores.data() + r0 * kBlock, vv, cnt, static_cast<int>(Ev), acc + r0 * Ev, Ev);
+      }
+    };
+    if (paged) {
+      accumulate(Listed<T>{vrow});
+    } else {
+      accumulate(Strided<T>{values.base + j0 * values.step, values.step});
     }
   }
 }
@@ -622,9 +747,12 @@ extern "C" int qkv_decode_forward(const void* q, const int64_t* qs, const void* 
                                   int64_t E, int64_t S, int64_t Ev, int64_t start, int64_t stop, int64_t splits,
                                   double scale, const int64_t* lo, const int64_t* hi, int64_t bound_rows,
                                   const uint8_t* valid, int64_t valid_rows, const float* sinks, int64_t sink_rows,
-                                  float* scratch, float* out, float* lse, int64_t threads) {
+                                  float* scratch, float* out, float* lse, int64_t threads, double softcap,
+                                  const int64_t* table, int64_t table_stride, int64_t page, const float* slopes,
+                                  const int64_t* qpos, int64_t qpos_rows) {
   Problem P{q, qs, k, ks, v, vs, N, H, G, L, E, S, Ev, start, stop, std::max<int64_t>(splits, 1),
-            static_cast<float>(scale), lo, hi, bound_rows, valid, valid_rows, scratch};
+            static_cast<float>(scale), lo, hi, bound_rows, valid, valid_rows, scratch,
+            static_cast<float>(softcap), table, table_stride, std::max<int64_t>(page, 1), slopes, qpos, qpos_rows};
   int failed = 0;
   const int nthreads = static_cast<int>(std::max<int64_t>(threads, 1));
   if (bf16) {
@@ -637,3 +765,17 @@ extern "C" int qkv_decode_forward(const void* q, const int64_t* qs, const void* 
 
 // The vector width this build was compiled for, in float32 lanes (16 AVX-512, 8 AVX2, 1 plain).
 extern "C" int qkv_decode_lanes() { return W; }
+
+// y = tanh(x) for n values by the kernel's vtanh (the softcap's), W at a time and the last
+// n % W one by one through a padded vector: for tests against torch.tanh.
+extern "C" void qkv_decode_tanh(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(y + i, vtanh(vload(x + i)));
+  float pad[W];
+  for (; i < n; ++i) {
+    std::fill(pad, pad + W, 0.0f);
+    pad[0] = x[i];
+    vstore(pad, vtanh(vload(pad)));
+    y[i] = pad[0];
+  }
+}

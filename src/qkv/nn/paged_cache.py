@@ -13,12 +13,13 @@ FlashAttention's paged layout (num_blocks, block_size, G, E), so the three can b
 `qkv.compat.flash_attn_with_kvcache` as they are.
 
 `attend` runs a decode step (what `qkv.attention` sends to its decode path: L <= 16 queries,
-S >= 1,024 keys, on CPU) over the blocks where they lie: each run of consecutive physical blocks
-is a strided view, split into chunks whose softmax states merge by lse
-(`qkv.backends.decode.decode_blocks`), so no block is copied. In a fragmented pool (many short
-runs) the whole blocks every query sees go to the fused kernel in spans of the pool. The result
-equals a contiguous `KVCache`'s to rounding (bit for bit when the sequence is one run; the
-chunks differ otherwise). Any other call gathers the sequence's blocks into (G, S, E) and runs
+S >= 1,024 keys, on CPU) over the blocks where they lie (`qkv.backends.decode.decode_blocks`),
+so no block is copied: the compiled decode kernel reads them through the sequence's block table,
+however fragmented the pool, bit for bit a contiguous `KVCache`'s result. Where it does not run
+(a bias, a gradient, no compiler), each run of consecutive physical blocks is a strided view,
+split into chunks whose softmax states merge by lse, and in a fragmented pool (many short runs)
+the whole blocks every query sees go to the fused kernel in spans of the pool: a contiguous
+cache's result to rounding (bit for bit when the sequence is one run). Any other call gathers the sequence's blocks into (G, S, E) and runs
 `qkv.attention`, bit for bit a contiguous cache's result. Like `KVCache` it keeps a running
 max |k| and |v| per sequence, so the input checks read the queries only (`qkv.attention.bounds`);
 a write to the pool by other means (``cache.k[block] = x``, or `flash_attn_with_kvcache` given
