@@ -205,6 +205,45 @@ def test_decode_steps_attend_over_the_blocks_in_place(monkeypatch: pytest.Monkey
     assert bool(seen) == (runs_apart == 2) == any(masked)  # spans serve a and b, masking the other's blocks
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "overflow", "freed"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_sequence_s_bad_values_never_reach_another(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bad: str) -> None:
+    """The fallback's spans read blocks of other sequences under a -inf mask. A NaN or inf
+    value there, or a key whose score overflows, survives a zero weight (NaN * 0, inf - inf):
+    sequence b must still get what its own keys give (float64 math), also after the bad
+    sequence is freed (its blocks keep their values). Kernel kept out, spans on (RUNS_APART 2)."""
+    from qkv.backends import decode
+
+    monkeypatch.setattr(decode, "native_reason", lambda *args: "kept out of this test")
+    monkeypatch.setattr(decode, "RUNS_APART", 2)
+    gen = torch.Generator().manual_seed(9)
+    E = EV = 8
+    paged = qkv.PagedKVCache(num_blocks=200, block_size=16, num_kv_heads=G, d_k=E, dtype=dtype)
+    a, b = paged.allocate(), paged.allocate()
+    b_keys, b_values = [], []
+    for step in range(30):  # a and b take blocks in turn: b's blocks are many runs with a's between
+        k_a, v_a = torch.randn(G, 40, E, generator=gen, dtype=dtype), torch.randn(G, 40, EV, generator=gen, dtype=dtype)
+        if step == 12:
+            if bad == "overflow":
+                k_a[:, 5] = 3e38 if dtype == torch.float32 else 1e308  # q . k overflows in the kernel's dtype
+            else:
+                v_a[:, 5] = float("inf") if bad == "inf" else float("nan")
+        k_b, v_b = torch.randn(G, 40, E, generator=gen, dtype=dtype), torch.randn(G, 40, EV, generator=gen, dtype=dtype)
+        paged.append([a, b], [k_a, k_b], [v_a, v_b])
+        b_keys.append(k_b)
+        b_values.append(v_b)
+    assert len(paged.runs(b)) > 10
+    if bad == "freed":
+        paged.free(a)
+    q = torch.randn(H, 1, E, generator=gen, dtype=dtype)
+    with torch.inference_mode():
+        (out,) = paged.attend([b], [q], CAUSAL)
+    k, v = torch.cat(b_keys, 1), torch.cat(b_values, 1)  # (G, S, E), (G, S, Ev): b's own keys
+    trace = ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), CAUSAL.to_dense(1, k.shape[1]).numpy())
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    np.testing.assert_allclose(out.double().numpy(), trace.output.reshape(out.shape), **tol)
+
+
 def test_attend_passes_scale_softcap_and_sinks() -> None:
     gen = torch.Generator().manual_seed(12)
     cache = qkv.PagedKVCache(8, 4, G, E, EV, dtype=torch.float64)

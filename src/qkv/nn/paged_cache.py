@@ -18,8 +18,9 @@ so no block is copied: the compiled decode kernel reads them through the sequenc
 however fragmented the pool, bit for bit a contiguous `KVCache`'s result. Where it does not run
 (a bias, a gradient, no compiler), each run of consecutive physical blocks is a strided view,
 split into chunks whose softmax states merge by lse, and in a fragmented pool (many short runs)
-the whole blocks every query sees go to the fused kernel in spans of the pool: a contiguous
-cache's result to rounding (bit for bit when the sequence is one run). Any other call gathers the sequence's blocks into (G, S, E) and runs
+the whole blocks every query sees go to the fused kernel in spans of the pool (only while every
+value in the pool is finite and no score over it can overflow: the spans read other sequences'
+blocks under a -inf mask, which a NaN survives): a contiguous cache's result to rounding (bit for bit when the sequence is one run). Any other call gathers the sequence's blocks into (G, S, E) and runs
 `qkv.attention`, bit for bit a contiguous cache's result. Like `KVCache` it keeps a running
 max |k| and |v| per sequence, so the input checks read the queries only (`qkv.attention.bounds`);
 a write to the pool by other means (``cache.k[block] = x``, or `flash_attn_with_kvcache` given
@@ -109,6 +110,10 @@ class PagedKVCache:
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
         self._versions = self._pool_versions()  # the pool as this cache last wrote it
+        # running max |k| and |v| over the whole pool, freed blocks included (their old values
+        # stay): the fallback's spans read other sequences' blocks under a -inf mask, which
+        # hides a finite score but not a NaN or inf value, nor a score that overflows
+        self._pool_k_max = self._pool_v_max = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -199,8 +204,9 @@ class PagedKVCache:
             self.k[block, offset] = k.transpose(0, 1)  # (L, G, E) into (L, G, E) slots
             self.v[block, offset] = v.transpose(0, 1)  # (L, G, Ev)
             state.length += k.shape[1]
-            state.k_max = max(state.k_max, largest_magnitude(k))  # O(new rows)
-            state.v_max = max(state.v_max, largest_magnitude(v))
+            k_max, v_max = largest_magnitude(k), largest_magnitude(v)  # O(new rows)
+            state.k_max, state.v_max = max(state.k_max, k_max), max(state.v_max, v_max)
+            self._pool_k_max, self._pool_v_max = max(self._pool_k_max, k_max), max(self._pool_v_max, v_max)
         self._versions = self._pool_versions()
 
     def _pool_versions(self) -> tuple[int, int] | None:
@@ -219,6 +225,7 @@ class PagedKVCache:
             runs = block_runs(self.k, self.v, state.blocks, state.length)  # views, nothing copied
             state.k_max = max((largest_magnitude(k) for _, k, _ in runs), default=0.0)
             state.v_max = max((largest_magnitude(v) for _, _, v in runs), default=0.0)
+        self._pool_k_max, self._pool_v_max = largest_magnitude(self.k), largest_magnitude(self.v)
         self._versions = versions
 
     def keys_values(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,8 +313,13 @@ class PagedKVCache:
         k_like = self.k[0, 0][None, :, None, :].expand(1, G, S, E)  # (1, G, S, E), stride 0 along S
         v_like = self.v[0, 0][None, :, None, :].expand(1, G, S, Ev)  # (1, G, S, Ev)
         factor = max(1.0, abs(1.0 / math.sqrt(E) if scale is None else float(scale)))
-        if factor * E * largest_magnitude(q) * state.k_max > torch.finfo(accumulation_dtype(q.dtype)).max / 2:
+        limit, q_max = torch.finfo(accumulation_dtype(q.dtype)).max / 2, largest_magnitude(q)
+        if factor * E * q_max * state.k_max > limit:
             return None  # the overflow check would read k's rows for its tight bound: gather
+        # spans of the pool (a fragmented pool without the compiled kernel) read other sequences'
+        # blocks hidden by the mask: only while every value in the pool is finite and no score
+        # there can overflow (a NaN or an infinite score would survive the -inf it gets)
+        spans = math.isfinite(self._pool_v_max) and factor * E * q_max * self._pool_k_max <= limit
         known = KVBounds.of(k_like, v_like, state.k_max, state.v_max)
         problem = describe_problem(q[None], k_like, v_like, mask, scale, softcap=softcap, kv_bounds=known, sinks=sinks)
         if problem.nonfinite or choose_path(problem, "auto", False, False).path != "decode":
@@ -315,7 +327,7 @@ class PagedKVCache:
         assert problem.mask is None or isinstance(problem.mask, Mask)
         out, _ = decode_blocks(problem.q, self.k, self.v, state.blocks, S, problem.scale,
                              None if problem.mask is None else problem.mask.to(q.device), problem.terms,
-                             problem.sinks)  # fmt: skip
+                             problem.sinks, spans=spans)  # fmt: skip
         return out[0]  # (H, L, Ev)
 
     def _blocks_for(self, length: int) -> int:
