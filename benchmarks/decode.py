@@ -1,13 +1,15 @@
 """A decode step at the memory limit, and greedy generation: qkv vs PyTorch SDPA / transformers' sdpa.
 
     uv run python benchmarks/decode.py [--lengths 8192 32768] [--reps 5] [--paged] [--paged-only] [--portable]
-                                       [--softcap 30] [--generate 8192] [--new 16]
+                                       [--softcap 30] [--generate 8192] [--new 16] [--cache dynamic growing]
 
 The step: B=1, Hq=32, G=8, E=128, one query against S cached keys, float32 and bfloat16, with
 K + V bytes per second against the read bandwidth measured in the same run (`qkv.bench.decode_steps`
 says how). ``--generate N``: greedy generation from an N-token prompt with a random Llama-shaped
 model (4 layers, hidden 2,048, 32 / 8 heads of 128), time to first token and tokens/s after it,
-``attn_implementation`` qkv vs sdpa (`qkv.bench.generation`). The same as ``qkv bench --decode``,
+``attn_implementation`` qkv vs sdpa (`qkv.bench.generation`), with transformers' DynamicCache
+(``--cache dynamic``, the default: it copies the whole cache at every step, for both) and/or
+qkv's `growing_cache` (``--cache growing``, appended in place, for both). The same as ``qkv bench --decode``,
 plus ``--paged``: the step over a `qkv.PagedKVCache` of 16-position blocks, the sequence in one
 run and in a fragmented pool (two sequences taking blocks in turn: a run per block), against the
 contiguous cache and SDPA (`qkv.bench._decode.paged_steps`); ``--paged-only``: that table
@@ -33,7 +35,7 @@ from rich.console import Console
 
 import qkv
 from qkv.bench import decode_steps, generation
-from qkv.bench._decode import paged_steps
+from qkv.bench._decode import GENERATION_CACHES, paged_steps
 from qkv.bench._decode_table import print_decode, print_generation, print_paged
 
 
@@ -65,6 +67,10 @@ def main() -> None:
     parser.add_argument("--softcap", type=float, default=None, help="qkv's steps cap their scores at this value")
     parser.add_argument("--generate", type=int, default=0, help="prompt tokens for greedy generation (0: none)")
     parser.add_argument("--new", type=int, default=16, help="tokens generated after the first")
+    parser.add_argument(
+        "--cache", nargs="+", choices=list(GENERATION_CACHES), default=["dynamic"],
+        help="generation's cache, the same for qkv and sdpa: transformers' DynamicCache and/or qkv's growing_cache",
+    )  # fmt: skip
     args = parser.parse_args()
     console = Console()
     console.print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -73,7 +79,7 @@ def main() -> None:
         with qkv.backends.disabled("native_decode"):
             _tables(args, console)
     if args.generate:
-        print_generation(generation(args.generate, args.new), console)
+        print_generation(generation(args.generate, args.new, caches=tuple(args.cache)), console)
     console.print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

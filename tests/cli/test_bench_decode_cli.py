@@ -38,3 +38,15 @@ def test_bench_refuses_an_unknown_benchmark_and_a_stray_generate() -> None:
     stray = CliRunner().invoke(app, ["bench", "--generate", "8"])
     assert stray.exit_code == 2 and "--generate goes with the decode benchmark" in stray.output
     assert "Traceback" not in unknown.output + stray.output
+
+
+def test_generation_runs_each_cache_for_both_implementations_and_refuses_others() -> None:
+    import pytest
+
+    from qkv.bench import generation
+
+    rows = generation(12, 2, layers=1, hidden=64, head_dim=16, caches=("dynamic", "growing"))
+    assert [(r.cache, r.implementation) for r in rows] == [("dynamic", "qkv"), ("dynamic", "sdpa"), ("growing", "qkv"), ("growing", "sdpa")]
+    assert all(r.first_token_seconds > 0 and r.tokens_per_second > 0 for r in rows)
+    with pytest.raises(ValueError, match="caches must be some of dynamic, growing"):
+        generation(12, 2, caches=("static",))

@@ -183,17 +183,27 @@ class GenerationRow:
     (seconds) and decode tokens per second after it."""
 
     implementation: str
+    cache: str  # "dynamic" (transformers' DynamicCache) or "growing" (`growing_cache`)
     prompt: int
     new_tokens: int
     first_token_seconds: float
     tokens_per_second: float
 
 
+GENERATION_CACHES = ("dynamic", "growing")
+
+
 def generation(
-    prompt: int, new_tokens: int, layers: int = 4, hidden: int = 2048, head_dim: int = 128, seed: int = 0
+    prompt: int, new_tokens: int, layers: int = 4, hidden: int = 2048, head_dim: int = 128, seed: int = 0,
+    caches: tuple[str, ...] = ("dynamic",),
 ) -> list[GenerationRow]:
     """Greedy generation with a random Llama-shaped model (``layers``, ``hidden``, 32 / 8
-    heads of ``head_dim``), qkv's transformers backend vs sdpa, float32, one batch row."""
+    heads of ``head_dim``), qkv's transformers backend vs sdpa, float32, one batch row, with
+    each of ``caches`` (`GENERATION_CACHES`: transformers' DynamicCache, which copies the whole
+    cache at every step, or `qkv.integrations.transformers.growing_cache`), the same for both."""
+    unknown = [c for c in caches if c not in GENERATION_CACHES]
+    if unknown or not caches:
+        raise ValueError(f"generation: caches must be some of {', '.join(GENERATION_CACHES)}, got {list(caches)}")
     import transformers
 
     from qkv.integrations.transformers import register
@@ -207,21 +217,25 @@ def generation(
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
     rows = []
-    for implementation in (name, "sdpa"):
-        model.set_attn_implementation(implementation)
-        first, rate = _greedy(model, ids, new_tokens)
-        rows.append(GenerationRow(implementation, prompt, new_tokens, first, rate))
+    for cache in caches:
+        for implementation in (name, "sdpa"):
+            model.set_attn_implementation(implementation)
+            first, rate = _greedy(model, ids, new_tokens, cache)
+            rows.append(GenerationRow(implementation, cache, prompt, new_tokens, first, rate))
     return rows
 
 
-def _greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, cache: str) -> tuple[float, float]:
     """Greedy decoding by hand, so that its two phases are timed apart: (seconds of the prompt's
     forward up to the first token, tokens per second of the ``new_tokens`` steps after it)."""
     import transformers
 
     # transformers >= 5.2x names the cache argument ``cache``; earlier versions ``past_key_values``
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cached = {name: transformers.DynamicCache(), "use_cache": True}
+    from qkv.integrations.transformers import growing_cache
+
+    store = growing_cache(model.config) if cache == "growing" else transformers.DynamicCache(config=model.config)
+    cached = {name: store, "use_cache": True}
     with torch.inference_mode():
         start = time.perf_counter()
         logits = model(ids, logits_to_keep=1, **cached).logits  # (1, 1, vocab)

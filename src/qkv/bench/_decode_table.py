@@ -56,11 +56,11 @@ def print_paged(rows: list[PagedRow], console: Console, softcap: float | None = 
 def print_generation(rows: list[GenerationRow], console: Console) -> None:
     """Time to first token and decode tokens per second per attention implementation."""
     table = Table(title="greedy generation, random Llama-shaped model, float32\n" + machine_line())
-    for column in ("attn_implementation", "prompt", "new tokens", "first token s", "tokens/s"):
+    for column in ("attn_implementation", "cache", "prompt", "new tokens", "first token s", "tokens/s"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
-            row.implementation, f"{row.prompt:,}", str(row.new_tokens), f"{row.first_token_seconds:.2f}",
+            row.implementation, row.cache, f"{row.prompt:,}", str(row.new_tokens), f"{row.first_token_seconds:.2f}",
             f"{row.tokens_per_second:.2f}",
         )  # fmt: skip
     console.print(table)
