@@ -445,6 +445,17 @@ def test_the_block_engine_compiles_whole_and_equals_eager(name: str, dtype: torc
     torch.testing.assert_close(compiled.double(), expected, atol=TOLERANCE[dtype] if dtype == torch.bfloat16 else 5e-6, rtol=0)
 
 
+def test_a_first_bfloat16_call_under_compile_traces_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled kernels' toolchain check (a PATH scan, kept per process) may first run while
+    Dynamo traces, when no eager bf16 call came before: it must not break the graph there."""
+    from qkv.native import build
+
+    monkeypatch.setattr(build, "_TOOLCHAIN", {})  # as in a fresh process
+    q, k, v = _inputs(torch.bfloat16, n=ENGINE_N)
+    report = torch._dynamo.explain(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8)))(q, k, v)
+    assert report.graph_break_count == 0, [r.reason for r in report.break_reasons]
+
+
 def _leaves(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of a case that take gradients beyond q, k, v."""
     return {"alibi": {"slopes": t["slopes"]}, "relative": {"table": t["table"]}, "sinks": {"sinks": t["sinks"]}}.get(name, {})
