@@ -511,10 +511,28 @@ def test_nan_rule_and_overflow_refusal_on_the_compiled_block_engine() -> None:
     assert out.isnan().all(dim=-1).eq(bad).all()
     torch.testing.assert_close(out, qkv.attention(q, k, v, qkv.masks.sliding_window(32)), atol=0, rtol=0, equal_nan=True)
     big_q, big_k, _ = _inputs(torch.float32, n=ENGINE_N)
-    with pytest.raises(RuntimeError, match="reach beyond half the largest float32"):
-        compiled(big_q * 1e19, big_k * 1e19, v)
-    with pytest.raises(ValueError, match="beyond half the largest float32"):
+    with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.sliding_window(32))
+    with pytest.raises(ValueError) as compiled_error:  # the operator runs eager's check: its message, values included
+        compiled(big_q * 1e19, big_k * 1e19, v)
+    assert str(compiled_error.value) == str(eager_error.value)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "documents", "alibi", "softcap", "sinks"])
+def test_compiled_block_engine_refuses_an_overflow_with_eagers_error(name: str) -> None:
+    """Finite q and k whose scores overflow float32: the compiled block engine raises eager's
+    ValueError, message and values included, before the engine runs."""
+    t = _engine_tensors()
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    q, k = q * 1e19, k * 1e19  # |q_i| |k_j| ~ 1e39 * E: beyond half float32's largest (1.7e38)
+    kwargs = _engine_kwargs(name, t)
+    assert "qkv.blocks_forward" in _ops_in_graph(lambda q, k, v: qkv.attention(q / 1e19, k / 1e19, v, **kwargs), q, k, v)
+    with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
+        qkv.attention(q, k, v, **kwargs)
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, **kwargs), backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError) as compiled_error:
+        compiled(q, k, v)
+    assert str(compiled_error.value) == str(eager_error.value)
 
 
 def test_backend_blocks_compiles_and_refuses_what_cannot_enter_its_operator() -> None:

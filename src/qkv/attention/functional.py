@@ -29,10 +29,16 @@ from qkv._log import note_once
 from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds
 from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
-from qkv.attention.execute import applies_nan_rule, pack, run, run_weights
+from qkv.attention.execute import applies_nan_rule, checks_values_itself, pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
-from qkv.attention.problem import autocast_dtype, check_indices, describe_problem, scan_magnitudes
+from qkv.attention.problem import (
+    autocast_dtype,
+    check_indices,
+    describe_problem,
+    scan_magnitudes,
+    with_traced_check,
+)
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native.machine import compute_dtype, emulation_note
@@ -312,9 +318,11 @@ def _attend(
     rule. ``q_max``: max |q| when the caller scanned q already (`describe_problem`)."""
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
-        sinks=sinks, q_max=q_max,
+        sinks=sinks, q_max=q_max, defer_traced_check=True,
     )
     plan = choose_path(problem, backend, return_weights, return_lse)
+    if not checks_values_itself(problem, plan):
+        problem = with_traced_check(problem)  # the overflow refusal as graph code, while traced
     if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device

@@ -29,14 +29,16 @@ costs what eager's backward costs (FlashAttention-2's recomputation from the fin
 lse). Gradients reach q, k, v, the sinks and the bias tensors (ALiBi slopes, relative tables,
 dense biases); mask tensors get none. Without a gradient those saved outputs are empty.
 
-The NaN rule (`qkv.attention.nan_rule`) runs inside the forward operator with the values at
-hand, as eagerly: one finiteness pass over q, k, v, and only when an entry is not finite the
+The input check runs inside the forward operator with the values at hand, as eagerly and before
+the engine: the overflow refusal (`qkv.backends.overflow`, eager's ValueError and message; its
+graph code in `qkv.attention.problem` is left out, `qkv.attention.execute.checks_values_itself`)
+and the NaN rule (`qkv.attention.nan_rule`): the magnitude scan of q, k, v (which tells whether
+they are finite), and only when an entry is not finite the
 affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; the
 caller sets the rows to NaN in the graph, so autograd gives them no gradient, and the backward
 operator gives the non-finite entries none. The traced rule's tensor passes (finite copies of
 q, k, v, a mask over the output) cost more than the engine itself for narrow windows.
-`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`); the
-overflow refusal stays in the graph (`qkv.attention.problem`'s traced magnitudes).
+`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`).
 
 score_mod, a Python function, cannot cross an operator boundary: `qkv.attention.dispatch`
 keeps it off these operators (see its reason). Shapes: q, k, v (N, H, *, Ep) as
@@ -54,6 +56,7 @@ import torch
 
 from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
+from qkv.backends import overflow
 from qkv.backends.blocks import engine, scored
 from qkv.backends.blocks.calls import BlockRun, kernel_inputs
 from qkv.backends.blocks.planner import (
@@ -284,12 +287,16 @@ def _forward_op(
     output stays finite, as eager's autograd Function saves it)."""
     del backward_kernel
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
-    bad_rows = _bad_rows(q, k, v, mask)
+    L, S = q.shape[2], k.shape[2]
+    # qkv.attention's input check, as eagerly and before any work: the bias's values (its own
+    # ValueError), the overflow refusal with eager's message, and whether the NaN rule applies
+    bias_top = 0.0 if bias is None else float(bias.largest(L, S))
+    nonfinite = overflow.refuse_overflow(q, k, overflow.largest_magnitudes((q, k, v)), scale, softcap, bias_top, 0.0)
+    bad_rows = _bad_rows(q, k, v, mask) if nonfinite else None
     if bad_rows is not None:
         q, k, v = _finite(q), _finite(k), _finite(v)
     else:
         bad_rows = torch.zeros(q.shape[:3], dtype=torch.bool)
-    L, S = q.shape[2], k.shape[2]
     acc = accumulation_dtype(q.dtype)
     plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, need_grad)
     p_sink = _empty(q, acc)
