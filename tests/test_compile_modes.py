@@ -513,7 +513,8 @@ def test_nan_rule_and_overflow_refusal_on_the_compiled_block_engine() -> None:
     big_q, big_k, _ = _inputs(torch.float32, n=ENGINE_N)
     with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.sliding_window(32))
-    with pytest.raises(ValueError) as compiled_error:  # the operator runs eager's check: its message, values included
+    # the operator runs eager's check: its message, values included
+    with pytest.raises(ValueError, match="beyond half the largest float32") as compiled_error:
         compiled(big_q * 1e19, big_k * 1e19, v)
     assert str(compiled_error.value) == str(eager_error.value)
 
@@ -530,7 +531,7 @@ def test_compiled_block_engine_refuses_an_overflow_with_eagers_error(name: str) 
     with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
         qkv.attention(q, k, v, **kwargs)
     compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, **kwargs), backend="aot_eager", fullgraph=True)
-    with pytest.raises(ValueError) as compiled_error:
+    with pytest.raises(ValueError, match="beyond half the largest float32") as compiled_error:
         compiled(q, k, v)
     assert str(compiled_error.value) == str(eager_error.value)
 
