@@ -34,9 +34,10 @@ the engine: the overflow refusal (`qkv.backends.overflow`, eager's ValueError an
 graph code in `qkv.attention.problem` is left out, `qkv.attention.execute.checks_values_itself`)
 and the NaN rule (`qkv.attention.nan_rule`): the magnitude scan of q, k, v (which tells whether
 they are finite), and only when an entry is not finite the
-affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; the
-caller sets the rows to NaN in the graph, so autograd gives them no gradient, and the backward
-operator gives the non-finite entries none. The traced rule's tensor passes (finite copies of
+affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; with a
+gradient to come the caller sets the rows to NaN in the graph, so autograd gives them no
+gradient, and the backward operator gives the non-finite entries none; without, the operator
+sets them (no pass over the output in the graph). The traced rule's tensor passes (finite copies of
 q, k, v, a mask over the output) cost more than the engine itself for narrow windows.
 `qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`).
 
@@ -144,8 +145,12 @@ def block_attention_op(
         q_, k_, v_, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, kernel_scale, terms.softcap,
         forward_kernel, backward_kernel, need_grad,
     )
+    # (N, H, L, Ev); no slice in the graph when Ep = Ev (autograd's slice_backward would copy the gradient)
+    out = out if out.shape[3] == v.shape[3] else out[..., : v.shape[3]]
+    if not need_grad:
+        return out, lse  # in q's dtype, the NaN rule applied by the operator
     # the NaN rule's last step here, in the graph, so that autograd passes those rows no gradient
-    out = out[..., : v.shape[3]].to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+    out = out.to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
     return out, lse.masked_fill(bad_rows, float("nan"))
 
 
@@ -188,7 +193,7 @@ def _cached_plan(mask_spec: str, sizes: BlockSizes) -> BlockPlan:
     return plan_for(mask, sizes, BlockConfig())
 
 
-def _plan(mask: Mask | None, mask_spec: str, has_mask_tensors: bool, q: torch.Tensor, S: int, bias: Bias | None,
+def _plan(mask: Mask | None, mask_spec: str, mask_tensors: Sequence[torch.Tensor], q: torch.Tensor, S: int, bias: Bias | None,
           softcap: float | None, need_grad: bool) -> BlockPlan:
     N, H, L, Ep = q.shape
     if softcap is not None:
@@ -201,7 +206,7 @@ def _plan(mask: Mask | None, mask_spec: str, has_mask_tensors: bool, q: torch.Te
         N=N, H=H, L=L, S=S, Ep=Ep, itemsize=q.element_size(), mask_heads=mask_heads, need_grad=need_grad,
         score_terms=bias is not None or softcap is not None,
     )
-    if not has_mask_tensors:
+    if not mask_tensors:
         return _cached_plan(mask_spec, sizes)
     return plan_for(mask, sizes, BlockConfig(), q.device)
 
@@ -210,18 +215,30 @@ def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty((0,), dtype=dtype)
 
 
-def _row_major(x: torch.Tensor) -> torch.Tensor:
-    """x (N, H, L, ...) stored query-row major, as (N, L, H, ...) transposed: the layout in which
-    the engine writes its results (`calls.run_calls`), made certain, since a fake kernel must
-    name the strides (Inductor checks them). Empty tensors pass as they are."""
+def _head_major(forward_kernel: str) -> bool:
+    """Whether the results of ``forward_kernel`` come head major, (N, H, L, ...) contiguous, as
+    the fused bf16 interval kernel writes them; the engine's calls (`calls.run_calls`) write
+    them query-row major, (N, L, H, ...) transposed. A fake kernel must name the strides
+    (Inductor checks them): it names the layout that the kernel writes, so that the operator
+    copies nothing unless the kernel falls back at run time (`_with_intervals`)."""
+    return forward_kernel == "interval_bf16"
+
+
+def _laid_out(x: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """x (N, H, L, ...) in the layout `_head_major` names, copied only when it is not. Empty
+    tensors pass as they are."""
     if x.numel() == 0:
         return x
+    if head_major:
+        return x.contiguous()
     moved = x.transpose(1, 2)  # (N, L, H, ...)
     return x if moved.is_contiguous() else moved.contiguous().transpose(1, 2)
 
 
-def _row_major_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized (N, H, L, ...) tensor in `_row_major`'s layout (for the fake kernels)."""
+def _laid_out_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, head_major: bool) -> torch.Tensor:
+    """An uninitialized (N, H, L, ...) tensor in `_laid_out`'s layout (for the fake kernels)."""
+    if head_major:
+        return like.new_empty(shape, dtype=dtype)
     N, H, L, *rest = shape
     return like.new_empty((N, L, H, *rest), dtype=dtype).transpose(1, 2)
 
@@ -282,9 +299,11 @@ def _forward_op(
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
     sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
     or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
-    Last, the rows (N, H, L) bool that the NaN rule makes NaN: the engine runs on the inputs with
-    their non-finite entries replaced by 0, and the caller sets those rows to NaN (the saved
-    output stays finite, as eager's autograd Function saves it)."""
+    Last, with ``need_grad``, the rows (N, H, L) bool that the NaN rule makes NaN: the engine
+    runs on the inputs with their non-finite entries replaced by 0, and the caller sets those
+    rows to NaN (the saved output stays finite, as eager's autograd Function saves it); without,
+    an empty tensor, and the operator has set them to NaN itself. Results come in the layout
+    `_head_major` names for ``forward_kernel``."""
     del backward_kernel
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
@@ -295,10 +314,8 @@ def _forward_op(
     bad_rows = _bad_rows(q, k, v, mask) if nonfinite else None
     if bad_rows is not None:
         q, k, v = _finite(q), _finite(k), _finite(v)
-    else:
-        bad_rows = torch.zeros(q.shape[:3], dtype=torch.bool)
     acc = accumulation_dtype(q.dtype)
-    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, need_grad)
+    plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, need_grad)
     p_sink = _empty(q, acc)
     if bias is None and softcap is None:
         run = BlockRun(plan, mask, scale)
@@ -317,8 +334,17 @@ def _forward_op(
             shift, rest = _empty(q, acc), _empty(q, acc)
     if not need_grad:
         p_sink = _empty(q, acc)
-    results = tuple(_row_major(x) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
-    return (*results, bad_rows.contiguous())  # type: ignore[return-value]
+    if not need_grad and bad_rows is not None:
+        # the NaN rule's last step: without a backward to come, here rather than in the graph,
+        # which would otherwise pass over the whole output on every call
+        out, lse = out.masked_fill(bad_rows.unsqueeze(-1), float("nan")), lse.masked_fill(bad_rows, float("nan"))
+    if need_grad:
+        rows = torch.zeros(q.shape[:3], dtype=torch.bool) if bad_rows is None else bad_rows.contiguous()
+    else:
+        rows = _empty(q, torch.bool)
+    head_major = _head_major(forward_kernel)
+    results = tuple(_laid_out(x, head_major) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
+    return (*results, rows)  # type: ignore[return-value]
 
 
 @_forward_op.register_fake
@@ -327,13 +353,15 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
     acc = accumulation_dtype(q.dtype)
     with_terms = bias_spec != "None" or softcap is not None
 
-    def rows(present: bool) -> torch.Tensor:
-        return _row_major_empty(q, (N, H, L), acc) if present else q.new_empty((0,), dtype=acc)
+    head_major = _head_major(forward_kernel)
 
-    out = _row_major_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype)
+    def rows(present: bool) -> torch.Tensor:
+        return _laid_out_empty(q, (N, H, L), acc, head_major) if present else q.new_empty((0,), dtype=acc)
+
+    out = _laid_out_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype, head_major)
     return (
         out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad),
-        q.new_empty((N, H, L), dtype=torch.bool),
+        q.new_empty((N, H, L) if need_grad else (0,), dtype=torch.bool),
     )
 
 
@@ -349,7 +377,7 @@ def _backward_op(
     bias tensors' gradients, empty where not asked for) from the forward's saved outputs."""
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
-    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, True)
+    plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, True)
     # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
     # gradient where they were not finite (eager's torch.where); the caller's masked_fill has
     # zeroed the gradients of the rows it made NaN
