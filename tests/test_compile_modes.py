@@ -702,3 +702,27 @@ def test_nan_rule_gradients_on_the_compiled_block_engine_equal_eager(name: str) 
     for got, want in zip(compiled_grads, eager_grads, strict=True):
         assert got is not None and want is not None and not want.isnan().any()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_backward_operator_reuses_the_forwards_plan_for_mask_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents: the backward operator finds the plan the forward made from equal ids (eager's
+    autograd Function keeps its plan too); ids with other values are planned anew, and the
+    gradients equal eager's for both."""
+    from qkv.backends.blocks import ops
+
+    planned: list[int] = []
+    original = ops.plan_for
+    monkeypatch.setattr(ops, "_DATA_PLANS", [])
+    monkeypatch.setattr(ops, "plan_for", lambda *args, **kwargs: planned.append(1) or original(*args, **kwargs))
+    compiled = torch.compile(lambda q, k, v, ids: qkv.attention(q, k, v, qkv.masks.documents(ids)), backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    first, second = _ids(ENGINE_N), torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([100, 250, 34]))
+    for ids, plans in ((first, 1), (second, 2)):
+        eager_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        compiled(*compiled_in, ids).square().sum().backward()
+        assert len(planned) == plans  # one plan per ids, made by the forward operator
+        qkv.attention(*eager_in, qkv.masks.documents(ids)).square().sum().backward()  # plans by dispatch
+        for got, want in zip(compiled_in, eager_in, strict=True):
+            assert got.grad is not None and want.grad is not None
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
