@@ -351,6 +351,28 @@ def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest
     assert seen == ["fused", "math"]
 
 
+@pytest.mark.parametrize("window", [(16, 0), (224, 112), (96, 96)], ids=["narrow", "near the threshold", "wide"])
+def test_traced_auto_decides_by_the_planned_tiles_as_eager(window: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager counts the planned tiles against the engine's threshold; traced dispatch decides by
+    the same share. sliding_window(224, 112) at n = 512 leaves 53.8 % of the pairs visible but
+    its tiles compute 68.3 %: eager takes SDPA, and so must the traced call."""
+    seen: list[str] = []
+    real = dispatch.choose_path
+
+    def spy(*args: Any, **kwargs: Any) -> dispatch.Plan:
+        plan = real(*args, **kwargs)
+        seen.append(plan.path)
+        return plan
+
+    monkeypatch.setattr(functional, "choose_path", spy)
+    big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
+    mask = qkv.masks.sliding_window(*window)
+    qkv.attention(*big, mask)
+    torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="eager", fullgraph=True)(*big)
+    assert seen[0] == seen[1], seen
+    assert seen[0] == ("fused" if window == (224, 112) else "blocks")
+
+
 def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
     # the traced call takes the math path (the tile paths plan on the host); one graph, no break
     torch._dynamo.reset()

@@ -57,6 +57,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
@@ -89,7 +90,7 @@ from qkv.masks import (
 )
 from qkv.scores import ScoreTerms
 
-__all__ = ["block_attention_op", "encodable", "plan_for"]
+__all__ = ["block_attention_op", "encodable", "plan_for", "planned_share"]
 
 # spec name -> constructor, for `spec_codec.decode`
 _MASKS = {
@@ -194,6 +195,19 @@ def _cached_plan(mask_spec: str, sizes: BlockSizes) -> BlockPlan:
     """`plan_for` a mask without tensors (its spec says all): the same plan for the same sizes."""
     mask, _ = _decode(mask_spec, "None", (), ())
     return plan_for(mask, sizes, BlockConfig())
+
+
+@torch.compiler.assume_constant_result
+def planned_share(mask_spec: str, N: int, H: int, L: int, S: int, Ep: int, itemsize: int, mask_heads: int,
+                  need_grad: bool) -> float:
+    """The share of the score matrix (over all batch rows) that the engine's calls compute for
+    a mask without tensors, given by its spec, at these sizes: what eager's dispatch compares
+    with its threshold. A constant to Dynamo, which cannot follow the planner: traced dispatch
+    decides by it as eager does, without a graph break."""
+    sizes = BlockSizes(N=N, H=H, L=L, S=S, Ep=Ep, itemsize=itemsize, mask_heads=mask_heads, need_grad=need_grad, score_terms=False)
+    # real tensors for the planner, also under a fake tensor mode (qkv.explain of fake inputs)
+    with unset_fake_temporarily():
+        return _cached_plan(mask_spec, sizes).computed_pairs() / (N * L * S)
 
 
 def _plan(mask: Mask | None, mask_spec: str, mask_tensors: Sequence[torch.Tensor], q: torch.Tensor, S: int, bias: Bias | None,
