@@ -607,11 +607,12 @@ def test_operators_pass_opcheck() -> None:
         q_, k_, v_ = (x.clone().requires_grad_(rest[-1]) for x in (q, k, v))
         torch.library.opcheck(torch.ops.qkv.blocks_forward.default, (q_, k_, v_, *rest))
     # the backward operator on a forward's saved outputs, with the lse's gradient and the sinks'
-    out, lse, shift, rest_, p_sink, _ = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
+    out, lse, shift, rest_, p_sink, rows, nonfinite = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
                                                                   None, "cpu_flash_tiles", "engine_per_call", True)
     grad_out, grad_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
     torch.library.opcheck(torch.ops.qkv.blocks_backward.default, (
-        grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, [ids], [], documents, "None", 0.3, None,
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, rows, nonfinite, [ids], [], documents, "None",
+        0.3, None,
         "cpu_flash_tiles", "engine_per_call", True, [],
     ))
 
@@ -748,3 +749,31 @@ def test_backward_operator_reuses_the_forwards_plan_for_mask_tensors(monkeypatch
         for got, want in zip(compiled_in, eager_in, strict=True):
             assert got.grad is not None and want.grad is not None
             torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_nan_rows_pass_no_gradient_when_the_loss_reads_them(dtype: torch.dtype) -> None:
+    """A loss that reads the NaN rows themselves (out.sum(), the lse too) sends them a gradient:
+    the backward operator drops it as eager's masked_fill does, and the non-finite v entry at
+    key 200 gets none; every gradient equals eager's (bfloat16 runs the fused interval kernels)."""
+    q, k, v = _inputs(dtype, n=ENGINE_N)
+    q[0, 1, 3, 0] = float("inf")
+    v[0, 0, 200, 2] = float("nan")
+    results = []
+    for compiled in (False, True):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = qkv.attention(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8), return_lse=True)
+            return out.float().sum() + lse.sum(), out
+
+        run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+        total, out = run(*leaves)
+        assert total.isnan()  # the loss reads the NaN rows
+        total.backward()
+        results.append((out, [x.grad for x in leaves]))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    torch.testing.assert_close(compiled_out, eager_out, atol=0, rtol=0, equal_nan=True)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        assert got is not None and want is not None and not want.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-6 if dtype == torch.float32 else 1e-2)

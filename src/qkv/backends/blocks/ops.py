@@ -102,11 +102,11 @@ _BIASES = {"alibi": ALiBi, "relative": Relative, "dense_bias": DenseBias, "sum":
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool need_grad) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor shift, "
-    "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
+    "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor rows, Tensor nonfinite, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool sinks_grad, "
     "bool[] bias_grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
@@ -145,17 +145,14 @@ def block_attention_op(
     mask_spec = spec_codec.encode(mask, mask_tensors)
     bias_spec = spec_codec.encode(terms.bias, bias_tensors)
     assert mask_spec is not None and bias_spec is not None  # dispatch checks `encodable`
-    out, lse, _, _, _, bad_rows = torch.ops.qkv.blocks_forward(
+    out, lse, *_ = torch.ops.qkv.blocks_forward(
         q_, k_, v_, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, kernel_scale, terms.softcap,
         forward_kernel, backward_kernel, need_grad,
     )
     # (N, H, L, Ev); no slice in the graph when Ep = Ev (autograd's slice_backward would copy the gradient)
     out = out if out.shape[3] == v.shape[3] else out[..., : v.shape[3]]
-    if not need_grad:
-        return out, lse  # in q's dtype, the NaN rule applied by the operator
-    # the NaN rule's last step here, in the graph, so that autograd passes those rows no gradient
-    out = out.to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
-    return out, lse.masked_fill(bad_rows, float("nan"))
+    # the NaN rule applied by the operator; the backward operator gives its rows no gradient
+    return out.to(q.dtype), lse
 
 
 # Runs at graph run time ---------------------------------------------------------------------------
@@ -345,16 +342,16 @@ def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mask_tensors: Sequence[torch.Tensor],
     bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str, scale: float, softcap: float | None,
     forward_kernel: str, backward_kernel: str, need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
     sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
     or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
-    Last, with ``need_grad``, the rows (N, H, L) bool that the NaN rule makes NaN: the engine
-    runs on the inputs with their non-finite entries replaced by 0, and the caller sets those
-    rows to NaN (the saved output stays finite, as eager's autograd Function saves it); without,
-    an empty tensor, and the operator has set them to NaN itself. Results come in the layout
-    `_head_major` names for ``forward_kernel``."""
+    Then, with ``need_grad``, the rows (N, H, L) bool that the NaN rule makes NaN (else empty),
+    and whether q, k or v holds a non-finite entry (0-d bool), for the backward: the engine runs
+    on the inputs with their non-finite entries replaced by 0 and the operator sets those rows
+    of the output and lse to NaN. Results come in the layout `_head_major` names for
+    ``forward_kernel``."""
     del backward_kernel
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
@@ -385,9 +382,9 @@ def _forward_op(
             shift, rest = _empty(q, acc), _empty(q, acc)
     if not need_grad:
         p_sink = _empty(q, acc)
-    if not need_grad and bad_rows is not None:
-        # the NaN rule's last step: without a backward to come, here rather than in the graph,
-        # which would otherwise pass over the whole output on every call
+    if bad_rows is not None:
+        # the NaN rule's last step, here rather than in the graph, which would pass over the whole
+        # output on every call; the backward operator zeroes these rows' gradients (`_backward_op`)
         out, lse = out.masked_fill(bad_rows.unsqueeze(-1), float("nan")), lse.masked_fill(bad_rows, float("nan"))
     if need_grad:
         rows = torch.zeros(q.shape[:3], dtype=torch.bool) if bad_rows is None else bad_rows.contiguous()
@@ -395,7 +392,7 @@ def _forward_op(
         rows = _empty(q, torch.bool)
     head_major = _head_major(forward_kernel)
     results = tuple(_laid_out(x, head_major) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
-    return (*results, rows)  # type: ignore[return-value]
+    return (*results, rows, torch.tensor(nonfinite))  # type: ignore[return-value]
 
 
 @_forward_op.register_fake
@@ -412,7 +409,7 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
     out = _laid_out_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype, head_major)
     return (
         out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad),
-        q.new_empty((N, H, L) if need_grad else (0,), dtype=torch.bool),
+        q.new_empty((N, H, L) if need_grad else (0,), dtype=torch.bool), q.new_empty((), dtype=torch.bool),
     )
 
 
@@ -420,7 +417,7 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
 def _backward_op(
     grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, shift: torch.Tensor, rest: torch.Tensor, sinks: torch.Tensor | None, p_sink: torch.Tensor,
-    mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
+    rows: torch.Tensor, nonfinite: torch.Tensor, mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
     scale: float, softcap: float | None, forward_kernel: str, backward_kernel: str, sinks_grad: bool,
     bias_grads: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -430,10 +427,15 @@ def _backward_op(
     L, S = q.shape[2], k.shape[2]
     plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, True)
     # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
-    # gradient where they were not finite (eager's torch.where); the caller's masked_fill has
-    # zeroed the gradients of the rows it made NaN
+    # gradient where they were not finite (eager's torch.where), and made ``rows`` NaN, which pass
+    # none (eager's masked_fill); the saved output and lse of those rows are NaN: 0 and the largest
+    # float instead give them probabilities 0, so they add nothing to the other gradients
     originals = (q, k, v)
-    q, k, v = _finite(q), _finite(k), _finite(v)
+    if bool(nonfinite):
+        q, k, v = _finite(q), _finite(k), _finite(v)
+        per_row = rows.unsqueeze(-1)  # (N, H, L, 1)
+        grad_out, grad_lse = grad_out.masked_fill(per_row, 0.0), grad_lse.masked_fill(rows, 0.0)
+        out, lse = out.masked_fill(per_row, 0.0), lse.masked_fill(rows, torch.finfo(lse.dtype).max)
     lse_grad: torch.Tensor | None = grad_lse if bool(grad_lse.any()) else None  # autograd passes zeros for an unused lse
     d_sinks = _empty(q, q.dtype) if sinks is None else torch.zeros_like(sinks)
     if sinks is not None and sinks_grad:
@@ -465,7 +467,7 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, rows, nonfinite, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
                    mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, sinks_grad, bias_grads):
     d_sinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     d_bias = [t.new_empty(t.shape if need else (0,)) for t, need in zip(bias_tensors, bias_grads, strict=True)]
@@ -474,8 +476,8 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
     q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad = inputs
-    out, lse, shift, rest, p_sink, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
+    out, lse, shift, rest, p_sink, rows, nonfinite = output
+    ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, rows, nonfinite, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
     ctx.has_sinks, ctx.mask_count = sinks is not None, len(mask_tensors)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad
     ctx.bias_grads = [t.requires_grad for t in bias_tensors]
@@ -483,16 +485,16 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.need_grad = need_grad
 
 
-def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows):  # type: ignore[no-untyped-def]
-    del grad_shift, grad_rest, grad_p_sink, grad_rows  # saved for the backward, not results: no gradient flows in
+def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows, grad_nonfinite):  # type: ignore[no-untyped-def]
+    del grad_shift, grad_rest, grad_p_sink, grad_rows, grad_nonfinite  # saved for the backward, not results: no gradient flows in
     if not ctx.need_grad:
         raise RuntimeError("qkv::blocks_forward ran with need_grad=False, it saved nothing for a backward pass")
-    q, k, v, out, lse, shift, rest, p_sink, *saved = ctx.saved_tensors
+    q, k, v, out, lse, shift, rest, p_sink, rows, nonfinite, *saved = ctx.saved_tensors
     sinks = saved.pop(0) if ctx.has_sinks else None
     mask_tensors, bias_tensors = saved[: ctx.mask_count], saved[ctx.mask_count :]
     mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel = ctx.strings
     dq, dk, dv, d_sinks, d_bias = torch.ops.qkv.blocks_backward(
-        grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors, mask_spec,
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, rows, nonfinite, mask_tensors, bias_tensors, mask_spec,
         bias_spec, scale, softcap, forward_kernel, backward_kernel, ctx.sinks_grad, ctx.bias_grads,
     )
     bias_result = [g if need else None for g, need in zip(d_bias, ctx.bias_grads, strict=True)]
