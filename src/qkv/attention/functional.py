@@ -227,8 +227,9 @@ def attention(
         - Traced (torch.compile, torch.export, torch.func's vmap / grad / jacrev): under
           torch.compile and torch.export 'auto' takes the CPU block engine where eager would,
           as the operators ``qkv::blocks_forward`` / ``qkv::blocks_backward``, which plan the
-          tiles when the graph runs (decided from the mask's Python parameters: an interval
-          mask by its visible fraction, a mask given by data by size; a score_mod or a
+          tiles when the graph runs (decided from the mask's Python parameters: a mask without
+          tensors by the share its planned tiles compute, as eagerly, a mask given by data by
+          size; a score_mod or a
           predicate mask, Python functions, cannot enter an operator and keep to the dense
           paths); backend='blocks' works there too. Everything else, and everything under
           torch.func (the math path) and ONNX exports, keeps to the dense paths (SDPA, the math
@@ -236,7 +237,8 @@ def attention(
           as dense masks built from their Python parameters. The NaN rule runs as tensor
           operations, and the refusals (overflow, NaN or +inf in a float mask, bias or sinks)
           run inside the graph (a ``qkv::check`` operator) and raise RuntimeError when it
-          runs. An ONNX graph carries no such check (ONNX has no operator for it).
+          runs; the block engine's operators apply the NaN rule and refuse an overflow or a
+          bad bias themselves when they run, with eager's ValueError. An ONNX graph carries no such check (ONNX has no operator for it).
           backend='flex' and 'decode', and 'blocks' under vmap, plan on the host and refuse to
           be traced, with a ValueError saying so.
         - Determinism: two calls with the same inputs and thread count give bitwise equal
