@@ -351,6 +351,28 @@ def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest
     assert seen == ["fused", "math"]
 
 
+@pytest.mark.parametrize("window", [(16, 0), (224, 112), (96, 96)], ids=["narrow", "near the threshold", "wide"])
+def test_traced_auto_decides_by_the_planned_tiles_as_eager(window: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager counts the planned tiles against the engine's threshold; traced dispatch decides by
+    the same share. sliding_window(224, 112) at n = 512 leaves 53.8 % of the pairs visible but
+    its tiles compute 68.3 %: eager takes SDPA, and so must the traced call."""
+    seen: list[str] = []
+    real = dispatch.choose_path
+
+    def spy(*args: Any, **kwargs: Any) -> dispatch.Plan:
+        plan = real(*args, **kwargs)
+        seen.append(plan.path)
+        return plan
+
+    monkeypatch.setattr(functional, "choose_path", spy)
+    big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
+    mask = qkv.masks.sliding_window(*window)
+    qkv.attention(*big, mask)
+    torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="eager", fullgraph=True)(*big)
+    assert seen[0] == seen[1], seen
+    assert seen[0] == ("fused" if window == (224, 112) else "blocks")
+
+
 def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
     # the traced call takes the math path (the tile paths plan on the host); one graph, no break
     torch._dynamo.reset()
@@ -445,6 +467,17 @@ def test_the_block_engine_compiles_whole_and_equals_eager(name: str, dtype: torc
     torch.testing.assert_close(compiled.double(), expected, atol=TOLERANCE[dtype] if dtype == torch.bfloat16 else 5e-6, rtol=0)
 
 
+def test_a_first_bfloat16_call_under_compile_traces_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled kernels' toolchain check (a PATH scan, kept per process) may first run while
+    Dynamo traces, when no eager bf16 call came before: it must not break the graph there."""
+    from qkv.native import build
+
+    monkeypatch.setattr(build, "_TOOLCHAIN", {})  # as in a fresh process
+    q, k, v = _inputs(torch.bfloat16, n=ENGINE_N)
+    report = torch._dynamo.explain(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8)))(q, k, v)
+    assert report.graph_break_count == 0, [r.reason for r in report.break_reasons]
+
+
 def _leaves(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of a case that take gradients beyond q, k, v."""
     return {"alibi": {"slopes": t["slopes"]}, "relative": {"table": t["table"]}, "sinks": {"sinks": t["sinks"]}}.get(name, {})
@@ -500,10 +533,29 @@ def test_nan_rule_and_overflow_refusal_on_the_compiled_block_engine() -> None:
     assert out.isnan().all(dim=-1).eq(bad).all()
     torch.testing.assert_close(out, qkv.attention(q, k, v, qkv.masks.sliding_window(32)), atol=0, rtol=0, equal_nan=True)
     big_q, big_k, _ = _inputs(torch.float32, n=ENGINE_N)
-    with pytest.raises(RuntimeError, match="reach beyond half the largest float32"):
-        compiled(big_q * 1e19, big_k * 1e19, v)
-    with pytest.raises(ValueError, match="beyond half the largest float32"):
+    with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.sliding_window(32))
+    # the operator runs eager's check: its message, values included
+    with pytest.raises(ValueError, match="beyond half the largest float32") as compiled_error:
+        compiled(big_q * 1e19, big_k * 1e19, v)
+    assert str(compiled_error.value) == str(eager_error.value)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "documents", "alibi", "softcap", "sinks"])
+def test_compiled_block_engine_refuses_an_overflow_with_eagers_error(name: str) -> None:
+    """Finite q and k whose scores overflow float32: the compiled block engine raises eager's
+    ValueError, message and values included, before the engine runs."""
+    t = _engine_tensors()
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    q, k = q * 1e19, k * 1e19  # |q_i| |k_j| ~ 1e39 * E: beyond half float32's largest (1.7e38)
+    kwargs = _engine_kwargs(name, t)
+    assert "qkv.blocks_forward" in _ops_in_graph(lambda q, k, v: qkv.attention(q / 1e19, k / 1e19, v, **kwargs), q, k, v)
+    with pytest.raises(ValueError, match="beyond half the largest float32") as eager_error:
+        qkv.attention(q, k, v, **kwargs)
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, **kwargs), backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="beyond half the largest float32") as compiled_error:
+        compiled(q, k, v)
+    assert str(compiled_error.value) == str(eager_error.value)
 
 
 def test_backend_blocks_compiles_and_refuses_what_cannot_enter_its_operator() -> None:
@@ -555,11 +607,12 @@ def test_operators_pass_opcheck() -> None:
         q_, k_, v_ = (x.clone().requires_grad_(rest[-1]) for x in (q, k, v))
         torch.library.opcheck(torch.ops.qkv.blocks_forward.default, (q_, k_, v_, *rest))
     # the backward operator on a forward's saved outputs, with the lse's gradient and the sinks'
-    out, lse, shift, rest_, p_sink, _ = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
+    out, lse, shift, rest_, p_sink, rows, nonfinite = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
                                                                   None, "cpu_flash_tiles", "engine_per_call", True)
     grad_out, grad_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
     torch.library.opcheck(torch.ops.qkv.blocks_backward.default, (
-        grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, [ids], [], documents, "None", 0.3, None,
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, rows, nonfinite, [ids], [], documents, "None",
+        0.3, None,
         "cpu_flash_tiles", "engine_per_call", True, [],
     ))
 
@@ -672,3 +725,55 @@ def test_nan_rule_gradients_on_the_compiled_block_engine_equal_eager(name: str) 
     for got, want in zip(compiled_grads, eager_grads, strict=True):
         assert got is not None and want is not None and not want.isnan().any()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_backward_operator_reuses_the_forwards_plan_for_mask_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents: the backward operator finds the plan the forward made from equal ids (eager's
+    autograd Function keeps its plan too); ids with other values are planned anew, and the
+    gradients equal eager's for both."""
+    from qkv.backends.blocks import ops
+
+    planned: list[int] = []
+    original = ops.plan_for
+    monkeypatch.setattr(ops, "_DATA_PLANS", [])
+    monkeypatch.setattr(ops, "plan_for", lambda *args, **kwargs: planned.append(1) or original(*args, **kwargs))
+    compiled = torch.compile(lambda q, k, v, ids: qkv.attention(q, k, v, qkv.masks.documents(ids)), backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    first, second = _ids(ENGINE_N), torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([100, 250, 34]))
+    for ids, plans in ((first, 1), (second, 2)):
+        eager_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        compiled(*compiled_in, ids).square().sum().backward()
+        assert len(planned) == plans  # one plan per ids, made by the forward operator
+        qkv.attention(*eager_in, qkv.masks.documents(ids)).square().sum().backward()  # plans by dispatch
+        for got, want in zip(compiled_in, eager_in, strict=True):
+            assert got.grad is not None and want.grad is not None
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_nan_rows_pass_no_gradient_when_the_loss_reads_them(dtype: torch.dtype) -> None:
+    """A loss that reads the NaN rows themselves (out.sum(), the lse too) sends them a gradient:
+    the backward operator drops it as eager's masked_fill does, and the non-finite v entry at
+    key 200 gets none; every gradient equals eager's (bfloat16 runs the fused interval kernels)."""
+    q, k, v = _inputs(dtype, n=ENGINE_N)
+    q[0, 1, 3, 0] = float("inf")
+    v[0, 0, 200, 2] = float("nan")
+    results = []
+    for compiled in (False, True):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = qkv.attention(q, k, v, qkv.masks.sliding_window(ENGINE_N // 8), return_lse=True)
+            return out.float().sum() + lse.sum(), out
+
+        run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+        total, out = run(*leaves)
+        assert total.isnan()  # the loss reads the NaN rows
+        total.backward()
+        results.append((out, [x.grad for x in leaves]))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    torch.testing.assert_close(compiled_out, eager_out, atol=0, rtol=0, equal_nan=True)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        assert got is not None and want is not None and not want.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-6 if dtype == torch.float32 else 1e-2)

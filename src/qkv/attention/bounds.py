@@ -15,25 +15,15 @@ never correctness.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from qkv.backends.overflow import largest_magnitude
+
 __all__ = ["KVBounds", "largest_magnitude"]
 
 _Identity = tuple[object, ...]
-
-
-def largest_magnitude(x: torch.Tensor) -> float:
-    """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN), one pass in x's dtype."""
-    if x.numel() == 0:
-        return 0.0
-    with torch.no_grad():
-        low, high = (float(t) for t in torch.aminmax(x))
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return math.inf
-    return max(-low, high)
 
 
 def _identity(x: torch.Tensor) -> _Identity:

@@ -29,10 +29,11 @@ from typing import Literal
 
 import torch
 
+from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
-from qkv.backends.blocks.ops import encodable
+from qkv.backends.blocks.ops import encodable, planned_share
 from qkv.backends.blocks.planner import (
     BlockConfig,
     BlockPlan,
@@ -839,9 +840,9 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
 def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for a structured mask while torch.compile / torch.export trace: the block engine's
     operators when eager would choose the engine, decided from the mask's Python parameters (the
-    values of its tensors are not known): an interval mask by its visible fraction, computed by
-    arithmetic (`Mask.visible_pairs`; eager counts the planned tiles, a little more); a mask given
-    by data (documents, varlen, key padding) by size alone. A bool tensor (`qkv.masks.dense`)
+    values of its tensors are not known): a mask without tensors (causal, windows, prefix-LM) by
+    the share of the score matrix its planned tiles compute, as eagerly (`ops.planned_share`, a
+    constant to Dynamo); a mask given by data (documents, varlen, key padding) by size alone. A bool tensor (`qkv.masks.dense`)
     stays on SDPA, which reads it as it is."""
     mask = problem.mask
     assert isinstance(mask, Mask)
@@ -849,15 +850,26 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
         return None
     L, S = problem.L, problem.S
     pairs = mask.visible_pairs(L, S)
+    tensors: list[torch.Tensor] = []
+    spec = spec_codec.encode(mask, tensors)
+    sizes = (problem.N, problem.H, L, S, max(problem.E, problem.Ev), problem.q.element_size(), mask_heads(problem))
     if pairs is None:
         reason = f"{mask.describe()} at {L * S:,} pairs per head: the CPU block engine skips its empty tiles; {_TRACED_OPERATOR}"
-    else:
-        visited = pairs / (L * S)
+    elif spec is not None and not tensors and all(type(n) is int for n in sizes):
+        visited = planned_share(spec, *sizes, needs_grad(problem))
         if visited > _SPARSE_MAX_VISITED:
             return None
         reason = (
-            f"{mask.describe()} leaves {visited:.1%} of the score matrix visible (from its parameters); the CPU "
-            f"block engine computes about that and skips the rest; {_TRACED_OPERATOR}"
+            f"{mask.describe()} leaves {pairs / (L * S):.1%} of the score matrix visible (from its parameters); "
+            f"the CPU block engine computes {visited:.1%} and skips the rest; {_TRACED_OPERATOR}"
+        )
+    else:
+        visited = pairs / (L * S)  # an upper bound of a mask with tensors (`&` of key padding)
+        if visited > _SPARSE_MAX_VISITED:
+            return None
+        reason = (
+            f"{mask.describe()} leaves at most {visited:.1%} of the score matrix visible (from its parameters); the "
+            f"CPU block engine computes about that and skips the rest; {_TRACED_OPERATOR}"
         )
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)
 

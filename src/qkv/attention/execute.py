@@ -24,7 +24,7 @@ from qkv.masks import Mask
 from qkv.native import short_bf16
 from qkv.scores import ScoreTerms
 
-__all__ = ["applies_nan_rule", "pack", "run", "run_weights"]
+__all__ = ["applies_nan_rule", "checks_values_itself", "pack", "run", "run_weights"]
 
 Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -142,6 +142,14 @@ def applies_nan_rule(problem: AttentionProblem, plan: Plan) -> bool:
     engine's operators while torch.compile / torch.export trace, which find the rows with the
     values at hand, as eagerly, instead of the traced rule's passes over q, k, v and the output."""
     return plan.path == "blocks" and plan.deferred and private_torch.host_unreadable(problem.q, problem.k, problem.v)
+
+
+def checks_values_itself(problem: AttentionProblem, plan: Plan) -> bool:
+    """Whether running ``plan`` refuses an overflow itself, as eagerly and with eager's message
+    (`qkv.backends.overflow`): the block engine's forward operator where it applies the NaN rule,
+    with a scale it receives as given (a zero scale reaches its kernel as q * 0 and scale 1,
+    which no longer bound the scores; the graph's check, `qkv.attention.problem`, takes it)."""
+    return applies_nan_rule(problem, plan) and problem.scale != 0.0
 
 
 def _run_tiles(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = None) -> Result:

@@ -29,10 +29,16 @@ from qkv._log import note_once
 from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds
 from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
-from qkv.attention.execute import applies_nan_rule, pack, run, run_weights
+from qkv.attention.execute import applies_nan_rule, checks_values_itself, pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
-from qkv.attention.problem import autocast_dtype, check_indices, describe_problem, scan_magnitudes
+from qkv.attention.problem import (
+    autocast_dtype,
+    check_indices,
+    describe_problem,
+    scan_magnitudes,
+    with_traced_check,
+)
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native import magnitude
@@ -222,8 +228,9 @@ def attention(
         - Traced (torch.compile, torch.export, torch.func's vmap / grad / jacrev): under
           torch.compile and torch.export 'auto' takes the CPU block engine where eager would,
           as the operators ``qkv::blocks_forward`` / ``qkv::blocks_backward``, which plan the
-          tiles when the graph runs (decided from the mask's Python parameters: an interval
-          mask by its visible fraction, a mask given by data by size; a score_mod or a
+          tiles when the graph runs (decided from the mask's Python parameters: a mask without
+          tensors by the share its planned tiles compute, as eagerly, a mask given by data by
+          size; a score_mod or a
           predicate mask, Python functions, cannot enter an operator and keep to the dense
           paths); backend='blocks' works there too. Everything else, and everything under
           torch.func (the math path) and ONNX exports, keeps to the dense paths (SDPA, the math
@@ -231,7 +238,8 @@ def attention(
           as dense masks built from their Python parameters. The NaN rule runs as tensor
           operations, and the refusals (overflow, NaN or +inf in a float mask, bias or sinks)
           run inside the graph (a ``qkv::check`` operator) and raise RuntimeError when it
-          runs. An ONNX graph carries no such check (ONNX has no operator for it).
+          runs; the block engine's operators apply the NaN rule and refuse an overflow or a
+          bad bias themselves when they run, with eager's ValueError. An ONNX graph carries no such check (ONNX has no operator for it).
           backend='flex' and 'decode', and 'blocks' under vmap, plan on the host and refuse to
           be traced, with a ValueError saying so.
         - Determinism: two calls with the same inputs and thread count give bitwise equal
@@ -325,9 +333,11 @@ def _attend(
     (`qkv.attention.execute.run`); the output comes in it or in q's dtype."""
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, kv_bounds=kv_bounds,
-        sinks=sinks, q_max=q_max,
+        sinks=sinks, q_max=q_max, defer_traced_check=True,
     )
     plan = choose_path(problem, backend, return_weights, return_lse)
+    if not checks_values_itself(problem, plan):
+        problem = with_traced_check(problem)  # the overflow refusal as graph code, while traced
     if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device

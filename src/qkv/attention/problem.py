@@ -13,20 +13,22 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from qkv._private import torch as private_torch
-from qkv.attention.bounds import KVBounds, largest_magnitude
+from qkv.attention.bounds import KVBounds
+from qkv.backends import overflow
+from qkv.backends.overflow import compact
 from qkv.backends.softmax import accumulation_dtype
 from qkv.bias import Bias, as_bias
 from qkv.masks import Mask
-from qkv.native import magnitude
 from qkv.scores import ScoreMod, ScoreTerms, check_softcap
 
 __all__ = [
     "AttentionProblem", "autocast_dtype", "check_indices", "compact", "describe_problem", "normalize_mask", "scan_magnitudes",
+    "with_traced_check",
 ]
 
 
@@ -56,6 +58,8 @@ class AttentionProblem:
     # (torch.compile, export, vmap): the rule then runs as tensor operations, a no-op on finite inputs
     nonfinite: bool = False
     sinks: torch.Tensor | None = None  # (N | 1, H) attention-sink logits, float32 or wider
+    # traced, and the overflow refusal is not in the graph yet (`with_traced_check` adds it)
+    traced_check_pending: bool = False
 
     @property
     def N(self) -> int:
@@ -117,12 +121,15 @@ def describe_problem(
     kv_bounds: KVBounds | None = None,
     sinks: torch.Tensor | None = None,
     q_max: float | None = None,
+    defer_traced_check: bool = False,
 ) -> AttentionProblem:
     """Check every input of `qkv.attention` and return the flattened problem (a structured
     mask is checked against the sizes too). ``kv_bounds`` (`qkv.KVCache.bounds`), when it
     describes exactly k and v, replaces the scan of k and v by the data checks; ``q_max``
     (max |q|, inf when q is not finite), given by a caller that scanned q itself (a widened
-    call, on the bf16 tensor it copied exactly), replaces the scan of q."""
+    call, on the bf16 tensor it copied exactly), replaces the scan of q. ``defer_traced_check``:
+    while traced, leave the overflow refusal's graph code out (``traced_check_pending``) for a
+    caller that adds it by `with_traced_check` unless the path it chose checks the values itself."""
     if kv_bounds is not None and not isinstance(kv_bounds, KVBounds):
         raise TypeError(f"kv_bounds must be None or a KVBounds (KVCache.bounds), got {type(kv_bounds).__name__}")
     q, k, v = _check_tensor(q, "q"), _check_tensor(k, "k"), _check_tensor(v, "v")
@@ -168,7 +175,8 @@ def describe_problem(
     known = kv_bounds if kv_bounds is not None and not private_torch.host_unreadable(k, v) and kv_bounds.describes(k, v) else None
     bias_top = 0.0 if terms.bias is None else terms.bias.largest(L, S)
     nonfinite = _check_magnitudes(q, k, v, normalized, scale, terms.softcap, bias_top, known, q_max)
-    if private_torch.host_unreadable(q, k, v, normalized):
+    traced = private_torch.host_unreadable(q, k, v, normalized)
+    if traced and not defer_traced_check:
         # times the gate (1): the overflow check runs with the graph and raises there
         q = q * _traced_magnitudes(q, k, normalized, scale, terms.softcap, bias_top).to(q.dtype)
     if tuple(k.shape[:-3]) != batch_shape:
@@ -186,8 +194,21 @@ def describe_problem(
         terms=terms,
         nonfinite=nonfinite,
         sinks=sink_logits,
+        traced_check_pending=traced and defer_traced_check,
     )
     return problem
+
+
+def with_traced_check(problem: AttentionProblem) -> AttentionProblem:
+    """``problem`` with the overflow refusal's graph code that `describe_problem` deferred
+    (``traced_check_pending``): q times the gate of `_traced_magnitudes`, as it would have been."""
+    if not problem.traced_check_pending:
+        return problem
+    terms = problem.terms
+    bias_top = 0.0 if terms.bias is None else terms.bias.largest(problem.L, problem.S)
+    q = problem.q
+    gate = _traced_magnitudes(q, problem.k, problem.mask, problem.scale, terms.softcap, bias_top)
+    return replace(problem, q=q * gate.to(q.dtype), traced_check_pending=False)
 
 
 def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H: int) -> torch.Tensor | None:
@@ -216,21 +237,6 @@ def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H
     return sinks.expand(*target).reshape(-1, H)  # (*batch, H) -> (N, H)
 
 
-def compact(x: torch.Tensor) -> torch.Tensor:
-    """x without its broadcast axes (stride 0, from expand): the same values, read once."""
-    for dim in range(x.ndim):
-        if x.stride(dim) == 0 and x.shape[dim] > 1:
-            x = x.narrow(dim, 0, 1)
-    return x
-
-
-def _largest_magnitude(x: torch.Tensor) -> float:
-    """max |x_i| (0 for an empty x; inf when an entry is infinite or NaN). One reduction over x
-    in its own dtype: no float32 / float64 copy of low-precision inputs (that copy used to cost
-    as much as the attention itself for bf16 inputs of the block engine)."""
-    return largest_magnitude(compact(x))
-
-
 def scan_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
     """max |x_i| of each tensor (inf when it holds an infinity or a NaN), as the input checks
     scan them (`_largest_magnitudes`), for a caller that scans before it copies the tensors."""
@@ -238,18 +244,8 @@ def scan_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
 
 
 def _largest_magnitudes(tensors: tuple[torch.Tensor, ...]) -> list[float]:
-    """`_largest_magnitude` of each tensor; large float32, bfloat16 and float16 ones by the
-    compiled scan, all in one call (`qkv.native.magnitude`: the same answer as torch.aminmax,
-    at the memory read rate)."""
-    compacted = [compact(x) for x in tensors]
-    scanned = magnitude.largest_magnitudes(compacted)
-    return [_largest_magnitude(x) if m is None else m for x, m in zip(compacted, scanned, strict=True)]
-
-
-def _largest_row_norm(x: torch.Tensor) -> float:
-    """max_i ||x_i|| over the last axis, in float64 (finite entries assumed)."""
-    with torch.no_grad():
-        return float(torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).amax())
+    """`qkv.backends.overflow.largest_magnitudes`: one exact reduction per tensor."""
+    return overflow.largest_magnitudes(tensors)
 
 
 def _check_magnitudes(
@@ -263,14 +259,9 @@ def _check_magnitudes(
     known: KVBounds | None = None,
     q_max: float | None = None,
 ) -> bool:
-    """Refuse scores that overflow the accumulation dtype; return whether q, k or v is non-finite.
-
-    |scale * q_i . k_j| <= max(1, |scale|) * E * max|q| * max|k| (one cheap reduction per
-    tensor, which also tells whether it is finite); only when that bound is too large is the
-    tight one, max_i ||q_i|| * max_j ||k_j||, computed. Scores, then (capped by a softcap) plus
-    the largest value a bias adds (``bias_top``, `Bias.largest`) and the largest value of a float
-    mask, must stay below half the largest float of the accumulation dtype (3.4e38 for float32,
-    1.8e308 for float64) or exp and the softmax would see inf and return NaN.
+    """Refuse scores that overflow the accumulation dtype (`qkv.backends.overflow`, whose rule
+    the block engine's forward operator also runs in compiled code); return whether q, k or v
+    is non-finite.
 
     ``known``: bounds of k and v kept by a KV cache; only q is then scanned, and the decisions
     are the same (the tight bound, when needed, still reads k). ``q_max``: max |q| found by the
@@ -290,35 +281,11 @@ def _check_magnitudes(
         next(scanned) if q_max is None else q_max,
         *((next(scanned), next(scanned)) if known is None else (known.k_max, known.v_max)),
     ]
-    finite = [math.isfinite(m) for m in magnitudes]
     top = 0.0
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
         with torch.no_grad():
             top = max(0.0, float(compact(mask).max()))
-    if not (finite[0] and finite[1]):
-        return True  # the NaN rule applies; rows that read a non-finite entry become NaN
-    acc = accumulation_dtype(q.dtype)
-    limit = torch.finfo(acc).max / 2
-
-    def reach(scores: float) -> float:  # the largest logit, from a bound on the scaled scores
-        capped = scores if softcap is None else min(scores, softcap)
-        return max(scores, capped + bias_top + top)
-
-    factor = max(1.0, abs(scale))
-    loose = factor * q.shape[-1] * magnitudes[0] * magnitudes[1]
-    if reach(loose) > limit:
-        q_norm, k_norm = _largest_row_norm(q), _largest_row_norm(k)
-        bound = factor * q_norm * k_norm
-        if reach(bound) > limit:
-            terms = "" if softcap is None else f", softcap {softcap:.3g}"
-            terms += f", largest bias value {bias_top:.3g}" if bias_top else ""
-            raise ValueError(
-                f"the scaled scores can reach {reach(bound):.3g} (max(1, |scale|) = {factor:.3g}, largest "
-                f"|q_i| = {q_norm:.3g}, largest |k_j| = {k_norm:.3g}, largest mask value {top:.3g}{terms}), "
-                f"beyond half the largest {str(acc).removeprefix('torch.')} ({limit:.3g}): they would overflow "
-                "to inf and the softmax would return NaN; use float64 inputs or smaller q, k, scale or biases"
-            )
-    return not finite[2]
+    return overflow.refuse_overflow(q, k, magnitudes, scale, softcap, bias_top, top)
 
 
 def _traced_largest_norm(x: torch.Tensor) -> torch.Tensor:

@@ -240,10 +240,18 @@ def _compiler_name() -> str:
 _TOOLCHAIN: dict[str, str | None] = {}
 
 
+@torch.compiler.assume_constant_result
+def _on_path(compiler: str) -> bool:
+    """Whether ``compiler`` is on PATH. Dynamo takes the answer as a constant while tracing:
+    it cannot trace ``os.stat`` inside ``shutil.which``, and a first bf16 call made under
+    torch.compile would otherwise break its graph there."""
+    return shutil.which(compiler) is not None
+
+
 def _toolchain_reason(compiler: str) -> str | None:
     """Why the build tools are missing, or None."""
     if compiler not in _TOOLCHAIN:
-        found = shutil.which(compiler) is not None
+        found = _on_path(compiler)
         _TOOLCHAIN[compiler] = None if found else f"no C++ compiler was found ({compiler}; set $CXX to choose one)"
     return _TOOLCHAIN[compiler]
 

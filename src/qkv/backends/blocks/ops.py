@@ -10,7 +10,9 @@ score terms and the tile plan from them *when the graph runs*, then call the eng
 forward and backward code, the same as eager. The plan needs the mask's values (document ids,
 lengths) anyway, so planning at run time is not a cost that tracing adds; for masks without
 tensors (causal, windows, prefix-LM) the plan of the last few sizes is kept
-(`_cached_plan`), as the eager Plan is reused by nothing either.
+(`_cached_plan`), and for masks with tensors the last few plans with copies of the tensors
+they were made from (`_data_plan`): the backward operator finds the forward's plan there, as
+eager's autograd Function keeps its plan, instead of planning again.
 
 Why a spec string rather than another design. The mask and bias reach the operators as text
 (`qkv._private.spec`: ``('sliding_window',256,0,'bottom-right')`` and the list of tensors
@@ -29,14 +31,17 @@ costs what eager's backward costs (FlashAttention-2's recomputation from the fin
 lse). Gradients reach q, k, v, the sinks and the bias tensors (ALiBi slopes, relative tables,
 dense biases); mask tensors get none. Without a gradient those saved outputs are empty.
 
-The NaN rule (`qkv.attention.nan_rule`) runs inside the forward operator with the values at
-hand, as eagerly: one finiteness pass over q, k, v, and only when an entry is not finite the
-affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; the
-caller sets the rows to NaN in the graph, so autograd gives them no gradient, and the backward
-operator gives the non-finite entries none. The traced rule's tensor passes (finite copies of
+The input check runs inside the forward operator with the values at hand, as eagerly and before
+the engine: the overflow refusal (`qkv.backends.overflow`, eager's ValueError and message; its
+graph code in `qkv.attention.problem` is left out, `qkv.attention.execute.checks_values_itself`)
+and the NaN rule (`qkv.attention.nan_rule`): the magnitude scan of q, k, v (which tells whether
+they are finite), and only when an entry is not finite the
+affected rows (`_bad_rows`) and the engine on the inputs with those entries set to 0; with a
+gradient to come the caller sets the rows to NaN in the graph, so autograd gives them no
+gradient, and the backward operator gives the non-finite entries none; without, the operator
+sets them (no pass over the output in the graph). The traced rule's tensor passes (finite copies of
 q, k, v, a mask over the output) cost more than the engine itself for narrow windows.
-`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`); the
-overflow refusal stays in the graph (`qkv.attention.problem`'s traced magnitudes).
+`qkv.attention` skips them for these operators (`qkv.attention.execute.applies_nan_rule`).
 
 score_mod, a Python function, cannot cross an operator boundary: `qkv.attention.dispatch`
 keeps it off these operators (see its reason). Shapes: q, k, v (N, H, *, Ep) as
@@ -48,12 +53,15 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
+from qkv.backends import overflow
 from qkv.backends.blocks import engine, scored
 from qkv.backends.blocks.calls import BlockRun, kernel_inputs
 from qkv.backends.blocks.planner import (
@@ -82,7 +90,7 @@ from qkv.masks import (
 )
 from qkv.scores import ScoreTerms
 
-__all__ = ["block_attention_op", "encodable", "plan_for"]
+__all__ = ["block_attention_op", "encodable", "plan_for", "planned_share"]
 
 # spec name -> constructor, for `spec_codec.decode`
 _MASKS = {
@@ -94,11 +102,11 @@ _BIASES = {"alibi": ALiBi, "relative": Relative, "dense_bias": DenseBias, "sum":
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool need_grad) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor shift, "
-    "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
+    "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor rows, Tensor nonfinite, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool sinks_grad, "
     "bool[] bias_grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
@@ -137,13 +145,14 @@ def block_attention_op(
     mask_spec = spec_codec.encode(mask, mask_tensors)
     bias_spec = spec_codec.encode(terms.bias, bias_tensors)
     assert mask_spec is not None and bias_spec is not None  # dispatch checks `encodable`
-    out, lse, _, _, _, bad_rows = torch.ops.qkv.blocks_forward(
+    out, lse, *_ = torch.ops.qkv.blocks_forward(
         q_, k_, v_, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, kernel_scale, terms.softcap,
         forward_kernel, backward_kernel, need_grad,
     )
-    # the NaN rule's last step here, in the graph, so that autograd passes those rows no gradient
-    out = out[..., : v.shape[3]].to(q.dtype).masked_fill(bad_rows.unsqueeze(-1), float("nan"))
-    return out, lse.masked_fill(bad_rows, float("nan"))
+    # (N, H, L, Ev); no slice in the graph when Ep = Ev (autograd's slice_backward would copy the gradient)
+    out = out if out.shape[3] == v.shape[3] else out[..., : v.shape[3]]
+    # the NaN rule applied by the operator; the backward operator gives its rows no gradient
+    return out.to(q.dtype), lse
 
 
 # Runs at graph run time ---------------------------------------------------------------------------
@@ -185,7 +194,20 @@ def _cached_plan(mask_spec: str, sizes: BlockSizes) -> BlockPlan:
     return plan_for(mask, sizes, BlockConfig())
 
 
-def _plan(mask: Mask | None, mask_spec: str, has_mask_tensors: bool, q: torch.Tensor, S: int, bias: Bias | None,
+@torch.compiler.assume_constant_result
+def planned_share(mask_spec: str, N: int, H: int, L: int, S: int, Ep: int, itemsize: int, mask_heads: int,
+                  need_grad: bool) -> float:
+    """The share of the score matrix (over all batch rows) that the engine's calls compute for
+    a mask without tensors, given by its spec, at these sizes: what eager's dispatch compares
+    with its threshold. A constant to Dynamo, which cannot follow the planner: traced dispatch
+    decides by it as eager does, without a graph break."""
+    sizes = BlockSizes(N=N, H=H, L=L, S=S, Ep=Ep, itemsize=itemsize, mask_heads=mask_heads, need_grad=need_grad, score_terms=False)
+    # real tensors for the planner, also under a fake tensor mode (qkv.explain of fake inputs)
+    with unset_fake_temporarily():
+        return _cached_plan(mask_spec, sizes).computed_pairs() / (N * L * S)
+
+
+def _plan(mask: Mask | None, mask_spec: str, mask_tensors: Sequence[torch.Tensor], q: torch.Tensor, S: int, bias: Bias | None,
           softcap: float | None, need_grad: bool) -> BlockPlan:
     N, H, L, Ep = q.shape
     if softcap is not None:
@@ -198,27 +220,73 @@ def _plan(mask: Mask | None, mask_spec: str, has_mask_tensors: bool, q: torch.Te
         N=N, H=H, L=L, S=S, Ep=Ep, itemsize=q.element_size(), mask_heads=mask_heads, need_grad=need_grad,
         score_terms=bias is not None or softcap is not None,
     )
-    if not has_mask_tensors:
+    if not mask_tensors:
         return _cached_plan(mask_spec, sizes)
-    return plan_for(mask, sizes, BlockConfig(), q.device)
+    return _data_plan(mask, mask_spec, mask_tensors, sizes, q.device)
+
+
+# (mask spec, sizes, copies of the mask's tensors, plan), most recent first; masks whose tensors
+# hold more than _DATA_PLAN_BYTES are planned anew every time (a dense bool mask is L x S)
+_DATA_PLANS: list[tuple[str, BlockSizes, tuple[torch.Tensor, ...], BlockPlan]] = []
+_DATA_PLANS_KEPT = 4
+_DATA_PLAN_BYTES = 4 << 20
+_DATA_PLANS_LOCK = threading.Lock()
+
+
+def _same_values(kept: Sequence[torch.Tensor], given: Sequence[torch.Tensor]) -> bool:
+    return len(kept) == len(given) and all(
+        a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(kept, given, strict=True)
+    )
+
+
+def _data_plan(mask: Mask | None, mask_spec: str, mask_tensors: Sequence[torch.Tensor], sizes: BlockSizes,
+               device: torch.device) -> BlockPlan:
+    """`plan_for` a mask with tensors (document ids, lengths, padding): a plan made from equal
+    tensors (compared by value: a tensor's address and version may come back with other values)
+    is reused. Planning reads the tensors on the host (milliseconds for documents at n = 4,096);
+    the comparison is one pass over them."""
+    with _DATA_PLANS_LOCK:
+        for index, (spec, planned_sizes, kept, plan) in enumerate(_DATA_PLANS):
+            if spec == mask_spec and planned_sizes == sizes and _same_values(kept, mask_tensors):
+                _DATA_PLANS.insert(0, _DATA_PLANS.pop(index))
+                return plan
+    plan = plan_for(mask, sizes, BlockConfig(), device)
+    if sum(t.numel() * t.element_size() for t in mask_tensors) <= _DATA_PLAN_BYTES:
+        kept = tuple(t.detach().clone() for t in mask_tensors)
+        with _DATA_PLANS_LOCK:
+            _DATA_PLANS.insert(0, (mask_spec, sizes, kept, plan))
+            del _DATA_PLANS[_DATA_PLANS_KEPT:]
+    return plan
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty((0,), dtype=dtype)
 
 
-def _row_major(x: torch.Tensor) -> torch.Tensor:
-    """x (N, H, L, ...) stored query-row major, as (N, L, H, ...) transposed: the layout in which
-    the engine writes its results (`calls.run_calls`), made certain, since a fake kernel must
-    name the strides (Inductor checks them). Empty tensors pass as they are."""
+def _head_major(forward_kernel: str) -> bool:
+    """Whether the results of ``forward_kernel`` come head major, (N, H, L, ...) contiguous, as
+    the fused bf16 interval kernel writes them; the engine's calls (`calls.run_calls`) write
+    them query-row major, (N, L, H, ...) transposed. A fake kernel must name the strides
+    (Inductor checks them): it names the layout that the kernel writes, so that the operator
+    copies nothing unless the kernel falls back at run time (`_with_intervals`)."""
+    return forward_kernel == "interval_bf16"
+
+
+def _laid_out(x: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """x (N, H, L, ...) in the layout `_head_major` names, copied only when it is not. Empty
+    tensors pass as they are."""
     if x.numel() == 0:
         return x
+    if head_major:
+        return x.contiguous()
     moved = x.transpose(1, 2)  # (N, L, H, ...)
     return x if moved.is_contiguous() else moved.contiguous().transpose(1, 2)
 
 
-def _row_major_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized (N, H, L, ...) tensor in `_row_major`'s layout (for the fake kernels)."""
+def _laid_out_empty(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, head_major: bool) -> torch.Tensor:
+    """An uninitialized (N, H, L, ...) tensor in `_laid_out`'s layout (for the fake kernels)."""
+    if head_major:
+        return like.new_empty(shape, dtype=dtype)
     N, H, L, *rest = shape
     return like.new_empty((N, L, H, *rest), dtype=dtype).transpose(1, 2)
 
@@ -274,24 +342,28 @@ def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mask_tensors: Sequence[torch.Tensor],
     bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str, scale: float, softcap: float | None,
     forward_kernel: str, backward_kernel: str, need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
     sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
     or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
-    Last, the rows (N, H, L) bool that the NaN rule makes NaN: the engine runs on the inputs with
-    their non-finite entries replaced by 0, and the caller sets those rows to NaN (the saved
-    output stays finite, as eager's autograd Function saves it)."""
+    Then, with ``need_grad``, the rows (N, H, L) bool that the NaN rule makes NaN (else empty),
+    and whether q, k or v holds a non-finite entry (0-d bool), for the backward: the engine runs
+    on the inputs with their non-finite entries replaced by 0 and the operator sets those rows
+    of the output and lse to NaN. Results come in the layout `_head_major` names for
+    ``forward_kernel``."""
     del backward_kernel
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
-    bad_rows = _bad_rows(q, k, v, mask)
+    L, S = q.shape[2], k.shape[2]
+    # qkv.attention's input check, as eagerly and before any work: the bias's values (its own
+    # ValueError), the overflow refusal with eager's message, and whether the NaN rule applies
+    bias_top = 0.0 if bias is None else float(bias.largest(L, S))
+    nonfinite = overflow.refuse_overflow(q, k, overflow.largest_magnitudes((q, k, v)), scale, softcap, bias_top, 0.0)
+    bad_rows = _bad_rows(q, k, v, mask) if nonfinite else None
     if bad_rows is not None:
         q, k, v = _finite(q), _finite(k), _finite(v)
-    else:
-        bad_rows = torch.zeros(q.shape[:3], dtype=torch.bool)
-    L, S = q.shape[2], k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, need_grad)
+    plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, need_grad)
     p_sink = _empty(q, acc)
     if bias is None and softcap is None:
         run = BlockRun(plan, mask, scale)
@@ -310,8 +382,17 @@ def _forward_op(
             shift, rest = _empty(q, acc), _empty(q, acc)
     if not need_grad:
         p_sink = _empty(q, acc)
-    results = tuple(_row_major(x) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
-    return (*results, bad_rows.contiguous())  # type: ignore[return-value]
+    if bad_rows is not None:
+        # the NaN rule's last step, here rather than in the graph, which would pass over the whole
+        # output on every call; the backward operator zeroes these rows' gradients (`_backward_op`)
+        out, lse = out.masked_fill(bad_rows.unsqueeze(-1), float("nan")), lse.masked_fill(bad_rows, float("nan"))
+    if need_grad:
+        rows = torch.zeros(q.shape[:3], dtype=torch.bool) if bad_rows is None else bad_rows.contiguous()
+    else:
+        rows = _empty(q, torch.bool)
+    head_major = _head_major(forward_kernel)
+    results = tuple(_laid_out(x, head_major) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
+    return (*results, rows, torch.tensor(nonfinite))  # type: ignore[return-value]
 
 
 @_forward_op.register_fake
@@ -320,13 +401,15 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
     acc = accumulation_dtype(q.dtype)
     with_terms = bias_spec != "None" or softcap is not None
 
-    def rows(present: bool) -> torch.Tensor:
-        return _row_major_empty(q, (N, H, L), acc) if present else q.new_empty((0,), dtype=acc)
+    head_major = _head_major(forward_kernel)
 
-    out = _row_major_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype)
+    def rows(present: bool) -> torch.Tensor:
+        return _laid_out_empty(q, (N, H, L), acc, head_major) if present else q.new_empty((0,), dtype=acc)
+
+    out = _laid_out_empty(q, (N, H, L, Ep), acc if need_grad else q.dtype, head_major)
     return (
         out, rows(True), rows(with_terms and need_grad), rows(with_terms and need_grad), rows(sinks is not None and need_grad),
-        q.new_empty((N, H, L), dtype=torch.bool),
+        q.new_empty((N, H, L) if need_grad else (0,), dtype=torch.bool), q.new_empty((), dtype=torch.bool),
     )
 
 
@@ -334,7 +417,7 @@ def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_sp
 def _backward_op(
     grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, shift: torch.Tensor, rest: torch.Tensor, sinks: torch.Tensor | None, p_sink: torch.Tensor,
-    mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
+    rows: torch.Tensor, nonfinite: torch.Tensor, mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
     scale: float, softcap: float | None, forward_kernel: str, backward_kernel: str, sinks_grad: bool,
     bias_grads: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -342,12 +425,17 @@ def _backward_op(
     bias tensors' gradients, empty where not asked for) from the forward's saved outputs."""
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
-    plan = _plan(mask, mask_spec, bool(mask_tensors), q, S, bias, softcap, True)
+    plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, True)
     # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
-    # gradient where they were not finite (eager's torch.where); the caller's masked_fill has
-    # zeroed the gradients of the rows it made NaN
+    # gradient where they were not finite (eager's torch.where), and made ``rows`` NaN, which pass
+    # none (eager's masked_fill); the saved output and lse of those rows are NaN: 0 and the largest
+    # float instead give them probabilities 0, so they add nothing to the other gradients
     originals = (q, k, v)
-    q, k, v = _finite(q), _finite(k), _finite(v)
+    if bool(nonfinite):
+        q, k, v = _finite(q), _finite(k), _finite(v)
+        per_row = rows.unsqueeze(-1)  # (N, H, L, 1)
+        grad_out, grad_lse = grad_out.masked_fill(per_row, 0.0), grad_lse.masked_fill(rows, 0.0)
+        out, lse = out.masked_fill(per_row, 0.0), lse.masked_fill(rows, torch.finfo(lse.dtype).max)
     lse_grad: torch.Tensor | None = grad_lse if bool(grad_lse.any()) else None  # autograd passes zeros for an unused lse
     d_sinks = _empty(q, q.dtype) if sinks is None else torch.zeros_like(sinks)
     if sinks is not None and sinks_grad:
@@ -379,7 +467,7 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, rows, nonfinite, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
                    mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, sinks_grad, bias_grads):
     d_sinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     d_bias = [t.new_empty(t.shape if need else (0,)) for t, need in zip(bias_tensors, bias_grads, strict=True)]
@@ -388,8 +476,8 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
     q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad = inputs
-    out, lse, shift, rest, p_sink, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
+    out, lse, shift, rest, p_sink, rows, nonfinite = output
+    ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, rows, nonfinite, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
     ctx.has_sinks, ctx.mask_count = sinks is not None, len(mask_tensors)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad
     ctx.bias_grads = [t.requires_grad for t in bias_tensors]
@@ -397,16 +485,16 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.need_grad = need_grad
 
 
-def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows):  # type: ignore[no-untyped-def]
-    del grad_shift, grad_rest, grad_p_sink, grad_rows  # saved for the backward, not results: no gradient flows in
+def _backward(ctx, grad_out, grad_lse, grad_shift, grad_rest, grad_p_sink, grad_rows, grad_nonfinite):  # type: ignore[no-untyped-def]
+    del grad_shift, grad_rest, grad_p_sink, grad_rows, grad_nonfinite  # saved for the backward, not results: no gradient flows in
     if not ctx.need_grad:
         raise RuntimeError("qkv::blocks_forward ran with need_grad=False, it saved nothing for a backward pass")
-    q, k, v, out, lse, shift, rest, p_sink, *saved = ctx.saved_tensors
+    q, k, v, out, lse, shift, rest, p_sink, rows, nonfinite, *saved = ctx.saved_tensors
     sinks = saved.pop(0) if ctx.has_sinks else None
     mask_tensors, bias_tensors = saved[: ctx.mask_count], saved[ctx.mask_count :]
     mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel = ctx.strings
     dq, dk, dv, d_sinks, d_bias = torch.ops.qkv.blocks_backward(
-        grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, mask_tensors, bias_tensors, mask_spec,
+        grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, rows, nonfinite, mask_tensors, bias_tensors, mask_spec,
         bias_spec, scale, softcap, forward_kernel, backward_kernel, ctx.sinks_grad, ctx.bias_grads,
     )
     bias_result = [g if need else None for g, need in zip(d_bias, ctx.bias_grads, strict=True)]
