@@ -82,6 +82,17 @@ def test_modes_and_hooks_are_seen() -> None:
     assert not private_torch.hooks_would_run(layer)
 
 
+def test_real_tensors_inside_a_fake_tensor_mode() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+        with private_torch.real_tensors():
+            real = torch.arange(3)
+            total = int(real.sum())  # a fake tensor has no values to read
+    assert isinstance(fake, FakeTensor) and not isinstance(real, FakeTensor) and total == 3
+
+
 @pytest.mark.parametrize("feature", sorted(private_torch.CPU_FEATURE_QUERIES))
 def test_cpu_feature_queries_answer_or_claim_nothing(feature: str) -> None:
     # every query exists in the release they were checked against; an older torch may lack one

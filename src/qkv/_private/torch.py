@@ -17,6 +17,8 @@
   implementation, which runs below autograd (`autograd_inside_operator`);
 - ``torch._C._len_torch_function_stack`` / ``_len_torch_dispatch_stack``: whether a torch
   function or dispatch mode is active in this thread;
+- ``torch._subclasses.fake_tensor.unset_fake_temporarily``: real tensors for a moment while a
+  fake tensor mode traces (`real_tensors`: the block engine's planner inside dispatch);
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
   itself detected (`qkv.native.machine`'s tier); a release without one claims less;
 - ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
@@ -49,6 +51,7 @@ __all__ = [
     "is_wrapped_tensor",
     "mode_active",
     "onednn_linear_pointwise",
+    "real_tensors",
     "require",
     "softmax_backward",
     "under_torch_func",
@@ -226,6 +229,17 @@ def autograd_inside_operator() -> Iterator[None]:
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
         excluded = excluded.remove(key)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Tensors made in this block are real ones, also while a fake tensor mode is active
+    (torch.compile, torch.export, ``qkv.explain`` of fake inputs): for host-side planning whose
+    inputs are plain Python values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
         yield
 
 

@@ -27,6 +27,7 @@ import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -234,7 +235,8 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, cache: s
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     from qkv.integrations.transformers import growing_cache
 
-    store = growing_cache(model.config) if cache == "growing" else transformers.DynamicCache(config=model.config)
+    config: Any = model.config  # a transformers model's config
+    store = growing_cache(config) if cache == "growing" else transformers.DynamicCache(config=config)
     cached = {name: store, "use_cache": True}
     with torch.inference_mode():
         start = time.perf_counter()

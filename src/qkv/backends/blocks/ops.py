@@ -57,7 +57,6 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
@@ -203,7 +202,7 @@ def planned_share(mask_spec: str, N: int, H: int, L: int, S: int, Ep: int, items
     decides by it as eager does, without a graph break."""
     sizes = BlockSizes(N=N, H=H, L=L, S=S, Ep=Ep, itemsize=itemsize, mask_heads=mask_heads, need_grad=need_grad, score_terms=False)
     # real tensors for the planner, also under a fake tensor mode (qkv.explain of fake inputs)
-    with unset_fake_temporarily():
+    with private_torch.real_tensors():
         return _cached_plan(mask_spec, sizes).computed_pairs() / (N * L * S)
 
 
