@@ -327,7 +327,9 @@ def test_grad_and_jacrev_equal_finite_differences_and_the_math_path() -> None:
         torch.testing.assert_close(jac[0, 1, 7, 0], probe.grad, atol=1e-12, rtol=0, msg=name)
 
 
-def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def chosen_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The path of every Plan `qkv.attention` chooses from now on, eager or traced, in order."""
     seen: list[str] = []
     real = dispatch.choose_path
 
@@ -337,6 +339,11 @@ def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest
         return plan
 
     monkeypatch.setattr(functional, "choose_path", spy)
+    return seen
+
+
+def test_traced_auto_takes_the_block_engine_where_eager_does(chosen_paths: list[str]) -> None:
+    seen = chosen_paths
     big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
     qkv.attention(*big, qkv.masks.sliding_window(16))
     assert seen == ["blocks"]  # eagerly: the block engine
@@ -352,19 +359,11 @@ def test_traced_auto_takes_the_block_engine_where_eager_does(monkeypatch: pytest
 
 
 @pytest.mark.parametrize("window", [(16, 0), (224, 112), (96, 96)], ids=["narrow", "near the threshold", "wide"])
-def test_traced_auto_decides_by_the_planned_tiles_as_eager(window: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_traced_auto_decides_by_the_planned_tiles_as_eager(window: tuple[int, int], chosen_paths: list[str]) -> None:
     """Eager counts the planned tiles against the engine's threshold; traced dispatch decides by
     the same share. sliding_window(224, 112) at n = 512 leaves 53.8 % of the pairs visible but
     its tiles compute 68.3 %: eager takes SDPA, and so must the traced call."""
-    seen: list[str] = []
-    real = dispatch.choose_path
-
-    def spy(*args: Any, **kwargs: Any) -> dispatch.Plan:
-        plan = real(*args, **kwargs)
-        seen.append(plan.path)
-        return plan
-
-    monkeypatch.setattr(functional, "choose_path", spy)
+    seen = chosen_paths
     big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
     mask = qkv.masks.sliding_window(*window)
     qkv.attention(*big, mask)
