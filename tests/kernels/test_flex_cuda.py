@@ -215,3 +215,32 @@ def test_eager_flex_takes_a_new_softcap_each_call() -> None:
         out, _ = flex_attention_layout(q, k, v, mask, mask.layout(150, 200, FLEX_BLOCK, FLEX_BLOCK), 0.3, compiled=False, terms=terms)
         want = qkv.attention(q, k, v, mask, scale=0.3, backend="math", **kwargs)
         torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mask_name", ["sliding", "documents&causal"])
+def test_cuda_flex_with_sinks_forward_and_backward(mask_name: str) -> None:
+    """Attention sinks on the CUDA flex path: FlexAttention's kernel, then the sink folded into
+    its differentiable lse (`qkv.backends.sinks.SinkFold`). Output, lse and the gradients of q,
+    k, v and the sinks against the float64 math path."""
+    N, H, G, L, S, E = 2, 4, 2, 384, 384, 64
+    mask = _masks(N, S)[mask_name]
+    gen = torch.Generator().manual_seed(6)
+    q64 = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    k64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    v64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
+    sinks64 = torch.randn(H, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    ref = [t.clone().requires_grad_(True) for t in (q64, k64, v64, sinks64)]
+    want, want_lse = qkv.attention(*ref[:3], mask, sinks=ref[3], backend="math", return_lse=True)
+    want_grads = torch.autograd.grad(want, ref, d_out)
+    got_in = [t.to("cuda", torch.float32).requires_grad_(True) for t in (q64, k64, v64, sinks64)]
+    cuda_mask = mask.to("cuda")
+    assert qkv.explain(*got_in[:3], cuda_mask, sinks=got_in[3]).path == "flex"
+    got, got_lse = qkv.attention(*got_in[:3], cuda_mask, sinks=got_in[3], return_lse=True)
+    got_grads = torch.autograd.grad(got, got_in, d_out.to("cuda", torch.float32))
+    torch.testing.assert_close(got.double().cpu(), want.detach(), atol=2e-4, rtol=0)
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(got_lse.double().cpu()[finite], want_lse.detach()[finite], atol=1e-4, rtol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, atol=2e-3, rtol=0)
