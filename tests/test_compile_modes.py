@@ -750,32 +750,66 @@ def test_backward_operator_reuses_the_forwards_plan_for_mask_tensors(monkeypatch
             torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("learnable", [False, True], ids=["fixed table", "learnable table"])
-def test_backward_operator_reuses_the_forwards_bias_tiles(monkeypatch: pytest.MonkeyPatch, learnable: bool) -> None:
-    """A relative bias on a sliding window: the backward operator takes the forward's scored run
-    (plan, terms, bias tiles: eager's autograd Function keeps them too) instead of building it
-    again; a learnable table's gradient is taken against the backward's own tensors, so the run
-    is built anew there. Every gradient equals eager's, the table's included."""
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_backward_operator_reuses_the_forwards_mask_tiles(monkeypatch: pytest.MonkeyPatch, with_sinks: bool) -> None:
+    """A sliding window without score terms: the backward operator takes the forward's run and
+    the mask tiles it built (eager's autograd Function keeps its run in its context), so one
+    run serves forward and backward; every gradient equals eager's."""
+    from qkv.backends.blocks import ops
+
+    made: list[int] = []
+    original = ops.BlockRun
+    monkeypatch.setattr(ops, "_KEPT_RUNS", {})
+    monkeypatch.setattr(ops, "BlockRun", lambda *args, **kwargs: made.append(1) or original(*args, **kwargs))
+    q, k, v = _inputs(torch.float32, n=ENGINE_N)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    mask = qkv.masks.sliding_window(32)
+    extra = {"sinks": sinks} if with_sinks else {}
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask, **extra), backend="aot_eager", fullgraph=True)
+    compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    eager_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    assert qkv.explain(*compiled_in, mask, **extra).path == "blocks"
+    compiled(*compiled_in).square().sum().backward()
+    assert len(made) == 1  # the forward's run, taken by the backward
+    assert ops._KEPT_RUNS == {}
+    qkv.attention(*eager_in, mask, **extra).square().sum().backward()
+    for got, want in zip(compiled_in, eager_in, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bias", ["fixed table", "learnable table", "alibi"])
+def test_backward_operator_reuses_the_forwards_bias_tiles(monkeypatch: pytest.MonkeyPatch, bias: str) -> None:
+    """A relative bias or ALiBi on a sliding window: the backward operator takes the forward's
+    scored run (plan, terms, bias tiles: eager's autograd Function keeps them too) instead of
+    building it again, also where the compiled backward computes ALiBi's slopes again rather
+    than saving them (AOTAutograd's partitioners recompute such cheap values: equal values at
+    another address). A learnable table's gradient is taken against the backward's own tensors,
+    so the run is built anew there. Every gradient equals eager's, the table's included."""
     from qkv.backends.blocks import ops, scored
 
     built: list[int] = []
     original = scored._ScoredRun
-    monkeypatch.setattr(ops, "_SCORED_RUNS", {})
+    monkeypatch.setattr(ops, "_KEPT_RUNS", {})
     monkeypatch.setattr(scored, "_ScoredRun", lambda *args, **kwargs: built.append(1) or original(*args, **kwargs))
     table = torch.randn(4, 32, generator=torch.Generator().manual_seed(8)) * 0.1
     q, k, v = _inputs(torch.float32, n=ENGINE_N)
     mask = qkv.masks.sliding_window(32)
     compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v, table)]
     eager_in = [x.clone().requires_grad_(True) for x in (q, k, v, table)]
-    if not learnable:
+    if bias != "learnable table":
         compiled_in[3].requires_grad_(False)
         eager_in[3].requires_grad_(False)
-    compiled = torch.compile(lambda q, k, v, t: qkv.attention(q, k, v, mask, bias=qkv.bias.relative(t)), backend="aot_eager", fullgraph=True)
-    assert qkv.explain(*compiled_in[:3], mask, bias=qkv.bias.relative(table)).path == "blocks"
+
+    def make_bias(t: torch.Tensor) -> qkv.bias.Bias:
+        return qkv.bias.alibi() if bias == "alibi" else qkv.bias.relative(t)
+
+    compiled = torch.compile(lambda q, k, v, t: qkv.attention(q, k, v, mask, bias=make_bias(t)), backend="aot_eager", fullgraph=True)
+    assert qkv.explain(*compiled_in[:3], mask, bias=make_bias(table)).path == "blocks"
     compiled(*compiled_in).square().sum().backward()
-    assert len(built) == (2 if learnable else 1)  # the forward's run, and the backward's own for a learnable table
-    assert ops._SCORED_RUNS == {}  # taken out by the backward
-    qkv.attention(*eager_in[:3], mask, bias=qkv.bias.relative(eager_in[3])).square().sum().backward()
+    assert len(built) == (2 if bias == "learnable table" else 1)  # the forward's run, and the backward's own for a learnable table
+    assert ops._KEPT_RUNS == {}  # taken out by the backward
+    qkv.attention(*eager_in[:3], mask, bias=make_bias(eager_in[3])).square().sum().backward()
     for got, want in zip(compiled_in, eager_in, strict=True):
         assert (got.grad is None) == (want.grad is None) == (not got.requires_grad)
         if got.grad is not None and want.grad is not None:

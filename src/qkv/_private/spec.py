@@ -22,6 +22,7 @@ of them); None when it cannot be rebuilt from text (a `qkv.masks.predicate`'s fu
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,6 +55,13 @@ def encode(value: object, tensors: list[torch.Tensor]) -> str | None:
     return None if inner is None else f"('!',{inner})"  # '!' marks an object: (name, *arguments)
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> object:
+    """``text`` parsed as a Python literal: an operator decodes the same few specs on every call,
+    and parsing one costs more than building its objects."""
+    return ast.literal_eval(text)
+
+
 def decode(text: str, tensors: Sequence[torch.Tensor], classes: dict[str, Callable[..., object]]) -> object:
     """The value `encode` gave ``text`` for, rebuilt with ``tensors`` (in the same order) and the
     constructors ``classes`` (spec name -> class); ValueError on a name it does not know or a
@@ -74,7 +82,7 @@ def decode(text: str, tensors: Sequence[torch.Tensor], classes: dict[str, Callab
             return tuple(build(item) for item in node)
         return node
 
-    result = build(ast.literal_eval(text))
+    result = build(_parsed(text))
     if remaining:
         raise ValueError(f"spec {text!r} names fewer tensors than the {len(tensors)} given")
     return result

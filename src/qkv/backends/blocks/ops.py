@@ -258,37 +258,51 @@ def _data_plan(mask: Mask | None, mask_spec: str, mask_tensors: Sequence[torch.T
     return plan
 
 
-# The scored run (plan, score terms, the bias tiles built) of a forward with a gradient, for its
-# backward, which would build the same tiles again (eager's autograd Function keeps the run in its
-# context; an operator passes tensors only). The forward leaves it under its output's address,
-# which the backward receives (saved), and the backward takes it out. Another forward's output
-# can have that address only once the first output is freed, when its backward can no longer
-# run, and it then replaces the entry; entries whose backward never runs are dropped beyond
-# _SCORED_RUNS_KEPT (a run holds at most scored._BIAS_CACHE_BYTES of tiles).
-_SCORED_RUNS: dict[tuple[object, ...], scored._ScoredRun] = {}
-_SCORED_RUNS_KEPT = 4
-_SCORED_RUNS_LOCK = threading.Lock()
+# The run of a forward with a gradient (its plan and the mask tiles built; with score terms also
+# the terms and the bias tiles: a `scored._ScoredRun`), for its backward, which would build the
+# same tiles again (eager's autograd Functions keep the run in their context; an operator passes
+# tensors only). The forward leaves it under its output's address, which the backward receives
+# (saved), and the backward takes it out. Another forward's output can have that address only
+# once the first output is freed, when its backward can no longer run, and it then replaces the
+# entry; entries whose backward never runs are dropped beyond _KEPT_RUNS_COUNT (a run holds at
+# most the plan's call_bytes of mask tiles and scored._BIAS_CACHE_BYTES of bias tiles). The
+# entry keeps the forward's bias tensors: a compiled backward may get equal ones computed again
+# (AOTAutograd recomputes cheap values such as ALiBi's slopes rather than saving them), so they
+# are compared by value where their addresses differ.
+_KEPT_RUNS: dict[tuple[object, ...], tuple[tuple[torch.Tensor, ...], BlockRun, scored._ScoredRun | None]] = {}
+_KEPT_RUNS_COUNT = 4
+_KEPT_RUNS_LOCK = threading.Lock()
 
 
-def _scored_run_key(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bias_tensors: Sequence[torch.Tensor], mask_spec: str,
-                    bias_spec: str, scale: float, softcap: float | None, forward_kernel: str) -> tuple[object, ...]:
-    """The forward's output and bias tensors (saved for the backward: the same addresses there), shapes and specs."""
-    bias_at = tuple(t.data_ptr() for t in bias_tensors)
-    return (out.data_ptr(), tuple(out.shape), tuple(q.shape), tuple(k.shape), q.dtype, bias_at, mask_spec, bias_spec, scale, softcap,
-            forward_kernel)  # fmt: skip
+def _run_key(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask_spec: str, bias_spec: str, scale: float,
+             softcap: float | None, forward_kernel: str) -> tuple[object, ...]:
+    """The forward's output (saved for the backward: the same address there), shapes and specs."""
+    return (out.data_ptr(), tuple(out.shape), tuple(q.shape), tuple(k.shape), q.dtype, mask_spec, bias_spec, scale, softcap, forward_kernel)
 
 
-def _keep_scored_run(key: tuple[object, ...], run: scored._ScoredRun) -> None:
-    with _SCORED_RUNS_LOCK:
-        _SCORED_RUNS.pop(key, None)
-        _SCORED_RUNS[key] = run  # the newest last
-        while len(_SCORED_RUNS) > _SCORED_RUNS_KEPT:
-            del _SCORED_RUNS[next(iter(_SCORED_RUNS))]
+def _keep_run(key: tuple[object, ...], bias_tensors: Sequence[torch.Tensor], run: BlockRun, run_s: scored._ScoredRun | None) -> None:
+    """Keep the forward's mask run and, with score terms, its scored run (which holds the mask run)."""
+    with _KEPT_RUNS_LOCK:
+        _KEPT_RUNS.pop(key, None)
+        _KEPT_RUNS[key] = (tuple(bias_tensors), run, run_s)  # the newest last
+        while len(_KEPT_RUNS) > _KEPT_RUNS_COUNT:
+            del _KEPT_RUNS[next(iter(_KEPT_RUNS))]
 
 
-def _take_scored_run(key: tuple[object, ...]) -> scored._ScoredRun | None:
-    with _SCORED_RUNS_LOCK:
-        return _SCORED_RUNS.pop(key, None)
+def _take_run(key: tuple[object, ...], bias_tensors: Sequence[torch.Tensor]) -> tuple[BlockRun | None, scored._ScoredRun | None]:
+    """The runs kept under ``key`` (`_keep_run`) when they were built from bias tensors equal to
+    ``bias_tensors``, else (None, None)."""
+    with _KEPT_RUNS_LOCK:
+        entry = _KEPT_RUNS.pop(key, None)
+    if entry is None:
+        return None, None
+    kept, run, run_s = entry
+    same = len(kept) == len(bias_tensors) and all(
+        a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+        or _same_values((a,), (b,))
+        for a, b in zip(kept, bias_tensors, strict=True)
+    )
+    return (run, run_s) if same else (None, None)
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -397,9 +411,9 @@ def _forward_op(
     acc = accumulation_dtype(q.dtype)
     plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, need_grad)
     p_sink = _empty(q, acc)
+    run = BlockRun(plan, mask, scale)
     run_s: scored._ScoredRun | None
     if bias is None and softcap is None:
-        run = BlockRun(plan, mask, scale)
         out, lse = engine._forward(q, k, v, run, rounded=not need_grad and sinks is None, kernel=_with_intervals(forward_kernel, plan))
         if sinks is not None:
             out, lse, p_sink = sink_fold(out, lse, sinks)
@@ -407,7 +421,7 @@ def _forward_op(
         run_s = None
     else:
         terms = _terms(mask, bias, softcap, L, S, q.device)
-        run_s = scored._ScoredRun(BlockRun(plan, mask, scale), terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
+        run_s = scored._ScoredRun(run, terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
         out, shift, rest = scored._forward(q, k, v, run_s)
         if sinks is not None:
             out, rest, p_sink = sink_fold(out, rest, sinks, shift)
@@ -426,8 +440,8 @@ def _forward_op(
         rows = _empty(q, torch.bool)
     head_major = _head_major(forward_kernel)
     results = tuple(_laid_out(x, head_major) for x in (out.to(acc if need_grad else q.dtype), lse, shift, rest, p_sink))
-    if need_grad and run_s is not None:
-        _keep_scored_run(_scored_run_key(results[0], q, k, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel), run_s)
+    if need_grad:
+        _keep_run(_run_key(results[0], q, k, mask_spec, bias_spec, scale, softcap, forward_kernel), bias_tensors, run, run_s)
     return (*results, rows, torch.tensor(nonfinite))  # type: ignore[return-value]
 
 
@@ -461,14 +475,12 @@ def _backward_op(
     bias tensors' gradients, empty where not asked for) from the forward's saved outputs."""
     mask, bias = _decode(mask_spec, bias_spec, mask_tensors, bias_tensors)
     L, S = q.shape[2], k.shape[2]
-    kept = None
-    if bias is not None or softcap is not None:
-        kept = _take_scored_run(_scored_run_key(out, q, k, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel))
-        if any(bias_grads):
-            # the tiles are differentiated against this call's bias tensors, which the kept run's
-            # terms do not read: build the run from them
-            kept = None
-    plan = kept.plan if kept is not None else _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, True)
+    kept_run, kept_scored = _take_run(_run_key(out, q, k, mask_spec, bias_spec, scale, softcap, forward_kernel), bias_tensors)
+    if any(bias_grads):
+        # the bias tiles are differentiated against this call's bias tensors, which the kept
+        # run's terms do not read: only the forward's mask tiles are reused
+        kept_scored = None
+    plan = kept_run.plan if kept_run is not None else _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, True)
     # the NaN rule: the forward ran on the finite inputs (non-finite entries 0), which take no
     # gradient where they were not finite (eager's torch.where), and made ``rows`` NaN, which pass
     # none (eager's masked_fill); the saved output and lse of those rows are NaN: 0 and the largest
@@ -485,19 +497,19 @@ def _backward_op(
         d_sinks = sink_gradient(grad_out, out, lse_grad, p_sink, sinks)
     # float32 accumulators stay float32; the scored backward differentiates each tile with autograd
     with torch.autocast(q.device.type, enabled=False), private_torch.autograd_inside_operator():
+        run = kept_run if kept_run is not None else BlockRun(plan, mask, scale)
         if bias is None and softcap is None:
-            run = BlockRun(plan, mask, scale)
             grads: tuple[torch.Tensor | None, ...] = engine._backward(
                 grad_out, q, k, v, out, lse, run, lse_grad, _with_intervals(backward_kernel, plan)
             )
             d_bias: list[torch.Tensor] = []
         else:
             acc = accumulation_dtype(q.dtype)
-            if kept is not None:
-                run_s = kept  # the forward's: its plan, terms and bias tiles
+            if kept_scored is not None:
+                run_s = kept_scored  # the forward's: its plan, terms, mask and bias tiles
             else:
                 terms = _terms(mask, bias, softcap, L, S, q.device)
-                run_s = scored._ScoredRun(BlockRun(plan, mask, scale), terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
+                run_s = scored._ScoredRun(run, terms, scored._tile_bias(bias, acc), flash=forward_kernel == "bias_tiles")
             grads = scored._backward(grad_out, lse_grad, q, k, v, out, shift, rest, run_s, tuple(bias_tensors), any(bias_grads))
             d_bias = [
                 g if need and g is not None else _empty(t, t.dtype)
