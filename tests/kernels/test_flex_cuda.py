@@ -3,7 +3,9 @@
 The BlockMask is checked against the layout it comes from and FlexAttention's eager
 reference against the float64 NumPy reference; the compiled kernels run only on CUDA
 (compiled FlexAttention on CPU has no backward and no log-sum-exp), where the module checks
-`qkv.attention`'s flex path forward and backward against the float64 reference.
+`qkv.attention`'s flex path forward and backward against the float64 reference. The CUDA
+path's sink fold on FlexAttention's differentiable lse is also checked on any machine, through
+FlexAttention's eager reference with its backward.
 """
 
 from __future__ import annotations
@@ -244,3 +246,41 @@ def test_cuda_flex_with_sinks_forward_and_backward(mask_name: str) -> None:
     torch.testing.assert_close(got_lse.double().cpu()[finite], want_lse.detach()[finite], atol=1e-4, rtol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g.double().cpu(), w, atol=2e-3, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+@pytest.mark.parametrize("mask_name", ["sliding", "documents&causal", "padding"])
+def test_eager_flex_lse_carries_the_sink_gradient(monkeypatch: pytest.MonkeyPatch, mask_name: str) -> None:
+    """The CUDA flex path with sinks, on any machine: FlexAttention's output and differentiable
+    lse, then the sink folded in (`qkv.backends.sinks.SinkFold`, what `_flex_sinks` does with a
+    kernel's lse). FlexAttention refuses a backward on CPU at its entry (its compiled CPU
+    kernel has none), so the check is lifted here to run its eager reference, whose forward and
+    backward its CUDA kernels reproduce. Output, lse and the gradients of q, k, v and the sinks
+    against qkv's float64 math path; batch row 0 of "padding" sees no key (zeros, lse -inf)."""
+    from torch.nn.attention import flex_attention as fa
+
+    from qkv.backends.sinks import SinkFold
+
+    entry_check = fa._validate_device
+    monkeypatch.setattr(fa, "_validate_device", lambda q, k, v: entry_check(q.detach(), k.detach(), v.detach()))
+    N, H, G, L, S, E = 2, 4, 2, 150, 150, 16
+    mask = _masks(N, S)[mask_name]
+    gen = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((N, H, L, E), (N, G, S, E), (N, G, S, E), (H,))]
+    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(N, H, L, generator=gen, dtype=torch.float64)
+    ref = [t.clone().requires_grad_(True) for t in inputs]
+    want, want_lse = qkv.attention(*ref[:3], mask, sinks=ref[3], backend="math", return_lse=True)
+    finite = torch.isfinite(want_lse)
+    want_grads = torch.autograd.grad((want * d_out).sum() + (want_lse[finite] * d_lse[finite]).sum(), ref)
+    got_in = [t.clone().requires_grad_(True) for t in inputs]
+    out, lse = flex_attention_layout(*got_in[:3], mask, mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK), E**-0.5, compiled=False)
+    assert lse is not None and lse.requires_grad
+    got, got_lse = SinkFold.apply(out, lse, got_in[3])
+    assert torch.equal(torch.isfinite(got_lse), finite)
+    got_grads = torch.autograd.grad((got * d_out).sum() + (got_lse[finite] * d_lse[finite]).sum(), got_in)
+    # FlexAttention keeps its lse in float32, whatever the inputs' dtype
+    torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(got_lse[finite].double(), want_lse.detach()[finite], atol=2e-6, rtol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=5e-6, rtol=0)
