@@ -170,8 +170,20 @@ def host_unreadable(*tensors: object) -> bool:
 
     return any(
         isinstance(t, torch.Tensor)
+        and not _plain(t)
         and (is_fake(t) or any(torch._C._functorch.is_batchedtensor(x) for x in _functorch_layers(t)))  # pyright: ignore[reportAttributeAccessIssue]
         for t in tensors
+    )
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether t is an ordinary tensor: of the class torch.Tensor itself (a fake tensor is of a
+    subclass) and neither a functorch nor a functional wrapper. Its values are readable, found
+    in a few C calls (`host_unreadable` runs several times per `qkv.attention` call)."""
+    return (
+        type(t) is torch.Tensor
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)  # pyright: ignore[reportAttributeAccessIssue]  # no stub
+        and not torch._is_functional_tensor(t)  # pyright: ignore[reportPrivateImportUsage]  # private
     )
 
 
