@@ -252,3 +252,31 @@ def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.M
     if compute_dtype(torch.bfloat16, q.device) == torch.float32:
         assert seen == [torch.bfloat16]
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_key_range_from_the_end_rows_equals_the_rows_bounds() -> None:
+    """`_key_range` finds a step's key range from its first and last queries in Python integers
+    (`_row_bounds`); it must equal what the masks' own (1, L) bounds give: the keys some query
+    sees, and per-query bounds exactly when some query sees fewer. Causal and sliding windows,
+    both alignments, L above and below S, windows wider than the cache and empty rows."""
+    from qkv.backends.decode import _key_range
+
+    masks = [
+        qkv.masks.causal(), qkv.masks.causal(align="top-left"), qkv.masks.sliding_window(0),
+        qkv.masks.sliding_window(3), qkv.masks.sliding_window(5, 2), qkv.masks.sliding_window(40, 40),
+        qkv.masks.sliding_window(2, align="top-left"), qkv.masks.sliding_window(10**12),
+    ]
+    for mask, L, S in itertools.product(masks, (1, 2, 5, 16), (1, 3, 7, 17, 64)):
+        lo, hi = mask.row_intervals(L, S)  # (1, L) each
+        seen = lo <= hi  # rows with a visible key
+        start, stop, got_lo, got_hi, valid = _key_range(mask, 1, L, S, torch.device("cpu"))
+        assert valid is None
+        if not bool(seen.any()):
+            assert (start, stop) == (0, 0), (mask, L, S)
+            continue
+        want_start, want_stop = int(lo.min()), int(hi.max()) + 1
+        assert (start, stop) == (want_start, want_stop), (mask, L, S)
+        whole = int(lo.max()) <= want_start and int(hi.min()) >= want_stop - 1
+        assert (got_lo is None) == whole, (mask, L, S)
+        if got_lo is not None and got_hi is not None:
+            assert torch.equal(got_lo, lo) and torch.equal(got_hi, hi)

@@ -182,10 +182,12 @@ def describe_problem(
     if tuple(k.shape[:-3]) != batch_shape:
         k = k.expand(*batch_shape, G, S, E)  # (..., G, S, E): a view, no copy
         v = v.expand(*batch_shape, G, S, Ev)  # (..., G, S, Ev)
+    if q.dim() != 4:  # 4-D inputs are (N, ...) already: no reshape to dispatch (a decode step's cost is in such calls)
+        q, k, v = q.reshape(N, H, L, E), k.reshape(N, G, S, E), v.reshape(N, G, S, Ev)  # (N, H, L, E), (N, G, S, E | Ev)
     problem = AttentionProblem(
-        q=q.reshape(N, H, L, E),  # (N, H, L, E)
-        k=k.reshape(N, G, S, E),  # (N, G, S, E)
-        v=v.reshape(N, G, S, Ev),  # (N, G, S, Ev)
+        q=q,  # (N, H, L, E)
+        k=k,  # (N, G, S, E)
+        v=v,  # (N, G, S, Ev)
         mask=normalized,
         batch_shape=batch_shape,
         H=H, G=G, L=L, S=S, E=E, Ev=Ev,

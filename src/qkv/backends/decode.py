@@ -186,7 +186,8 @@ def _native_attention(
     if result is None:
         return None
     out, lse = result  # (N, H, L, Ev), (N, H, L) float32
-    return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
+    acc = accumulation_dtype(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype), lse if lse.dtype == acc else lse.to(acc)
 
 
 def _slopes(terms: ScoreTerms) -> torch.Tensor | None:
@@ -509,13 +510,23 @@ def _key_range(
     if isinstance(mask, KeyPadding):
         return 0, S, None, None, mask._valid(S, device)
     assert isinstance(mask, (Causal, SlidingWindow))
-    lo, hi = mask.row_intervals(L, S, device)  # (1, L) each, clamped to [0, S - 1]
-    start, stop = int(lo.min()), int(hi.max()) + 1
+    (lo_first, hi_first), (lo_last, hi_last) = _row_bounds(mask, 0, L, S), _row_bounds(mask, L - 1, L, S)
+    start, stop = lo_first, hi_last + 1  # both bounds grow with the query: its first and last rows
     if stop <= start:
         return 0, 0, None, None, None
-    if int(lo.max()) <= start and int(hi.min()) >= stop - 1:
+    if lo_last <= start and hi_first >= stop - 1:
         return start, stop, None, None, None  # every query sees the whole range: no mask to apply
+    lo, hi = mask.row_intervals(L, S, device)  # (1, L) each, clamped to [0, S - 1]
     return start, stop, lo, hi, None
+
+
+def _row_bounds(mask: Causal | SlidingWindow, row: int, L: int, S: int) -> tuple[int, int]:
+    """The first and last key query ``row`` sees, clamped to [0, S - 1] as `row_intervals` does,
+    in Python integers: the range of a decode step without building the (1, L) bounds, whose few
+    tensor operations cost more than the kernel at short caches."""
+    p = row + (S - L if mask.align == "bottom-right" else 0)  # the query's absolute position
+    lo, hi = (0, p) if isinstance(mask, Causal) else (p - mask.left, p + mask.right)
+    return max(lo, 0), min(hi, S - 1)
 
 
 def _chunk_states(
