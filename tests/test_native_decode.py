@@ -187,11 +187,11 @@ def test_two_runs_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch, ran: list[s
 def test_the_avx2_build_and_the_machines_are_separate_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier is part of the build's flags and cache key: a forced tier never loads another's library."""
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # it would be the first reason given
-    avx2, avx512 = native._kernel("avx2"), native._kernel("avx512")
+    avx2, avx512 = native._TIERED.kernel("avx2"), native._TIERED.kernel("avx512")
     assert "tier avx2" in compiled.cache_key(avx2) and "tier avx512" in compiled.cache_key(avx512)
     assert avx2.folder() != avx512.folder()
     assert not any(flag.startswith("-mavx512") for flag in avx2.cflags)
-    assert compiled.build_tier(native.TIERS, "amx") == "amx" and "-mavx512bf16" in native._kernel("amx").cflags
+    assert compiled.build_tier(native.TIERS, "amx") == "amx" and "-mavx512bf16" in native._TIERED.kernel("amx").cflags
     assert compiled.build_tier(native.TIERS, "default") is None
     assert "the kernel is built for avx2 or avx512 or amx" in (native.unavailable_reason(torch.float32, CPU, "default") or "")
 
@@ -285,7 +285,7 @@ def test_a_failed_build_falls_back_with_one_note(monkeypatch: pytest.MonkeyPatch
     right answer through the PyTorch ops, says why once, and later plans name the PyTorch ops."""
     if _skip_reason(torch.float32, None) is not None:
         pytest.skip("the native decode kernel cannot run here")
-    monkeypatch.setattr(native, "_builds", {})  # this process's build attempts, forgotten
+    monkeypatch.setattr(native._TIERED, "builds", {})  # this process's build attempts, forgotten
     monkeypatch.setattr(_log, "_noted", set())  # and the causes noted so far
     monkeypatch.setattr(native, "_check", lambda library: "its self-check failed (made to fail by the test)")
     q, k, v = _inputs(1, 4, 2, 1, 2048, 32, 32, torch.float32, seed=9)

@@ -118,7 +118,7 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
     for tiered in (decode, magnitude):
-        monkeypatch.setattr(tiered, "_builds", {})  # the kernels built per tier keep one attempt per tier
+        monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
     report = _report("--build")
     assert len(report["kernels"]) == len(KERNEL_STEMS) + 2
     for kernel in report["kernels"]:
@@ -134,7 +134,7 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})
     for tiered in (decode, magnitude):
-        monkeypatch.setattr(tiered, "_builds", {})
+        monkeypatch.setattr(tiered._TIERED, "builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]

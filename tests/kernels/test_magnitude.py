@@ -130,7 +130,7 @@ def test_a_forced_tier_runs_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> N
         x = _marked("transposed", "middle", torch.float32)
         assert magnitude.largest_magnitudes([x]) == ([77.5] if _avx2_runs() else [None])
         if _avx2_runs():
-            assert isinstance(magnitude._builds["avx2"]["module"], ctypes.CDLL)
+            assert isinstance(magnitude._TIERED.builds["avx2"]["module"], ctypes.CDLL)
     finally:
         monkeypatch.undo()
         machine._FEATURES.clear()
@@ -298,7 +298,7 @@ def test_unreadable_tensors_go_to_torch() -> None:
 def test_a_failed_build_leaves_the_check_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = magnitude.machine_build().tier
     assert tier is not None
-    monkeypatch.setattr(magnitude, "_builds", {tier: {"module": "its build failed (no compiler)"}})
+    monkeypatch.setattr(magnitude._TIERED, "builds", {tier: {"module": "its build failed (no compiler)"}})
     x = _base(5, torch.float32)
     x[1, 2, 3, 4] = -9.0
     assert magnitude.largest_magnitudes([x]) == [None]

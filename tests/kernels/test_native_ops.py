@@ -106,8 +106,8 @@ def _outputs(result: object) -> list[torch.Tensor]:
 def test_every_kernel_is_an_operator_of_the_qkv_namespace() -> None:
     # the decode kernel is built per tier (stems decode_<tier>), one operator for all; the
     # inventory (`qkv doctor`) lists the kernels built for one tier
-    assert native_decode._kernel("avx2").stem == "decode_avx2"
-    assert magnitude._kernel("avx2").stem == "magnitude_avx2"
+    assert native_decode._TIERED.kernel("avx2").stem == "decode_avx2"
+    assert magnitude._TIERED.kernel("avx2").stem == "magnitude_avx2"
     assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - {"decode", "magnitude"}
     for stem, name in [*inventory.OPERATORS.items(), ("decode", "decode"), ("magnitude", "magnitude")]:
         assert CASES[stem][0] == name

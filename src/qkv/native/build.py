@@ -45,7 +45,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ __all__ = [
     "REQUIRED_TIER",
     "TIER_CFLAGS",
     "NativeKernel",
+    "TieredKernel",
     "build",
     "build_failure",
     "build_folder",
@@ -297,6 +298,58 @@ class NativeKernel:
     def is_built(self) -> bool:
         """Whether its finished build is in the cache."""
         return self.library_path().is_file()
+
+
+@dataclass(eq=False)
+class TieredKernel:
+    """A kernel written for several CPU tiers (``tiers``, lowest first) and built per tier, with
+    that tier's flags (`TIER_CFLAGS`) into its own cache folder: the builds, one attempt per tier
+    per process (``builds``: tier -> `built_once`'s cache), and the helpers every such kernel
+    module offers (`qkv.native.inventory` and `qkv doctor` read them). ``pick`` chooses the
+    build for a tier (None: the tier qkv uses now) where `build_tier` alone would not."""
+
+    stem: str
+    source: Path
+    name: str
+    tiers: tuple[str, ...]
+    check: Callable[[ctypes.CDLL], str | None]  # the self-check a fresh library must pass (None: it did)
+    pick: Callable[[str | None], str | None] | None = None
+    builds: dict[str, dict] = field(default_factory=dict)
+
+    def tier(self, tier: str | None = None) -> str | None:
+        """The tier whose build runs for ``tier`` (None: the tier qkv uses now), or None."""
+        return self.pick(tier) if self.pick is not None else build_tier(self.tiers, tier)
+
+    def kernel(self, tier: str) -> NativeKernel:
+        """The build of ``tier``: its flags and its own cache folder."""
+        return NativeKernel(f"{self.stem}_{tier}", self.source, self.name, cflags=TIER_CFLAGS[tier], tier=tier)
+
+    def failure(self, tier: str) -> str | None:
+        """Why this process's one build of ``tier`` failed (`build_failure`), or None."""
+        return build_failure(self.builds.setdefault(tier, {}))
+
+    def first_use_note(self, tier: str | None = None) -> str:
+        """What `qkv.explain` adds to the kernel's name before its first build (at this tier) in this process."""
+        built = self.tier(tier)
+        return "" if built is None else first_use_note(self.builds.setdefault(built, {}))
+
+    def machine_build(self) -> NativeKernel:
+        """The build this machine runs now (the lowest tier's where none of ``tiers`` runs), for
+        `qkv.native.inventory`."""
+        return self.kernel(self.tier(None) or self.tiers[0])
+
+    def module(self, tier: str) -> ctypes.CDLL | str:
+        """The loaded library of ``tier``'s build (built, or loaded from the cache, and checked on
+        first use), or why there is none."""
+        return built_once(self.builds.setdefault(tier, {}), lambda: build(self.kernel(tier), self.check))
+
+    def build_now(self, reason: Callable[[], str | None]) -> None:
+        """Build (or load) and self-check the machine's build now when ``reason()`` (why the kernel
+        cannot run here, from facts that need no build) is None; a failure becomes its reason,
+        never an exception (`qkv doctor --build`)."""
+        tier = self.tier(None)
+        if tier is not None and reason() is None:
+            self.module(tier)
 
 
 def _torch_folders() -> tuple[str, str]:

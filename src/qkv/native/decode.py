@@ -49,7 +49,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -67,16 +66,6 @@ TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("decode.cpp")
 
-# tier -> the outcome of that build's one attempt in this process (`compiled.built_once`)
-_builds: dict[str, dict] = {}
-
-
-def _kernel(tier: str) -> compiled.NativeKernel:
-    """The build of tier ``tier``: its flags and its own cache folder."""
-    base = compiled.NativeKernel("decode", _SOURCE, KERNEL_NAME)
-    return replace(base, stem=f"decode_{tier}", cflags=compiled.TIER_CFLAGS[tier], tier=tier)
-
-
 def _tier(tier: str | None) -> str | None:
     """The tier whose build runs for ``tier`` (None: the tier qkv uses now; its amx build needs
     AVX-512 BF16, which every AMX CPU so far has: without it, the avx512 build)."""
@@ -84,6 +73,12 @@ def _tier(tier: str | None) -> str | None:
     if built == "amx" and tier is None and not cpu_features().avx512_bf16:
         return "avx512"
     return built
+
+
+# its builds per tier, one attempt each per process
+_TIERED = compiled.TieredKernel("decode", _SOURCE, KERNEL_NAME, TIERS, lambda library: _check(library), pick=_tier)
+first_use_note = _TIERED.first_use_note
+machine_build = _TIERED.machine_build
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | None = None) -> str | None:
@@ -98,32 +93,17 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | Non
         return reason
     built = _tier(tier)
     assert built is not None  # tier_reason checked it
-    return compiled.build_failure(_builds.setdefault(built, {}))
-
-
-def first_use_note(tier: str | None = None) -> str:
-    """What `qkv.explain` adds to the kernel's name before its first build (at this tier) in this process."""
-    built = _tier(tier)
-    return "" if built is None else compiled.first_use_note(_builds.setdefault(built, {}))
-
-
-def machine_build() -> compiled.NativeKernel:
-    """The build this machine runs now (`_tier`; the avx2 one where no tier of ``TIERS`` runs),
-    for `qkv.native.inventory`."""
-    return _kernel(_tier(None) or TIERS[0])
+    return _TIERED.failure(built)
 
 
 def build_now() -> None:
     """Build (or load) and self-check the machine's build now, if it may run here; a failure
     becomes its reason (`unavailable_reason`), never an exception (`qkv doctor --build`)."""
-    tier = _tier(None)
-    if tier is not None and compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES) is None:
-        _module(tier)
+    _TIERED.build_now(lambda: compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES))
 
 
 def _module(tier: str) -> ctypes.CDLL | str:
-    kernel = _kernel(tier)
-    return compiled.built_once(_builds.setdefault(tier, {}), lambda: compiled.build(kernel, _check))
+    return _TIERED.module(tier)
 
 
 def _check(library: ctypes.CDLL) -> str | None:

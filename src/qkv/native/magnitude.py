@@ -41,7 +41,6 @@ import ctypes
 import functools
 import struct
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,19 +69,15 @@ _FIELDS: dict[torch.dtype, tuple[int, str, str, int]] = {
     torch.float16: (0x7C00, "<H", "<e", 0),
 }
 
-# tier -> the outcome of that build's one attempt in this process (`compiled.built_once`)
-_builds: dict[str, dict] = {}
-
-
-def _kernel(tier: str) -> compiled.NativeKernel:
-    """The build of tier ``tier``: its flags and its own cache folder."""
-    base = compiled.NativeKernel("magnitude", _SOURCE, KERNEL_NAME)
-    return replace(base, stem=f"magnitude_{tier}", cflags=compiled.TIER_CFLAGS[tier], tier=tier)
-
-
 def _tier(tier: str | None) -> str | None:
     """The tier whose build runs for ``tier`` (None: the tier qkv uses now)."""
     return compiled.build_tier(TIERS, tier)
+
+
+# its builds per tier, one attempt each per process
+_TIERED = compiled.TieredKernel("magnitude", _SOURCE, KERNEL_NAME, TIERS, lambda library: _check(library))
+first_use_note = _TIERED.first_use_note
+machine_build = _TIERED.machine_build
 
 
 def kernel_reason(dtype: torch.dtype = torch.float32, device: torch.device | None = None, tier: str | None = None) -> str | None:
@@ -98,7 +93,7 @@ def kernel_reason(dtype: torch.dtype = torch.float32, device: torch.device | Non
         return reason
     built = _tier(tier)
     assert built is not None  # tier_reason checked it
-    return compiled.build_failure(_builds.setdefault(built, {}))
+    return _TIERED.failure(built)
 
 
 def unavailable_reason(x: torch.Tensor, tier: str | None = None) -> str | None:
@@ -224,29 +219,14 @@ def widen_bf16(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor], tie
     return [magnitude_of(b, torch.bfloat16) for b in bits]
 
 
-def first_use_note(tier: str | None = None) -> str:
-    """What `qkv.explain` adds to the scan's name before its first build (at this tier) in this process."""
-    built = _tier(tier)
-    return "" if built is None else compiled.first_use_note(_builds.setdefault(built, {}))
-
-
-def machine_build() -> compiled.NativeKernel:
-    """The build this machine runs now (the avx2 one where no tier of ``TIERS`` runs), for
-    `qkv.native.inventory`."""
-    return _kernel(_tier(None) or TIERS[0])
-
-
 def build_now() -> None:
     """Build (or load) and self-check the machine's build now, if it may run here; a failure
     becomes its reason (`kernel_reason`), never an exception (`qkv doctor --build`)."""
-    tier = _tier(None)
-    if tier is not None and compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES) is None:
-        _module(tier)
+    _TIERED.build_now(lambda: compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES))
 
 
 def _module(tier: str) -> ctypes.CDLL | str:
-    kernel = _kernel(tier)
-    return compiled.built_once(_builds.setdefault(tier, {}), lambda: compiled.build(kernel, _check))
+    return _TIERED.module(tier)
 
 
 @functools.cache
