@@ -239,7 +239,7 @@ def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.M
 
     def spy(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append(k.dtype)
-        return real(q, k, *args, **kwargs)  # type: ignore[arg-type]
+        return real(q, k, *args, **kwargs)
 
     from qkv.attention import execute as execute_module
 
@@ -254,29 +254,41 @@ def test_bfloat16_is_widened_wave_by_wave_not_copied_whole(monkeypatch: pytest.M
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def _visible_by_hand(kind: str, left: int, right: int, align: str, L: int, S: int) -> np.ndarray:
+    """(L, S) bool, written from the masks' documented rules: query i sits at p = i + S - L
+    (bottom-right) or p = i (top-left); causal sees keys 0..p, a window p - left..p + right."""
+    p = np.arange(L)[:, None] + (S - L if align == "bottom-right" else 0)
+    j = np.arange(S)[None, :]
+    return (j <= p) if kind == "causal" else (j >= p - left) & (j <= p + right)
+
+
 def test_key_range_from_the_end_rows_equals_the_rows_bounds() -> None:
     """`_key_range` finds a step's key range from its first and last queries in Python integers
-    (`_row_bounds`); it must equal what the masks' own (1, L) bounds give: the keys some query
-    sees, and per-query bounds exactly when some query sees fewer. Causal and sliding windows,
-    both alignments, L above and below S, windows wider than the cache and empty rows."""
+    (the masks' bounds taken on an int); it must give the keys some query sees, and per-query
+    bounds exactly when some query sees fewer, by the masks' rules written out by hand. Causal
+    and sliding windows, both alignments, L above and below S, windows wider than the cache
+    and rows that see no key."""
     from qkv.backends.decode import _key_range
 
-    masks = [
-        qkv.masks.causal(), qkv.masks.causal(align="top-left"), qkv.masks.sliding_window(0),
-        qkv.masks.sliding_window(3), qkv.masks.sliding_window(5, 2), qkv.masks.sliding_window(40, 40),
-        qkv.masks.sliding_window(2, align="top-left"), qkv.masks.sliding_window(10**12),
+    cases = [
+        ("causal", 0, 0, "bottom-right"), ("causal", 0, 0, "top-left"), ("window", 0, 0, "bottom-right"),
+        ("window", 3, 0, "bottom-right"), ("window", 5, 2, "bottom-right"), ("window", 40, 40, "bottom-right"),
+        ("window", 2, 0, "top-left"), ("window", 10**12, 0, "bottom-right"),
     ]
-    for mask, L, S in itertools.product(masks, (1, 2, 5, 16), (1, 3, 7, 17, 64)):
-        lo, hi = mask.row_intervals(L, S)  # (1, L) each
-        seen = lo <= hi  # rows with a visible key
-        start, stop, got_lo, got_hi, valid = _key_range(mask, 1, L, S, torch.device("cpu"))
+    for (kind, left, right, align), L, S in itertools.product(cases, (1, 2, 5, 16), (1, 3, 7, 17, 64)):
+        mask = qkv.masks.causal(align=align) if kind == "causal" else qkv.masks.sliding_window(left, right, align=align)
+        visible = _visible_by_hand(kind, left, right, align, L, S)  # (L, S)
+        start, stop, lo, hi, valid = _key_range(mask, 1, L, S, torch.device("cpu"))
         assert valid is None
-        if not bool(seen.any()):
+        seen = visible.any(axis=0)  # keys some query sees
+        if not seen.any():
             assert (start, stop) == (0, 0), (mask, L, S)
             continue
-        want_start, want_stop = int(lo.min()), int(hi.max()) + 1
-        assert (start, stop) == (want_start, want_stop), (mask, L, S)
-        whole = int(lo.max()) <= want_start and int(hi.min()) >= want_stop - 1
-        assert (got_lo is None) == whole, (mask, L, S)
-        if got_lo is not None and got_hi is not None:
-            assert torch.equal(got_lo, lo) and torch.equal(got_hi, hi)
+        keys = np.flatnonzero(seen)
+        assert (start, stop) == (int(keys[0]), int(keys[-1]) + 1), (mask, L, S)
+        every_row_sees_all = bool(visible[:, start:stop].all())
+        assert (lo is None) == every_row_sees_all, (mask, L, S)
+        if lo is not None and hi is not None:
+            rows = visible.any(axis=1)  # rows with a visible key: their bounds are the first and last
+            assert np.array_equal(lo[0].numpy()[rows], visible[rows].argmax(axis=1))
+            assert np.array_equal(hi[0].numpy()[rows], S - 1 - visible[rows][:, ::-1].argmax(axis=1))

@@ -522,10 +522,9 @@ def _key_range(
 
 def _row_bounds(mask: Causal | SlidingWindow, row: int, L: int, S: int) -> tuple[int, int]:
     """The first and last key query ``row`` sees, clamped to [0, S - 1] as `row_intervals` does,
-    in Python integers: the range of a decode step without building the (1, L) bounds, whose few
-    tensor operations cost more than the kernel at short caches."""
-    p = row + (S - L if mask.align == "bottom-right" else 0)  # the query's absolute position
-    lo, hi = (0, p) if isinstance(mask, Causal) else (p - mask.left, p + mask.right)
+    in Python integers (these masks' bounds take an int): the range of a decode step without
+    building the (1, L) bounds, whose few tensor operations cost more than the kernel at short caches."""
+    lo, hi = mask.bounds(row, L, S)
     return max(lo, 0), min(hi, S - 1)
 
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 from qkv.masks._base import Align, Device, Mask, check_count
 from qkv.masks._layout import block_bounds, compose_states
+
+# query indices: a tensor of them, or one as a Python int (the masks whose bounds are plain
+# arithmetic take both: a decode step finds its key range without tensor operations)
+Index = TypeVar("Index", int, torch.Tensor)
 
 # Window sizes and prefix lengths are clamped to this many positions at construction: no
 # sequence is that long, so the mask is unchanged, and positions +- the size stay far inside
@@ -96,8 +100,8 @@ class Causal(_Interval):
         """Absolute position of query 0: S - L bottom-right, 0 top-left."""
         return _offset(self.align, L, S)
 
-    def bounds(self, q_idx: torch.Tensor, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros_like(q_idx), q_idx + self.offset(L, S)
+    def bounds(self, q_idx: Index, L: int, S: int) -> tuple[Index, Index]:
+        return q_idx * 0, q_idx + self.offset(L, S)  # key 0 for every query
 
     def describe(self) -> str:
         return "causal()" if self.align == "bottom-right" else "causal(align='top-left')"
@@ -134,7 +138,7 @@ class SlidingWindow(_Interval):
     align: Align = "bottom-right"
     shift_invariant: ClassVar[bool] = True
 
-    def bounds(self, q_idx: torch.Tensor, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def bounds(self, q_idx: Index, L: int, S: int) -> tuple[Index, Index]:
         p = q_idx + _offset(self.align, L, S)
         return p - self.left, p + self.right
 
