@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from qkv._log import note_once
 from qkv._private import torch as private_torch
+from qkv.native import switches
 from qkv.native.machine import TIERS, cpu_features
 
 __all__ = [
@@ -312,6 +313,8 @@ class TieredKernel:
     source: Path
     name: str
     tiers: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]  # the input dtypes it runs
+    switch: str  # its name for `qkv.backends.disabled`
     check: Callable[[ctypes.CDLL], str | None]  # the self-check a fresh library must pass (None: it did)
     pick: Callable[[str | None], str | None] | None = None
     builds: dict[str, dict] = field(default_factory=dict)
@@ -324,9 +327,17 @@ class TieredKernel:
         """The build of ``tier``: its flags and its own cache folder."""
         return NativeKernel(f"{self.stem}_{tier}", self.source, self.name, cflags=TIER_CFLAGS[tier], tier=tier)
 
-    def failure(self, tier: str) -> str | None:
-        """Why this process's one build of ``tier`` failed (`build_failure`), or None."""
-        return build_failure(self.builds.setdefault(tier, {}))
+    def unavailable_reason(self, dtype: torch.dtype, device: torch.device, tier: str | None = None) -> str | None:
+        """Why the kernel will not run for inputs of this dtype and device at ``tier`` (None: the
+        tier qkv uses now): switched off, facts that need no build (`tier_reason`), or this
+        process's failed build of that tier; None if it will (possibly after building it on
+        first use). Never builds."""
+        reason = switches.off_reason(self.switch) or tier_reason(self.tiers, dtype, device, self.dtypes, tier)
+        if reason is not None:
+            return reason
+        built = self.tier(tier)
+        assert built is not None  # tier_reason checked it
+        return build_failure(self.builds.setdefault(built, {}))
 
     def first_use_note(self, tier: str | None = None) -> str:
         """What `qkv.explain` adds to the kernel's name before its first build (at this tier) in this process."""
@@ -343,12 +354,13 @@ class TieredKernel:
         first use), or why there is none."""
         return built_once(self.builds.setdefault(tier, {}), lambda: build(self.kernel(tier), self.check))
 
-    def build_now(self, reason: Callable[[], str | None]) -> None:
-        """Build (or load) and self-check the machine's build now when ``reason()`` (why the kernel
-        cannot run here, from facts that need no build) is None; a failure becomes its reason,
-        never an exception (`qkv doctor --build`)."""
+    def build_now(self) -> None:
+        """Build (or load) and self-check the machine's build now, if it may run here (switched
+        off or not: `qkv doctor --build` builds ahead of time); a failure becomes its reason
+        (`unavailable_reason`), never an exception."""
         tier = self.tier(None)
-        if tier is not None and reason() is None:
+        # any dtype it runs: a build serves them all
+        if tier is not None and tier_reason(self.tiers, self.dtypes[0], torch.device("cpu"), self.dtypes) is None:
             self.module(tier)
 
 

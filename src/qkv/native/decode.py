@@ -54,7 +54,6 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
-from qkv.native import switches
 from qkv.native.machine import cpu_features
 
 __all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "build_now", "first_use_note", "forward", "machine_build", "tanh", "unavailable_reason"]
@@ -66,6 +65,7 @@ TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("decode.cpp")
 
+
 def _tier(tier: str | None) -> str | None:
     """The tier whose build runs for ``tier`` (None: the tier qkv uses now; its amx build needs
     AVX-512 BF16, which every AMX CPU so far has: without it, the avx512 build)."""
@@ -76,7 +76,9 @@ def _tier(tier: str | None) -> str | None:
 
 
 # its builds per tier, one attempt each per process
-_TIERED = compiled.TieredKernel("decode", _SOURCE, KERNEL_NAME, TIERS, lambda library: _check(library), pick=_tier)
+_TIERED = compiled.TieredKernel(
+    "decode", _SOURCE, KERNEL_NAME, TIERS, DTYPES, "native_decode", lambda library: _check(library), pick=_tier
+)
 first_use_note = _TIERED.first_use_note
 machine_build = _TIERED.machine_build
 
@@ -88,18 +90,10 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | Non
     >>> unavailable_reason(torch.float16, torch.device("cpu"))
     'it runs float32 and bfloat16 only (inputs are float16)'
     """
-    reason = switches.off_reason("native_decode") or compiled.tier_reason(TIERS, dtype, device, DTYPES, tier)
-    if reason is not None:
-        return reason
-    built = _tier(tier)
-    assert built is not None  # tier_reason checked it
-    return _TIERED.failure(built)
+    return _TIERED.unavailable_reason(dtype, device, tier)
 
 
-def build_now() -> None:
-    """Build (or load) and self-check the machine's build now, if it may run here; a failure
-    becomes its reason (`unavailable_reason`), never an exception (`qkv doctor --build`)."""
-    _TIERED.build_now(lambda: compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES))
+build_now = _TIERED.build_now
 
 
 def _module(tier: str) -> ctypes.CDLL | str:

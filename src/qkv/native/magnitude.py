@@ -69,13 +69,8 @@ _FIELDS: dict[torch.dtype, tuple[int, str, str, int]] = {
     torch.float16: (0x7C00, "<H", "<e", 0),
 }
 
-def _tier(tier: str | None) -> str | None:
-    """The tier whose build runs for ``tier`` (None: the tier qkv uses now)."""
-    return compiled.build_tier(TIERS, tier)
-
-
 # its builds per tier, one attempt each per process
-_TIERED = compiled.TieredKernel("magnitude", _SOURCE, KERNEL_NAME, TIERS, lambda library: _check(library))
+_TIERED = compiled.TieredKernel("magnitude", _SOURCE, KERNEL_NAME, TIERS, DTYPES, "magnitude", lambda library: _check(library))
 first_use_note = _TIERED.first_use_note
 machine_build = _TIERED.machine_build
 
@@ -87,13 +82,7 @@ def kernel_reason(dtype: torch.dtype = torch.float32, device: torch.device | Non
     >>> kernel_reason(torch.float64)
     'it runs float32 and bfloat16 and float16 only (inputs are float64)'
     """
-    device = torch.device("cpu") if device is None else device
-    reason = switches.off_reason("magnitude") or compiled.tier_reason(TIERS, dtype, device, DTYPES, tier)
-    if reason is not None:
-        return reason
-    built = _tier(tier)
-    assert built is not None  # tier_reason checked it
-    return _TIERED.failure(built)
+    return _TIERED.unavailable_reason(dtype, torch.device("cpu") if device is None else device, tier)
 
 
 def unavailable_reason(x: torch.Tensor, tier: str | None = None) -> str | None:
@@ -185,7 +174,7 @@ def largest_magnitudes(tensors: Sequence[torch.Tensor], tier: str | None = None)
     taken = [i for i, (rows, _) in enumerate(plans) if rows is not None]
     if not taken:
         return found
-    library = _module(_tier(tier) or "")
+    library = _module(_TIERED.tier(tier) or "")
     if isinstance(library, str):
         return found
     chosen = [tensors[i] for i in taken]
@@ -212,17 +201,14 @@ def widen_bf16(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor], tie
     plans = [_rows_or_reason(x, tier) for x in tensors]
     if not tensors or any(rows is None for rows, _ in plans) or not compiled.direct_call(*tensors, *out):
         return None
-    library = _module(_tier(tier) or "")
+    library = _module(_TIERED.tier(tier) or "")
     if isinstance(library, str):
         return None
     bits = _run(library, tensors, out).tolist()
     return [magnitude_of(b, torch.bfloat16) for b in bits]
 
 
-def build_now() -> None:
-    """Build (or load) and self-check the machine's build now, if it may run here; a failure
-    becomes its reason (`kernel_reason`), never an exception (`qkv doctor --build`)."""
-    _TIERED.build_now(lambda: compiled.tier_reason(TIERS, torch.float32, torch.device("cpu"), DTYPES))
+build_now = _TIERED.build_now
 
 
 def _module(tier: str) -> ctypes.CDLL | str:
@@ -283,7 +269,7 @@ def _magnitude_op(tensors: list[torch.Tensor], tier: str) -> torch.Tensor:
     wanted = tier or None
     dtype = tensors[0].dtype if tensors else torch.float32
     reason = compiled.tier_reason(TIERS, dtype, torch.device("cpu"), DTYPES, wanted)
-    library = compiled.loaded_or_raise(reason or _module(_tier(wanted) or ""), KERNEL_NAME)
+    library = compiled.loaded_or_raise(reason or _module(_TIERED.tier(wanted) or ""), KERNEL_NAME)
     return _run(library, tensors)
 
 
