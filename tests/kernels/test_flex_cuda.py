@@ -10,6 +10,8 @@ FlexAttention's eager reference with its backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -219,33 +221,65 @@ def test_eager_flex_takes_a_new_softcap_each_call() -> None:
         torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
 
 
+@dataclass
+class _SinkCase:
+    """Inputs of a sinks check in float64 (q, k, v, sinks), the loss's weights on the output and
+    on the finite lse entries, and qkv's float64 math path on them: output, lse and gradients."""
+
+    mask: M.Mask
+    inputs: list[torch.Tensor]
+    d_out: torch.Tensor
+    d_lse: torch.Tensor
+    want: torch.Tensor
+    want_lse: torch.Tensor
+    want_grads: tuple[torch.Tensor, ...]
+
+    @property
+    def finite(self) -> torch.Tensor:
+        return torch.isfinite(self.want_lse)
+
+    def loss(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """sum(out * dO) + sum over the finite lse entries of lse * dlse, on out's device."""
+        finite = self.finite.to(out.device)
+        d_out, d_lse = self.d_out.to(out.device, out.dtype), self.d_lse.to(out.device, lse.dtype)
+        return (out * d_out).sum() + (lse[finite] * d_lse[finite]).sum()
+
+    def check(self, got: torch.Tensor, got_lse: torch.Tensor, got_in: list[torch.Tensor], atol: tuple[float, float, float]) -> None:
+        """Output, finite lse entries (and which are -inf) and every gradient against the math path."""
+        grads = torch.autograd.grad(self.loss(got, got_lse), got_in)
+        finite = self.finite
+        assert torch.equal(torch.isfinite(got_lse).cpu(), finite)
+        torch.testing.assert_close(got.double().cpu(), self.want, atol=atol[0], rtol=0)
+        torch.testing.assert_close(got_lse.double().cpu()[finite], self.want_lse[finite], atol=atol[1], rtol=0)
+        for g, w in zip(grads, self.want_grads, strict=True):
+            torch.testing.assert_close(g.double().cpu(), w, atol=atol[2], rtol=0)
+
+
+def _sink_case(mask_name: str, N: int, H: int, G: int, L: int, S: int, E: int) -> _SinkCase:
+    mask = _masks(N, S)[mask_name]
+    gen = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((N, H, L, E), (N, G, S, E), (N, G, S, E), (H,))]
+    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(N, H, L, generator=gen, dtype=torch.float64)
+    ref = [t.clone().requires_grad_(True) for t in inputs]
+    want, want_lse = qkv.attention(*ref[:3], mask, sinks=ref[3], backend="math", return_lse=True)
+    case = _SinkCase(mask, inputs, d_out, d_lse, want.detach(), want_lse.detach(), ())
+    case.want_grads = torch.autograd.grad(case.loss(want, want_lse), ref)
+    return case
+
+
 @needs_cuda
-@pytest.mark.parametrize("mask_name", ["sliding", "documents&causal"])
+@pytest.mark.parametrize("mask_name", ["sliding", "documents&causal", "padding"])
 def test_cuda_flex_with_sinks_forward_and_backward(mask_name: str) -> None:
     """Attention sinks on the CUDA flex path: FlexAttention's kernel, then the sink folded into
     its differentiable lse (`qkv.backends.sinks.SinkFold`). Output, lse and the gradients of q,
-    k, v and the sinks against the float64 math path."""
-    N, H, G, L, S, E = 2, 4, 2, 384, 384, 64
-    mask = _masks(N, S)[mask_name]
-    gen = torch.Generator().manual_seed(6)
-    q64 = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
-    k64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
-    v64 = torch.randn(N, G, S, E, generator=gen, dtype=torch.float64)
-    sinks64 = torch.randn(H, generator=gen, dtype=torch.float64)
-    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
-    ref = [t.clone().requires_grad_(True) for t in (q64, k64, v64, sinks64)]
-    want, want_lse = qkv.attention(*ref[:3], mask, sinks=ref[3], backend="math", return_lse=True)
-    want_grads = torch.autograd.grad(want, ref, d_out)
-    got_in = [t.to("cuda", torch.float32).requires_grad_(True) for t in (q64, k64, v64, sinks64)]
-    cuda_mask = mask.to("cuda")
+    k, v and the sinks (a loss on the lse too) against the float64 math path."""
+    case = _sink_case(mask_name, 2, 4, 2, 384, 384, 64)
+    got_in = [t.to("cuda", torch.float32).requires_grad_(True) for t in case.inputs]
+    cuda_mask = case.mask.to("cuda")
     assert qkv.explain(*got_in[:3], cuda_mask, sinks=got_in[3]).path == "flex"
     got, got_lse = qkv.attention(*got_in[:3], cuda_mask, sinks=got_in[3], return_lse=True)
-    got_grads = torch.autograd.grad(got, got_in, d_out.to("cuda", torch.float32))
-    torch.testing.assert_close(got.double().cpu(), want.detach(), atol=2e-4, rtol=0)
-    finite = torch.isfinite(want_lse)
-    torch.testing.assert_close(got_lse.double().cpu()[finite], want_lse.detach()[finite], atol=1e-4, rtol=0)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g.double().cpu(), w, atol=2e-3, rtol=0)
+    case.check(got, got_lse, got_in, atol=(2e-4, 1e-4, 2e-3))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
@@ -263,24 +297,11 @@ def test_eager_flex_lse_carries_the_sink_gradient(monkeypatch: pytest.MonkeyPatc
 
     entry_check = fa._validate_device
     monkeypatch.setattr(fa, "_validate_device", lambda q, k, v: entry_check(q.detach(), k.detach(), v.detach()))
-    N, H, G, L, S, E = 2, 4, 2, 150, 150, 16
-    mask = _masks(N, S)[mask_name]
-    gen = torch.Generator().manual_seed(6)
-    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((N, H, L, E), (N, G, S, E), (N, G, S, E), (H,))]
-    d_out = torch.randn(N, H, L, E, generator=gen, dtype=torch.float64)
-    d_lse = torch.randn(N, H, L, generator=gen, dtype=torch.float64)
-    ref = [t.clone().requires_grad_(True) for t in inputs]
-    want, want_lse = qkv.attention(*ref[:3], mask, sinks=ref[3], backend="math", return_lse=True)
-    finite = torch.isfinite(want_lse)
-    want_grads = torch.autograd.grad((want * d_out).sum() + (want_lse[finite] * d_lse[finite]).sum(), ref)
-    got_in = [t.clone().requires_grad_(True) for t in inputs]
-    out, lse = flex_attention_layout(*got_in[:3], mask, mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK), E**-0.5, compiled=False)
+    L = S = 150
+    case = _sink_case(mask_name, 2, 4, 2, L, S, 16)
+    got_in = [t.clone().requires_grad_(True) for t in case.inputs]
+    out, lse = flex_attention_layout(*got_in[:3], case.mask, case.mask.layout(L, S, FLEX_BLOCK, FLEX_BLOCK), 16**-0.5, compiled=False)
     assert lse is not None and lse.requires_grad
     got, got_lse = SinkFold.apply(out, lse, got_in[3])
-    assert torch.equal(torch.isfinite(got_lse), finite)
-    got_grads = torch.autograd.grad((got * d_out).sum() + (got_lse[finite] * d_lse[finite]).sum(), got_in)
     # FlexAttention keeps its lse in float32, whatever the inputs' dtype
-    torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=0)
-    torch.testing.assert_close(got_lse[finite].double(), want_lse.detach()[finite], atol=2e-6, rtol=0)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g.double(), w, atol=5e-6, rtol=0)
+    case.check(got, got_lse, got_in, atol=(2e-6, 2e-6, 5e-6))
