@@ -126,7 +126,7 @@ def test_a_forced_tier_runs_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")
     machine._FEATURES.clear()
     try:
-        assert magnitude.machine_build().stem == "magnitude_avx2"
+        assert magnitude._TIERED.machine_build().stem == "magnitude_avx2"
         x = _marked("transposed", "middle", torch.float32)
         assert magnitude.largest_magnitudes([x]) == ([77.5] if _avx2_runs() else [None])
         if _avx2_runs():
@@ -296,7 +296,7 @@ def test_unreadable_tensors_go_to_torch() -> None:
 
 
 def test_a_failed_build_leaves_the_check_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = magnitude.machine_build().tier
+    tier = magnitude._TIERED.machine_build().tier
     assert tier is not None
     monkeypatch.setattr(magnitude._TIERED, "builds", {tier: {"module": "its build failed (no compiler)"}})
     x = _base(5, torch.float32)

@@ -56,7 +56,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native.machine import cpu_features
 
-__all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "build_now", "first_use_note", "forward", "machine_build", "tanh", "unavailable_reason"]
+__all__ = ["DTYPES", "KERNEL_NAME", "TIERS", "first_use_note", "forward", "tanh", "unavailable_reason"]
 
 KERNEL_NAME = "native decode kernel"
 # the tiers it is written for, lowest first: the amx build adds vdpbf16ps (AVX-512 BF16) for
@@ -80,7 +80,6 @@ _TIERED = compiled.TieredKernel(
     "decode", _SOURCE, KERNEL_NAME, TIERS, DTYPES, "native_decode", lambda library: _check(library), pick=_tier
 )
 first_use_note = _TIERED.first_use_note
-machine_build = _TIERED.machine_build
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | None = None) -> str | None:
@@ -91,9 +90,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | Non
     'it runs float32 and bfloat16 only (inputs are float16)'
     """
     return _TIERED.unavailable_reason(dtype, device, tier)
-
-
-build_now = _TIERED.build_now
 
 
 def _module(tier: str) -> ctypes.CDLL | str:

@@ -34,8 +34,8 @@ __all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 
 # the kernel modules, each with NATIVE (its source and flags), _built and _build
 _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)
-# the kernels built per tier (KERNEL_NAME, machine_build, build_now; their reason for float32 on the CPU)
-_TIERED: tuple[ModuleType, ...] = (decode, magnitude)
+# the kernels built per tier (`compiled.TieredKernel`: name, machine build, build now, reason)
+_TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED)
 # the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
 _NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
 # each kernel's operator, by its stem: torch.ops.qkv.<name>
@@ -71,18 +71,14 @@ def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
     )  # fmt: skip
 
 
-def _tiered_reason(module: ModuleType) -> str | None:
-    """Why a kernel built per tier does not run here for float32 inputs, or None."""
-    cpu = torch.device("cpu")
-    return decode.unavailable_reason(torch.float32, cpu) if module is decode else magnitude.kernel_reason(torch.float32, cpu)
-
-
-def _tiered_status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
-    """A kernel built per tier (`qkv.native.decode`, `qkv.native.magnitude`): the build this machine runs."""
-    kernel = module.machine_build()
+def _tiered_status(tiered: compiled.TieredKernel, seconds: float | None = None) -> KernelStatus:
+    """A kernel built per tier (`qkv.native.decode`, `qkv.native.magnitude`): the build this
+    machine runs, and why it does not run here for float32 inputs (or None)."""
+    kernel = tiered.machine_build()
     return KernelStatus(
-        name=f"{module.KERNEL_NAME} ({kernel.tier} build)", stem=kernel.stem, reason=_tiered_reason(module),
-        built=kernel.is_built(), folder=str(kernel.folder()), seconds=seconds,
+        name=f"{tiered.name} ({kernel.tier} build)", stem=kernel.stem,
+        reason=tiered.unavailable_reason(torch.float32, torch.device("cpu")), built=kernel.is_built(),
+        folder=str(kernel.folder()), seconds=seconds,
     )  # fmt: skip
 
 
@@ -92,7 +88,7 @@ def kernel_statuses() -> list[KernelStatus]:
     >>> sorted(s.stem for s in kernel_statuses())[:3]  # doctest: +ELLIPSIS
     ['add_norm_bf16', 'decode_...', 'interval_bf16']
     """
-    return [*(_status(module) for module in _MODULES), *(_tiered_status(module) for module in _TIERED)]
+    return [*(_status(module) for module in _MODULES), *(_tiered_status(tiered) for tiered in _TIERED)]
 
 
 def build_all() -> list[KernelStatus]:
@@ -107,13 +103,13 @@ def build_all() -> list[KernelStatus]:
         compiled.built_once(module._built, module._build)
         return _status(module, time.perf_counter() - started)
 
-    def attempt_tiered(module: ModuleType) -> KernelStatus:
-        if _tiered_status(module).reason is not None:
-            return _tiered_status(module)
+    def attempt_tiered(tiered: compiled.TieredKernel) -> KernelStatus:
+        if _tiered_status(tiered).reason is not None:
+            return _tiered_status(tiered)
         started = time.perf_counter()
-        module.build_now()
-        return _tiered_status(module, time.perf_counter() - started)
+        tiered.build_now()
+        return _tiered_status(tiered, time.perf_counter() - started)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(_MODULES) + len(_TIERED), os.cpu_count() or 1))) as pool:
-        tiered = [pool.submit(attempt_tiered, module) for module in _TIERED]
-        return [*pool.map(attempt, _MODULES), *(done.result() for done in tiered)]
+        builds = [pool.submit(attempt_tiered, tiered) for tiered in _TIERED]
+        return [*pool.map(attempt, _MODULES), *(done.result() for done in builds)]

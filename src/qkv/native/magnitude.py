@@ -51,8 +51,8 @@ from qkv.native import switches
 from qkv.native.machine import cpu_features
 
 __all__ = [
-    "DTYPES", "KERNEL_NAME", "MIN_VALUES", "TIERS", "build_now", "first_use_note", "kernel_reason", "largest_magnitudes",
-    "machine_build", "magnitude_of", "strided_rows", "unavailable_reason", "widen_bf16",
+    "DTYPES", "KERNEL_NAME", "MIN_VALUES", "TIERS", "first_use_note", "kernel_reason", "largest_magnitudes",
+    "magnitude_of", "strided_rows", "unavailable_reason", "widen_bf16",
 ]  # fmt: skip
 
 KERNEL_NAME = "magnitude scan"
@@ -72,7 +72,6 @@ _FIELDS: dict[torch.dtype, tuple[int, str, str, int]] = {
 # its builds per tier, one attempt each per process
 _TIERED = compiled.TieredKernel("magnitude", _SOURCE, KERNEL_NAME, TIERS, DTYPES, "magnitude", lambda library: _check(library))
 first_use_note = _TIERED.first_use_note
-machine_build = _TIERED.machine_build
 
 
 def kernel_reason(dtype: torch.dtype = torch.float32, device: torch.device | None = None, tier: str | None = None) -> str | None:
@@ -206,9 +205,6 @@ def widen_bf16(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor], tie
         return None
     bits = _run(library, tensors, out).tolist()
     return [magnitude_of(b, torch.bfloat16) for b in bits]
-
-
-build_now = _TIERED.build_now
 
 
 def _module(tier: str) -> ctypes.CDLL | str:
