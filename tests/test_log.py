@@ -68,6 +68,21 @@ def test_an_emulated_dtype_is_noted_once_whatever_the_number_of_calls(fresh: pyt
     assert records == ([] if expected is None else [("INFO", expected)])
 
 
+def test_multihead_attention_widening_a_layer_notes_it_once(
+    fresh: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 layer on a tier that emulates bf16 runs in float32 from its first product
+    (`MultiHeadAttention._emulated`): one note, as for `qkv.attention`."""
+    monkeypatch.setenv("QKV_CPU_TIER", "avx2")
+    layer = qkv.MultiHeadAttention(32, 4).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    for _ in range(3):
+        layer(x)
+    expected = emulation_note(torch.bfloat16, torch.device("cpu"))
+    assert expected is not None and "computes in float32" in expected
+    assert [(r.levelname, r.getMessage()) for r in _ours(fresh)] == [("INFO", expected)]
+
+
 def test_an_emulated_dtype_kept_as_it_is_is_a_warning(
     fresh: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,9 +114,14 @@ def test_a_kernel_build_and_its_failure_are_noted_once(
     assert messages[1] == f"the test kernel is not used, qkv runs its portable path: {outcomes[0]}"
 
 
-def test_the_cli_prints_the_notes_on_stderr_one_line_each(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tier", ["this machine's", "avx2"])
+def test_the_cli_prints_the_notes_on_stderr_one_line_each(monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    """The encoder runs its blocks in float32 where bf16 is emulated, without a bf16 call to
+    `qkv.attention`: it says so itself (forced to the avx2 tier, an AMX machine checks that too)."""
     from qkv.cli import app
 
+    if tier == "avx2":
+        monkeypatch.setenv("QKV_CPU_TIER", "avx2")
     monkeypatch.setattr(_log, "_noted", set())
     result = CliRunner().invoke(app, ["embed", "--dtype", "bfloat16", "--json", "one text", "another"])
     assert result.exit_code == 0, result.output
@@ -109,3 +129,5 @@ def test_the_cli_prints_the_notes_on_stderr_one_line_each(monkeypatch: pytest.Mo
     notes = [line for line in result.stderr.splitlines() if line.startswith("qkv: ")]
     assert notes == ([] if expected is None else [f"qkv: {expected}"])
     assert result.stdout.startswith("{")  # the JSON stays alone on stdout
+    if tier == "avx2":
+        assert expected is not None and "computes in float32" in expected

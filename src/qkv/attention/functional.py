@@ -42,7 +42,7 @@ from qkv.attention.problem import (
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native import magnitude
-from qkv.native.machine import compute_dtype, emulation_note
+from qkv.native.machine import compute_dtype, emulation_note, note_computed_wide
 from qkv.scores import ScoreMod
 
 __all__ = ["Explanation", "attention", "attention_weights", "explain"]
@@ -269,8 +269,7 @@ def attention(
         wide = None  # a decode step widens its cache chunk by chunk (`qkv.backends.decode`)
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
-        dtype, device = q.dtype, q.device
-        note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
+        note_computed_wide(q.dtype, q.device)
         plain = bias is None and score_mod is None and sinks is None and dropout == 0.0 and not (return_weights or return_lse)
         # FlexAttention would compile once per group size; decode takes few queries, widened by itself
         plain = plain and backend in ("auto", "fused", "math", "blocks")

@@ -25,7 +25,7 @@ from torch import nn
 from qkv.masks import Mask
 from qkv.models.config import BertConfig
 from qkv.native import add_norm_bf16, onednn_linear
-from qkv.native.machine import compute_dtype
+from qkv.native.machine import compute_dtype, note_computed_wide
 from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["BertEmbeddings", "BertEncoder", "BertLayer", "EncoderOutput"]
@@ -101,6 +101,7 @@ class BertLayer(nn.Module):
             # this CPU only emulates the matmul dtype's products: the block runs in float32 on
             # the residual stream itself, weights converted once (onednn_linear.wide_copy),
             # with no rounding of activations to the matmul dtype and back
+            note_computed_wide(matmul_dtype, x.device)
             return self._step_float32(x, mask, return_weights)
         if x_low is None or x_low.dtype != matmul_dtype:  # the first block, or blocks of mixed dtypes
             x_low = x.to(matmul_dtype)  # (B, L, D)

@@ -32,6 +32,7 @@ slowly, on one without. Rates are measured, never assumed, by
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from qkv._log import note_once
 from qkv._private.torch import cpu_supports
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "emulation_note",
     "machine_line",
     "native_low_precision",
+    "note_computed_wide",
 ]
 
 # the tiers, lowest first; a tier has every feature of the ones before it
@@ -201,6 +204,14 @@ def emulation_note(dtype: torch.dtype, device: torch.device) -> str | None:
         f"{needs}): qkv keeps {name} storage and computes in float32, which is faster here than "
         f"PyTorch's emulated {name}"
     )
+
+
+def note_computed_wide(dtype: torch.dtype, device: torch.device) -> None:
+    """Say once per process (INFO on the ``qkv`` logger, printed by the CLI) that ``dtype``'s
+    products are computed in float32 here: every place that widens an emulated dtype calls
+    this, `qkv.attention`, `MultiHeadAttention` and the encoder alike, so the user hears it
+    whichever of them runs."""
+    note_once(f"widened {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.INFO)
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from qkv.attention.problem import autocast_dtype, normalize_mask
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native import onednn_linear
-from qkv.native.machine import compute_dtype
+from qkv.native.machine import compute_dtype, note_computed_wide
 from qkv.nn.cache import KVCache
 from qkv.nn.positional import RotaryEmbedding
 from qkv.scores import check_softcap
@@ -502,6 +502,7 @@ class MultiHeadAttention(nn.Module):
         if wide is not None:
             # products in the layer's dtype are emulated on this CPU: run in float32 from the first
             # product to the last (weights converted once, `onednn_linear.wide_copy`), round once
+            note_computed_wide(dtype, x.device)
             x = x.to(wide)  # (B, L, D)
             context = None if context is None else context.to(wide)  # (B, S, Dc)
         out, weights = self._attend(x, context, mask, cache, return_weights, wide is not None)  # (B, L, D)
