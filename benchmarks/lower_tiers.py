@@ -4,9 +4,8 @@ qkv's compiled bf16 kernels (the fused interval forward and backward, `qkv.nativ
 and `interval_bf16_backward`, and the short-sequence kernel, `qkv.native.short_bf16`) are
 built for the ``amx`` tier. On a lower tier (AVX-512 without AMX, AVX2 + FMA) bf16 products
 are emulated, and qkv computes a bf16 request in float32 with bf16 storage: `qkv.attention`
-widens q, k and v once per call (into a buffer kept per thread when no gradient is recorded;
-a call of many small batch rows a few rows at a time, `CHUNK_BYTES_PER_THREAD`) and rounds the
-output once (`qkv.attention.functional`), every path alike; the input checks scan the bf16
+widens q, k and v once per call (into a buffer kept per thread, in each input's own layout,
+when no autograd graph can keep the copies) and rounds the output once (`qkv.attention.functional`), every path alike; the input checks scan the bf16
 tensors, not their float32 copies (a call widened whole, in the same pass that writes the
 copies: `qkv.native.magnitude.widen_bf16`).
 A lower-tier kernel is not needed when that fallback is as fast as float32 itself on the
@@ -18,7 +17,8 @@ Cases (E = 64 unless said), the problems each kernel serves on ``amx``:
   n = 4,096 (on ``amx`` the dense bf16 kernel's problem);
 - interval backward: sliding_window(256, 256) forward + backward at n = 8,192;
 - short sequence: the encoder's attention, B = 32, H = 12, E = 32, L = S = 128, without a mask
-  and with key padding (a quarter of each row's keys hidden).
+  and with key padding (a quarter of each row's keys hidden); and with key padding as a
+  model's layer calls it (heads seen through a transpose of a projection, grad mode on).
 
 Each pair is timed by `qkv.bench.fastest` in one run (rotating rounds, fastest kept), so a
 busy spell of a shared machine hits both alike; the load average is printed (``--cpu-time``:
@@ -74,15 +74,19 @@ def _backward(n: int, mask: object) -> dict[torch.dtype, Callable[[], object]]:
     return {d: (lambda d=d: step(d)) for d in DTYPES}
 
 
-def _short(padded: bool) -> dict[torch.dtype, Callable[[], object]]:
+def _short(padded: bool, as_a_model: bool = False) -> dict[torch.dtype, Callable[[], object]]:
+    """``as_a_model``: as a model's layer calls it, heads seen through a transpose of a
+    projection's (B, L, H, E) output, grad mode on (nothing requires grad)."""
     B, H, L, E = 32, 12, 128, 32
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(B, H, L, E, generator=gen) for _ in range(3)]
+    if as_a_model:
+        base = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in base]  # (B, H, L, E) views of (B, L, H, E)
     valid = torch.arange(L) < torch.randint(L // 2, L + 1, (B, 1), generator=gen)  # (B, L): 3/4 of the keys on average
     mask = valid[:, None, None, :] if padded else None  # (B, 1, 1, L)
 
     def call(x: list[torch.Tensor]) -> object:
-        with torch.inference_mode():
+        with torch.inference_mode(not as_a_model):
             return qkv.attention(*x, mask)
 
     inputs = {d: [t.to(d) for t in base] for d in DTYPES}
@@ -116,6 +120,7 @@ def main() -> None:
         f"sliding_window(256) n={8192 // scale}": ("interval backward", _backward(8192 // scale, window)),
         "B=32 H=12 L=S=128 E=32": ("short sequence", _short(padded=False)),
         "same, key padding": ("short sequence", _short(padded=True)),
+        "same, as a model's layer": ("short sequence", _short(padded=True, as_a_model=True)),
     }
     print(machine_line())
     emulated = compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16

@@ -348,83 +348,67 @@ def test_emulated_call_with_cache_bounds_scans_only_the_query(monkeypatch: pytes
     _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), backend="math"))
 
 
-def _count_groups(monkeypatch: pytest.MonkeyPatch, group_bytes: int) -> list[int]:
-    """Groups of batch rows of `CHUNK_BYTES_PER_THREAD` bytes: the batch size of each computed part."""
+def _projection_layout(x: torch.Tensor) -> torch.Tensor:
+    """x (..., H, L, E) with the same values laid out as a projection's heads: (..., L, H, E)
+    in memory, seen through a transpose."""
+    return x.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "projection"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "grad_enabled"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "padding", "float"])
+def test_emulated_call_widens_into_the_kept_buffer_in_the_inputs_layout(layout: str, grad_mode: str, mask: str) -> None:
+    """Inputs that require no grad are widened into the kept buffer whether or not grad mode is
+    on (fresh copies are page-faulted in on every call), heads seen through a transpose of a
+    projection included, each copy with its input's strides; several batch dims and grouped
+    heads; each result is its own inputs' after calls of other sizes."""
     from qkv.attention import functional
 
-    monkeypatch.setattr(functional, "CHUNK_BYTES_PER_THREAD", group_bytes)
-    sizes: list[int] = []
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 3, 4, 24, 8, generator=gen).bfloat16()  # (B1, B2, H, L, E)
+    k, v = (torch.randn(2, 3, 2, 24, 8, generator=gen).bfloat16() for _ in range(2))  # G = 2
+    if layout == "projection":
+        q, k, v = (_projection_layout(x) for x in (q, k, v))
+    valid = torch.arange(24) < torch.tensor([[24, 3, 17], [9, 1, 24]])[..., None]  # (2, 3, 24): each row's first keys
+    m: object = {"none": None, "causal": qkv.masks.causal(), "window": qkv.masks.sliding_window(3, 2),
+                 "padding": valid[:, :, None, None, :],
+                 "float": torch.randn(2, 3, 4, 24, 24, generator=gen)}[mask]  # fmt: skip
+    copied: list[tuple[int, ...]] = []
     original = functional._attend
 
-    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sizes.append(q.shape[0])
-        return original(q, *args, **kwargs)
+    def spy(q_wide: torch.Tensor, *args: object, **kwargs: object) -> object:
+        copied.append(q_wide.stride())
+        return original(q_wide, *args, **kwargs)
 
-    monkeypatch.setattr(functional, "_attend", spy)
-    return sizes
-
-
-def _bf16_inputs(seed: int, batch: tuple[int, ...] = (5,), L: int = 24, S: int = 24) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*batch, 2, n, 8, generator=gen).bfloat16() for n in (L, S, S)]
-
-
-def _key_padding() -> torch.Tensor:
-    valid = torch.arange(24) < torch.tensor([24, 3, 17, 9, 1])[:, None]  # (5, 24): batch row b sees its first keys
-    return valid[:, None, None, :]  # (5, 1, 1, 24)
-
-
-@pytest.mark.parametrize("mask", ["none", "causal", "window", "padding", "float"])
-def test_emulated_call_in_groups_of_rows_equals_float64(monkeypatch: pytest.MonkeyPatch, mask: str) -> None:
-    q, k, v = _bf16_inputs(11)
-    m: object = {"none": None, "causal": qkv.masks.causal(), "window": qkv.masks.sliding_window(3, 2), "padding": _key_padding(),
-                 "float": torch.randn(5, 2, 24, 24, generator=torch.Generator().manual_seed(12))}[mask]  # fmt: skip
-    row_bytes = 3 * 2 * 24 * 8 * 4  # q, k, v of one batch row in float32
-    sizes = _count_groups(monkeypatch, 2 * row_bytes // torch.get_num_threads())
-    with torch.no_grad():
-        got = qkv.attention(q, k, v, m)
-    assert sizes == [2, 2, 1]  # groups of two rows (one thread here or not, the test sets the bytes per thread)
+    functional._buffers.wide = None
+    # without a mask these calls suit the short-sequence kernel, which widens in registers
+    with pytest.MonkeyPatch.context() as patch, qkv.backends.disabled("short_wide"):
+        patch.setattr(functional, "_attend", spy)
+        with torch.set_grad_enabled(grad_mode == "grad_enabled"):
+            smaller = qkv.attention(*(x[:, :, :, :5].bfloat16() for x in (q, k, v)))  # another size first
+            got = qkv.attention(q, k, v, m)
+    kept = functional._buffers.wide
+    assert kept is not None and kept.dtype == torch.float32 and kept.numel() >= q.numel() + k.numel() + v.numel()
+    assert copied[-1] == q.stride()  # the float32 copy has q's layout
+    assert got.shape == (2, 3, 4, 24, 8)
     want = qkv.attention(q.double(), k.double(), v.double(), m, backend="math")  # type: ignore[arg-type]
     _within_bf16_rounding(got, want)
+    _within_bf16_rounding(smaller, qkv.attention(*(x[:, :, :, :5].double() for x in (q, k, v)), backend="math"))
 
 
-def test_emulated_groups_follow_several_batch_dims_and_grouped_heads(monkeypatch: pytest.MonkeyPatch) -> None:
-    gen = torch.Generator().manual_seed(13)
-    q = torch.randn(2, 3, 4, 10, 8, generator=gen).bfloat16()  # (B1, B2, H, L, E)
-    k, v = (torch.randn(2, 3, 2, 12, 8, generator=gen).bfloat16() for _ in range(2))  # G = 2
-    sizes = _count_groups(monkeypatch, (4 * 10 + 2 * 2 * 12) * 8 * 4 * 4 // torch.get_num_threads())  # four rows a group
+def test_a_float_mask_that_requires_grad_keeps_its_copies_out_of_the_kept_buffer() -> None:
+    """A learnable float mask: the float32 copies of q, k and v are saved for its gradient, so
+    an inference call in between (which reuses the kept buffer) must not change it."""
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=gen).bfloat16() for _ in range(3))
+    mask = torch.randn(1, 2, 12, 12, generator=gen).requires_grad_()
+    out = qkv.attention(q, k, v, mask)
     with torch.no_grad():
-        got = qkv.attention(q, k, v, qkv.masks.causal())
-    assert sizes == [4, 2] and got.shape == (2, 3, 4, 10, 8)
-    _within_bf16_rounding(got, qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math"))
+        qkv.attention(*(torch.randn(1, 2, 12, 8, generator=gen).bfloat16() for _ in range(3)))
+    out.float().square().sum().backward()
+    exact = mask.detach().double().requires_grad_()
+    qkv.attention(q.double(), k.double(), v.double(), exact, backend="math").square().sum().backward()
+    assert mask.grad is not None and exact.grad is not None
+    assert torch.allclose(mask.grad.double(), exact.grad, atol=0.05, rtol=0.05)
 
 
-def test_emulated_groups_keep_the_nan_rule_per_batch_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v = _bf16_inputs(14)
-    v[3, 0, 10, 5] = math.nan  # batch row 3, head 0, key 10: under causal, rows 10.. of that head only
-    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
-    with torch.no_grad():
-        got = qkv.attention(q, k, v, qkv.masks.causal())
-    assert sizes == [2, 2, 1]
-    nan_rows = got.isnan().all(dim=-1)  # (5, 2, 24)
-    expected = torch.zeros(5, 2, 24, dtype=torch.bool)
-    expected[3, 0, 10:] = True
-    assert torch.equal(nan_rows, expected) and not bool(got.isnan().any(dim=-1)[~expected].any())
-    want = qkv.attention(q.double(), k.double(), v.double(), qkv.masks.causal(), backend="math")
-    _within_bf16_rounding(got[~expected], want[~expected])
-
-
-def test_emulated_groups_refuse_an_overflow_before_any_group_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v = _bf16_inputs(15)
-    q[4], k[4] = 1e30, 1e30  # the last batch row alone overflows float32's scores (1e60)
-    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
-    with torch.no_grad(), pytest.raises(ValueError, match="overflow"):
-        qkv.attention(q, k, v)
-    assert sizes == []  # no group was computed before the refusal
-
-
-def test_emulated_call_with_gradients_is_not_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v = (x.requires_grad_() for x in _bf16_inputs(16))
-    sizes = _count_groups(monkeypatch, 2 * 3 * 2 * 24 * 8 * 4 // torch.get_num_threads())
-    qkv.attention(q, k, v, qkv.masks.causal()).float().sum().backward()
-    assert sizes == [5] and q.grad is not None

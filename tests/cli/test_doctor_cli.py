@@ -21,13 +21,15 @@ from qkv.native import (
     machine,
     magnitude,
     short_bf16,
+    short_wide,
 )
 from qkv.native import build as compiled
 
 # the bf16 kernels, which share one reason where they cannot run (`compiled.static_reason`)
 KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16"}
-# the kernels built per tier (float32 too, from AVX2 up): one entry each, the build for this tier
-TIERED = ("decode_", "magnitude_")
+# the kernels built per tier (from AVX2 up): one entry each, the build for this tier
+TIERED_MODULES = {"decode": decode, "magnitude": magnitude, "short_wide": short_wide}
+TIERED = tuple(f"{stem}_" for stem in TIERED_MODULES)
 CPU = torch.device("cpu")
 
 
@@ -44,7 +46,14 @@ def _magnitude_stem() -> str:
     return f"magnitude_{compiled.build_tier(magnitude.TIERS) or magnitude.TIERS[0]}"
 
 
+def _short_wide_stem() -> str:
+    """The bf16 short-sequence kernel with float32 products: its build for the tier qkv uses now (AVX2 up)."""
+    return f"short_wide_{compiled.build_tier(short_wide.TIERS) or short_wide.TIERS[0]}"
+
+
 def _tiered_reason(stem: str) -> str | None:
+    if stem.startswith("short_wide_"):
+        return short_wide.unavailable_reason(torch.bfloat16, CPU)  # it runs bf16 only
     cpu_reason = decode.unavailable_reason if stem.startswith("decode_") else magnitude.kernel_reason
     return cpu_reason(torch.float32, CPU)
 
@@ -71,7 +80,7 @@ def test_json_names_the_tier_and_every_kernel() -> None:
     within_tier = machine.TIERS.index(report["tier"]) >= machine.TIERS.index("avx512")
     assert report["native"]["bfloat16"] == (machine_bf16 and within_tier)
     assert report["torch"] == torch.__version__
-    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem(), _magnitude_stem()}
+    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem(), _magnitude_stem(), _short_wide_stem()}
     static = compiled.static_reason(torch.bfloat16, CPU)
     for kernel in report["kernels"]:
         assert kernel["available"] == (kernel["reason"] is None)
@@ -89,9 +98,9 @@ def test_a_forced_tier_turns_the_kernels_off_and_says_why(monkeypatch: pytest.Mo
     bf16_kernels = [k for k in report["kernels"] if not k["stem"].startswith(TIERED)]
     assert len(bf16_kernels) == len(KERNEL_STEMS)
     assert all(not k["available"] and "tier is avx2" in k["reason"] for k in bf16_kernels)
-    # the decode kernel and the magnitude scan have AVX2 builds: they stay, as on an AVX2 machine
+    # the decode kernel, the magnitude scan and short_wide have AVX2 builds: they stay, as on an AVX2 machine
     tiered = [k for k in report["kernels"] if k["stem"].startswith(TIERED)]
-    assert [k["stem"] for k in tiered] == ["decode_avx2", "magnitude_avx2"]
+    assert [k["stem"] for k in tiered] == ["decode_avx2", "magnitude_avx2", "short_wide_avx2"]
     assert all(k["reason"] == _tiered_reason(k["stem"]) for k in tiered)
     monkeypatch.setenv("QKV_NO_COMPILED_KERNELS", "1")
     assert all(k["reason"] == "QKV_NO_COMPILED_KERNELS is set" for k in _report()["kernels"])
@@ -105,8 +114,8 @@ def test_text_output_is_one_line_per_fact(monkeypatch: pytest.MonkeyPatch) -> No
     assert any(line.startswith("tier: default") for line in lines)
     assert "bfloat16: not native: qkv computes its products in float32" in lines
     kernel_lines = [line for line in lines if line.startswith("- ")]
-    # the bf16 kernels, the decode kernel and the magnitude scan, whose lowest builds need AVX2
-    assert len(kernel_lines) == len(KERNEL_STEMS) + 2 and all("does not run here" in line for line in kernel_lines)
+    # the bf16 kernels and the kernels built per tier, whose lowest builds need AVX2
+    assert len(kernel_lines) == len(KERNEL_STEMS) + len(TIERED) and all("does not run here" in line for line in kernel_lines)
 
 
 def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -117,10 +126,10 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
-    for tiered in (decode, magnitude):
+    for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
     report = _report("--build")
-    assert len(report["kernels"]) == len(KERNEL_STEMS) + 2
+    assert len(report["kernels"]) == len(KERNEL_STEMS) + len(TIERED)
     for kernel in report["kernels"]:
         assert kernel["reason"] == FAILED_BUILD
         assert kernel["seconds"] is not None and not kernel["built"]
@@ -133,17 +142,16 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
         monkeypatch.setattr(module, "_built", {})
-    for tiered in (decode, magnitude):
+    for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]
-    assert len(lines) == len(KERNEL_STEMS) + 2
+    assert len(lines) == len(KERNEL_STEMS) + len(TIERED)
     static = compiled.static_reason(torch.bfloat16, CPU)
     for line in lines:
-        name = next((n for n in (decode.KERNEL_NAME, magnitude.KERNEL_NAME) if line.startswith(f"- {n}")), None)
-        if name is not None:
-            stem = "decode" if name == decode.KERNEL_NAME else "magnitude"
+        stem = next((s for s, m in TIERED_MODULES.items() if line.startswith(f"- {m.KERNEL_NAME} (")), None)
+        if stem is not None:
             reason = _tiered_reason(f"{stem}_")
             expected = ": runs here, built in " if reason is None else f"does not run here: {reason}"
             assert expected in line and (reason is not None or f", {tmp_path}/qkv_{stem}_" in line), line

@@ -15,7 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.native import build as compiled
 from qkv.native import decode as native_decode
-from qkv.native import interval_bf16, interval_bf16_backward, inventory, magnitude, short_bf16
+from qkv.native import (
+    interval_bf16,
+    interval_bf16_backward,
+    inventory,
+    magnitude,
+    short_bf16,
+    short_wide,
+)
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -57,6 +64,10 @@ def _short_args(seed: int = 2) -> tuple:  # type: ignore[type-arg]
     return (q, k, v, torch.rand(2, 37, generator=g) < 0.7, 0.2)
 
 
+def _short_wide_args(seed: int = 2) -> tuple:  # type: ignore[type-arg]
+    return (*_short_args(seed), "")  # the machine's build
+
+
 def _add_norm_args(seed: int = 3) -> tuple:  # type: ignore[type-arg]
     g = _gen(seed)
     x, y = torch.randn(3, 5, 45, generator=g), torch.randn(3, 5, 45, generator=g).to(BF16)
@@ -84,6 +95,7 @@ CASES: dict[str, tuple[str, Callable[[], tuple], list[tuple[tuple[int, ...], tor
         "interval_bf16_backward", _backward_args, [((1, 2, 70, 64), BF16), ((1, 2, 150, 64), BF16), ((1, 2, 150, 32), BF16)],
     ),
     "short_bf16": ("short_bf16", _short_args, [((2, 4, 7, 20), BF16)]),
+    "short_wide": ("short_wide", _short_wide_args, [((2, 4, 7, 20), BF16)]),
     "add_norm_bf16": ("add_norm_bf16", _add_norm_args, [((3, 5, 45), torch.float32), ((3, 5, 45), BF16)]),
     "magnitude": ("magnitude", _magnitude_args, [((2,), torch.int32)]),
     "decode": ("decode", _decode_args, [((2, 6, 3, 24), torch.float32), ((2, 6, 3), torch.float32)]),
@@ -96,6 +108,8 @@ def _static_reason(stem: str) -> str | None:
         return compiled.tier_reason(native_decode.TIERS, BF16, CPU, native_decode.DTYPES)
     if stem == "magnitude":  # float32, bf16 and fp16, from AVX2 up
         return compiled.tier_reason(magnitude.TIERS, BF16, CPU, magnitude.DTYPES)
+    if stem == "short_wide":  # bf16, from AVX2 up
+        return compiled.tier_reason(short_wide.TIERS, BF16, CPU, short_wide.DTYPES)
     return compiled.static_reason(BF16, CPU, needs_onednn=stem in ("interval_bf16", "interval_bf16_backward"))
 
 
@@ -108,8 +122,11 @@ def test_every_kernel_is_an_operator_of_the_qkv_namespace() -> None:
     # inventory (`qkv doctor`) lists the kernels built for one tier
     assert native_decode._TIERED.kernel("avx2").stem == "decode_avx2"
     assert magnitude._TIERED.kernel("avx2").stem == "magnitude_avx2"
-    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - {"decode", "magnitude"}
-    for stem, name in [*inventory.OPERATORS.items(), ("decode", "decode"), ("magnitude", "magnitude")]:
+    assert short_wide._TIERED.kernel("avx512").stem == "short_wide_avx512"
+    tiered = {"decode", "magnitude", "short_wide"}
+    assert {t.stem for t in inventory._TIERED} == tiered
+    assert set(inventory.OPERATORS) == {m.NATIVE.stem for m in inventory._MODULES} == set(CASES) - tiered
+    for stem, name in [*inventory.OPERATORS.items(), *((t, t) for t in sorted(tiered))]:
         assert CASES[stem][0] == name
         assert getattr(torch.ops.qkv, name).default._schema.name == f"qkv::{name}"
 

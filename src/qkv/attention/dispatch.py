@@ -46,7 +46,8 @@ from qkv.backends.dense import flash_kernel_available, fused_lse_available
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Dense, KeyPadding, Mask
-from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
+from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, short_wide, switches
+from qkv.native.machine import compute_dtype
 
 __all__ = [
     "BACKENDS",
@@ -65,7 +66,9 @@ __all__ = [
     "mask_heads",
     "needs_grad",
     "ring_block_path",
+    "short_kernel",
     "short_kernel_reason",
+    "short_widens_itself",
     "weights_plan",
 ]
 
@@ -431,12 +434,16 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         reason += f"; {mask.describe()} is passed as a dense bool mask"
     short_reason = short_kernel_reason(problem, backend, route, return_weights, return_lse)
     q = problem.q
+    short = short_kernel(q)
     if short_reason is None:
         what = "no mask" if route == "none" else "a key-padding mask"
         reason = (
-            f"the {short_bf16.KERNEL_NAME} applies: bf16 on CPU, {S} keys (at most {short_bf16.MAX_KEYS}), {what}, "
-            "no gradient; SDPA's CPU kernel spends most of such a call on per-head set-up"
-        )
+            f"the {_SHORT_KERNELS[short].KERNEL_NAME} applies: bf16 on CPU, {S} keys (at most {short_bf16.MAX_KEYS}), "
+            f"{what}, no gradient; "
+            + ("SDPA's CPU kernel spends most of such a call on per-head set-up" if short == "short_bf16" else
+               "this CPU only emulates bf16 products, and the kernel reads the bf16 inputs themselves where the "
+               "portable route copies them to float32 for SDPA")
+        )  # fmt: skip
     lse: Source = "none"
     if return_weights or return_lse:
         # the weights are recomputed by the dense formula, and the lse with them; alone, the lse
@@ -452,32 +459,40 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         weights="dense" if return_weights else "none",
         lse=lse,
         causal_offset=0 if route == "is_causal" else None,
-        forward_kernel="short_bf16" if short_reason is None else "sdpa",
+        forward_kernel=short if short_reason is None else "sdpa",
         backward_kernel="none" if short_reason is None else "sdpa",
         # said for bf16 on CPU, where that kernel is a candidate
         forward_absent=short_reason if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
     )
 
 
+# the two short-sequence kernels by their names in a Plan (`short_kernel`)
+_SHORT_KERNELS = {"short_bf16": short_bf16, "short_wide": short_wide}
+
+
+def short_kernel(q: torch.Tensor) -> str:
+    """The short-sequence kernel for bf16 inputs like ``q``: "short_wide" (float32 products,
+    `qkv.native.short_wide`) where this CPU only emulates bf16 products and qkv computes them
+    in float32 (`qkv.native.machine.compute_dtype`), else "short_bf16" (AMX tiles)."""
+    return "short_wide" if compute_dtype(q.dtype, q.device) != q.dtype else "short_bf16"
+
+
 def short_kernel_reason(
     problem: AttentionProblem, backend: str, route: MaskRoute, return_weights: bool, return_lse: bool
 ) -> str | None:
-    """Why the short-sequence bf16 kernel does not replace SDPA on a fused plan with this mask
-    route, or None when it does. Its cases: ``backend="auto"``, bf16 on CPU, at most
-    `short_bf16.MAX_KEYS` keys, no mask or a bool key-padding mask (varying over batch rows and
-    keys only), no score terms, dropout, gradients, weights or lse."""
+    """Why the short-sequence bf16 kernel (`short_kernel`) does not replace SDPA on a fused
+    plan with this mask route, or None when it does. Its cases: ``backend="auto"``, bf16 on
+    CPU, at most `short_bf16.MAX_KEYS` keys, no mask or a bool key-padding mask (varying over
+    batch rows and keys only), no score terms, dropout, gradients, weights or lse.
+    `short_widens_itself` asks the same of a call's arguments."""
     if _traced(problem):
         return "a compiled extension, which torch.compile, torch.export and vmap cannot trace"
-    reason = short_bf16.unavailable_reason(problem.q.dtype, problem.q.device)
+    q = problem.q
+    reason = _SHORT_KERNELS[short_kernel(q)].unavailable_reason(q.dtype, q.device) or _short_shape_reason(
+        backend, problem.S, problem.N * problem.G
+    )
     if reason is not None:
         return reason
-    if backend != "auto":
-        return f"backend={backend!r} asks for PyTorch's SDPA"
-    if problem.S > short_bf16.MAX_KEYS:
-        return f"{problem.S} keys, more than its {short_bf16.MAX_KEYS} (qkv.native.short_bf16.MAX_KEYS)"
-    threads, tasks = torch.get_num_threads(), problem.N * problem.G  # its tasks: (batch row, key/value head)
-    if tasks < threads:
-        return f"{tasks} (batch row, key/value head) tasks for {threads} threads; SDPA splits the queries too"
     if problem.terms.active:
         return "it applies no score terms"
     if problem.dropout > 0.0:
@@ -491,6 +506,44 @@ def short_kernel_reason(
     if route == "dense" and _key_padding(problem.mask, problem.S) is not None:
         return None
     return "the mask is not a bool key-padding mask (one that varies over batch rows and keys only)"
+
+
+def _short_shape_reason(backend: str, S: int, tasks: int) -> str | None:
+    """The short-sequence kernels' conditions on the backend, the keys and the (batch row,
+    key/value head) ``tasks``, or None when they hold."""
+    if backend != "auto":
+        return f"backend={backend!r} asks for PyTorch's SDPA"
+    if S > short_bf16.MAX_KEYS:
+        return f"{S} keys, more than its {short_bf16.MAX_KEYS} (qkv.native.short_bf16.MAX_KEYS)"
+    threads = torch.get_num_threads()
+    if tasks < threads:
+        return f"{tasks} (batch row, key/value head) tasks for {threads} threads; SDPA splits the queries too"
+    return None
+
+
+def short_widens_itself(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, backend: str, *, scored: bool, dropout: float,
+    outputs: bool,
+) -> bool:
+    """Whether a bf16 call on a CPU that emulates bf16 products will run on the short-sequence
+    kernel with float32 products (`short_kernel` "short_wide"), which reads the bf16 inputs
+    itself: then `qkv.attention` does not copy them to float32 first. ``scored``: a bias,
+    softcap, score_mod or sinks is given; ``outputs``: weights or lse are asked for. The
+    conditions of `short_kernel_reason` on the call's arguments (q, k, v already checked to
+    share a dtype): a validated problem would give the same answer."""
+    if q.device.type != "cpu" or q.dim() < 3 or k.dim() != q.dim() or short_kernel(q) != "short_wide":
+        return False
+    if scored or dropout > 0.0 or outputs or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    if short_wide.unavailable_reason(q.dtype, q.device) is not None:
+        return False
+    tasks = q.shape[:-3].numel() * k.shape[-3]  # (batch row, key/value head)
+    if _short_shape_reason(backend, k.shape[-2], tasks) is not None:
+        return False
+    # no mask, or one that varies over batch rows and keys only ((N | 1, 1, 1, S) as a tensor)
+    return mask is None or isinstance(mask, KeyPadding) or (
+        isinstance(mask, torch.Tensor) and mask.dim() == q.dim() == 4 and _key_padding(mask, k.shape[-2]) is not None
+    )
 
 
 def _key_padding(mask: torch.Tensor | Mask | None, S: int) -> torch.Tensor | None:
@@ -510,7 +563,8 @@ def _key_padding(mask: torch.Tensor | Mask | None, S: int) -> torch.Tensor | Non
 
 
 def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
-    """The key-padding mask (N | 1, S) of a plan whose forward kernel is "short_bf16", None without a mask."""
+    """The key-padding mask (N | 1, S) of a plan whose forward kernel is a short-sequence one
+    ("short_bf16", "short_wide"), None without a mask."""
     return _key_padding(problem.mask, problem.S)
 
 

@@ -21,7 +21,7 @@ from qkv.backends.flex import flex_attention_layout
 from qkv.backends.sinks import SinkFold, key_share
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Mask
-from qkv.native import short_bf16
+from qkv.native import short_bf16, short_wide
 from qkv.scores import ScoreTerms
 
 __all__ = ["applies_nan_rule", "checks_values_itself", "pack", "run", "run_weights"]
@@ -49,6 +49,17 @@ def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = N
         if out is not None:
             return out, None, None
         # its build or self-check failed just now: SDPA below, as the plan's reason says when asked again
+    if plan.forward_kernel == "short_wide":
+        out = short_wide.forward(q, k, v, key_padding(problem), scale)  # (N, H, L, Ev)
+        if out is None:
+            # its build or self-check failed just now: SDPA on float32 copies (this CPU emulates
+            # bf16 products), rounded once; later calls are widened before they are planned
+            wide = fused_attention(
+                q.float(), k.float(), v.float(), None if mask is None else compact(mask), scale, is_causal=False,
+                dropout=0.0, need_lse=False,
+            )[0]  # (N, H, L, Ev)
+            out = wide.to(q.dtype)
+        return out, None, None
     if plan.scores == "dense_mask":
         mask = _join_bias(problem, mask)
     # the kernel broadcasts the mask itself: a key-padding mask reaches it as (N, 1, 1, S), so

@@ -19,7 +19,7 @@ from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
 from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
-from qkv.native.machine import cpu_features, emulation_note
+from qkv.native.machine import compute_dtype, cpu_features, emulation_note
 
 __all__ = ["Explanation", "explanation"]
 
@@ -163,9 +163,12 @@ def explanation(
         )
     q = problem.q
     batch = "x".join(str(b) for b in problem.batch_shape) or "()"
-    dtype_text = str(q.dtype).removeprefix("torch.")
-    if stored is not None and stored != q.dtype:
-        dtype_text = f"{str(stored).removeprefix('torch.')} computed in {dtype_text}"
+    # the stored dtype, and the one its products run in where this CPU emulates it: the call
+    # was widened first, or its path widens it itself (a decode step, `short_wide`)
+    shown, computed = stored or q.dtype, compute_dtype(stored or q.dtype, q.device)
+    dtype_text = str(shown).removeprefix("torch.")
+    if computed != shown:
+        dtype_text += f" computed in {str(computed).removeprefix('torch.')}"
     shape = f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} {dtype_text} on {q.device}"
     note = emulation_note(stored or q.dtype, q.device)
     # a kernel line where the Plan chose a compiled kernel or says why one does not run

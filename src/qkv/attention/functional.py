@@ -28,7 +28,13 @@ import torch
 from qkv._log import note_once
 from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds
-from qkv.attention.dispatch import Backend, choose_path, decode_widens_itself, weights_plan
+from qkv.attention.dispatch import (
+    Backend,
+    choose_path,
+    decode_widens_itself,
+    short_widens_itself,
+    weights_plan,
+)
 from qkv.attention.execute import applies_nan_rule, checks_values_itself, pack, run, run_weights
 from qkv.attention.explain import Explanation, explanation
 from qkv.attention.nan_rule import affected_rows, finite_problem, poison
@@ -262,20 +268,26 @@ def attention(
                 sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
-    scored = score_mod is not None  # the decode path applies a softcap, no score_mod
-    if wide is not None and isinstance(k, torch.Tensor) and decode_widens_itself(
-        q, k, mask, backend, scored=scored, dropout=dropout, return_weights=return_weights
+    if wide is not None and _widens_itself(
+        q, k, v, mask, backend, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks, dropout=dropout,
+        outputs=return_weights or return_lse,
     ):
-        wide = None  # a decode step widens its cache chunk by chunk (`qkv.backends.decode`)
+        note_computed_wide(q.dtype, q.device)
+        wide = None  # its path reads the inputs in their dtype and computes in float32 itself
     if wide is not None:
         # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
         note_computed_wide(q.dtype, q.device)
-        plain = bias is None and score_mod is None and sinks is None and dropout == 0.0 and not (return_weights or return_lse)
-        # FlexAttention would compile once per group size; decode takes few queries, widened by itself
-        plain = plain and backend in ("auto", "fused", "math", "blocks")
         readable = not private_torch.host_unreadable(q, k, v)
-        rows = _rows_per_chunk(wide, q, k, v, mask) if plain and readable else None
-        scanned = _widened_and_scanned(wide, q, k, v) if rows is None and readable else None
+        # Whether no autograd graph can keep the float32 copies, which may then live in this
+        # thread's kept buffer: with no bias, sinks or score_mod (whose tensors may require grad
+        # too), a graph is recorded only when q, k, v or a float mask requires grad. The whole
+        # call is widened at once: groups of batch rows, widened and computed while in cache,
+        # were slower once one pass scans and widens (forced AVX2, B=32 H=12 L=128 E=32, 2
+        # threads: 0.74x float32 in 2 MiB groups, 0.93x whole).
+        untracked = not torch.is_grad_enabled() or (
+            bias is None and score_mod is None and sinks is None and not _any_requires_grad(q, k, v, mask)
+        )
+        scanned = _widened_and_scanned(wide, q, k, v, untracked) if readable else None
         q_max: float | None
         narrow_bounds: KVBounds | None
         kept: torch.Tensor | None
@@ -284,10 +296,7 @@ def attention(
             narrow_bounds = KVBounds.of(k, v, k_max, v_max)
         else:
             q_max, narrow_bounds = _narrow_bounds(q, k, v, kv_bounds)
-            if rows is not None:
-                assert q_max is not None and narrow_bounds is not None
-                return _attend_by_rows(wide, rows, q, k, v, mask, softcap, scale, backend, q_max, narrow_bounds)
-            (q_wide, k_wide, v_wide), kept = _widened(wide, q, k, v)  # exact copies: the bounds carry over
+            (q_wide, k_wide, v_wide), kept = _widened(wide, untracked, q, k, v)  # exact copies: the bounds carry over
         try:
             result = _attend(
                 q_wide, k_wide, v_wide, mask, bias=bias, softcap=softcap, score_mod=score_mod, scale=scale,
@@ -337,7 +346,8 @@ def _attend(
     plan = choose_path(problem, backend, return_weights, return_lse)
     if not checks_values_itself(problem, plan):
         problem = with_traced_check(problem)  # the overflow refusal as graph code, while traced
-    if plan.path != "decode" and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
+    widened_by_path = plan.path == "decode" or plan.forward_kernel == "short_wide"
+    if not widened_by_path and q.dtype in (torch.bfloat16, torch.float16) and emulation_note(q.dtype, q.device) is not None:
         # kept in an emulated dtype (QKV_KEEP_EMULATED_DTYPES): slower than float32, said once
         dtype, device = q.dtype, q.device
         note_once(f"emulated {dtype} on {device.type}", lambda: emulation_note(dtype, device), logging.WARNING)
@@ -366,26 +376,61 @@ WIDEN_BUFFER_BYTES = 128 << 20
 _buffers = threading.local()
 
 
-def _widened(wide: torch.dtype, *tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+def _widens_itself(
+    q: torch.Tensor, k: object, v: object, mask: object, backend: Backend, *, bias: object, softcap: float | None,
+    score_mod: object, sinks: object, dropout: float, outputs: bool,
+) -> bool:
+    """Whether an emulated low-precision call takes a path that widens its inputs to float32
+    itself, so that `qkv.attention` does not copy them first: a decode step (its cache chunk
+    by chunk, `qkv.backends.decode`) or the short-sequence kernel with float32 products (in
+    registers, `qkv.native.short_wide`). ``outputs``: weights or lse are asked for."""
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return False  # the checks name the mistake
+    if decode_widens_itself(q, k, mask, backend, scored=score_mod is not None, dropout=dropout, return_weights=outputs):
+        return True  # the decode path applies a softcap, no score_mod
+    scored = bias is not None or softcap is not None or score_mod is not None or sinks is not None
+    return short_widens_itself(q, k, v, mask, backend, scored=scored, dropout=dropout, outputs=outputs)
+
+
+def _any_requires_grad(*values: object) -> bool:
+    """Whether any of the tensors among ``values`` requires grad."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
+
+
+def _widened(
+    wide: torch.dtype, untracked: bool, *tensors: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
     """Exact copies of ``tensors`` in ``wide``, and the kept buffer they are views of (None:
-    new tensors, ``t.to(wide)`` with their strides). The buffer is used on the CPU when no
-    gradient is recorded (nothing can save the copies for a backward pass), the tensors are
-    contiguous and fit in `WIDEN_BUFFER_BYTES`; it is taken from this thread while in use (a
-    nested call, from a score_mod say, gets its own) and given back by the caller."""
-    if not _buffer_fits(wide, tensors):
+    new tensors, ``t.to(wide)`` with their strides). The buffer is used on the CPU when the
+    call is ``untracked`` (no autograd graph can save the copies for a backward pass; fresh
+    copies of a few MB each would be page-faulted in on every call), each tensor fills
+    one block of memory in some order of its dims (`_memory_order`: contiguous, or heads seen
+    through a transpose of a projection) and they fit in `WIDEN_BUFFER_BYTES`; each copy has
+    its tensor's strides. The buffer is taken from this thread while in use (a nested call,
+    from a score_mod say, gets its own) and given back by the caller."""
+    if not _buffer_fits(wide, untracked, tensors):
         return tuple(t.to(wide) for t in tensors), None
     buffer, views = _taken_buffer(wide, tensors)
     return tuple(view.copy_(t) for view, t in zip(views, tensors, strict=True)), buffer
 
 
-def _buffer_fits(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> bool:
+def _buffer_fits(wide: torch.dtype, untracked: bool, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the copies of ``tensors`` go into the kept buffer (`_widened`)."""
     itemsize = torch.empty((), dtype=wide).element_size()
     total = sum(t.numel() for t in tensors)
     return (
-        not torch.is_grad_enabled() and tensors[0].device.type == "cpu" and total * itemsize <= WIDEN_BUFFER_BYTES
-        and all(t.is_contiguous() for t in tensors)
+        untracked and tensors[0].device.type == "cpu" and total * itemsize <= WIDEN_BUFFER_BYTES
+        and all(_memory_order(t) is not None for t in tensors)
     )  # fmt: skip
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The order of t's dims that lays its values out contiguously (largest stride first),
+    when there is one: a contiguous tensor, or a permutation of one such as (N, L, H, E) seen
+    as (N, H, L, E). None for a tensor with gaps or overlaps (a slice of a fused projection).
+    A copy into a buffer of that layout is then a plain contiguous pass with t's strides."""
+    order = sorted(range(t.ndim), key=lambda d: -t.stride(d))  # stable: equal strides keep their order
+    return order if t.permute(order).is_contiguous() else None
 
 
 def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -398,13 +443,16 @@ def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[t
         buffer = torch.empty(total, dtype=wide, device=tensors[0].device)
     views, start = [], 0
     for t in tensors:
-        views.append(buffer[start : start + t.numel()].view(t.shape))  # (*t.shape)
+        order = _memory_order(t)
+        assert order is not None  # `_buffer_fits` checked it
+        block = buffer[start : start + t.numel()].view([t.shape[d] for d in order])  # t's dims in memory order
+        views.append(block.permute(sorted(range(t.ndim), key=order.__getitem__)))  # (*t.shape), t's strides
         start += t.numel()
     return buffer, views
 
 
 def _widened_and_scanned(
-    wide: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    wide: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, untracked: bool
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, tuple[float, float, float]] | None:
     """The float32 copies of bfloat16 q, k and v in the kept buffer (`_widened`), the buffer, and
     max |x| of each (inf when non-finite), from one compiled pass that reads each value once
@@ -413,91 +461,19 @@ def _widened_and_scanned(
     take them (another dtype, a copy outside the buffer, small or strided tensors, the scan
     switched off or not built here): the caller scans and widens apart."""
     tensors = (q, k, v)
-    if wide != torch.float32 or q.dtype != torch.bfloat16 or not _buffer_fits(wide, tensors):
+    if wide != torch.float32 or q.dtype != torch.bfloat16 or not _buffer_fits(wide, untracked, tensors):
         return None
     buffer, views = _taken_buffer(wide, tensors)
-    found = magnitude.widen_bf16(tensors, views)
+    orders = [_memory_order(t) for t in tensors]  # each copy has its tensor's layout: both contiguous in this order
+    found = magnitude.widen_bf16(
+        [t.permute(o) for t, o in zip(tensors, orders, strict=True) if o is not None],
+        [view.permute(o) for view, o in zip(views, orders, strict=True) if o is not None],
+    )
     if found is None:
         _buffers.wide = buffer  # not used: back to this thread
         return None
     q_max, k_max, v_max = found
     return (views[0], views[1], views[2]), buffer, (q_max, k_max, v_max)
-
-
-# An emulated call of many small batch rows (the encoder's B=32, H=12, L=128, E=32: 0.6 MB of
-# float32 q, k, v a row) runs a few rows at a time, each group widened into the kept buffer
-# and computed while its float32 copies are still in the core's cache: one thread, forced
-# AVX2 tier, 0.82x float32 with the whole call widened at once, 0.90x in groups of 4 rows
-# (groups of 2 or 8: 0.86x, 0.87x). A group holds at most this many bytes of float32 q, k, v
-# per thread, so that each group still gives every thread work; calls whose single row is
-# larger (one long sequence) gain nothing from it (B=1, causal n=4,096 by heads: the same
-# time) and are widened whole.
-CHUNK_BYTES_PER_THREAD = 2 << 20
-
-
-def _rows_per_chunk(
-    wide: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object
-) -> int | None:
-    """Batch rows per group for `_attend_by_rows`, or None when the call is widened whole: a
-    gradient may be recorded, the tensors are not contiguous CPU tensors with the same batch
-    dims, a mask object varies along the batch, or a group of `CHUNK_BYTES_PER_THREAD` per
-    thread would hold every row or not even one."""
-    if torch.is_grad_enabled() or q.device.type != "cpu" or q.ndim < 4 or not (q.ndim == k.ndim == v.ndim):
-        return None
-    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]) or not all(t.is_contiguous() for t in (q, k, v)):
-        return None
-    if isinstance(mask, Mask) and mask.batch not in (None, 1):
-        return None
-    if not (mask is None or isinstance(mask, (Mask, torch.Tensor))):
-        return None  # the checks name the mistake
-    batch = q.shape[:-3].numel()
-    if batch < 2:
-        return None
-    row_bytes = (q.numel() + k.numel() + v.numel()) // batch * torch.empty((), dtype=wide).element_size()  # q, k, v of one row
-    rows = CHUNK_BYTES_PER_THREAD * torch.get_num_threads() // max(1, row_bytes)
-    return rows if 1 <= rows < batch else None
-
-
-def _attend_by_rows(
-    wide: torch.dtype,
-    rows: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | Mask | None,
-    softcap: float | None,
-    scale: float | None,
-    backend: Backend,
-    q_max: float,
-    bounds: KVBounds,
-) -> torch.Tensor:
-    """An emulated call without score terms, weights or lse, ``rows`` batch rows at a time
-    (`CHUNK_BYTES_PER_THREAD`): each group widened into the kept buffer, computed in ``wide``,
-    and its output rounded into the result. Every check runs on the whole call first, as for
-    one call (a refusal comes before any work); the groups then get its bounds (``q_max``,
-    ``bounds`` of k and v), so nothing is scanned twice, and each applies the NaN rule to its
-    own rows, which read only their own batch row's keys."""
-    problem = describe_problem(q, k, v, mask, scale, 0.0, softcap=softcap, kv_bounds=bounds, q_max=q_max)
-    N, H, L, Ev = problem.N, problem.H, problem.L, problem.Ev
-    flat_mask = problem.mask  # None, a mask object, or a tensor (N | 1, H | 1, L, S)
-    out = torch.empty(N, H, L, Ev, dtype=q.dtype, device=q.device)  # (N, H, L, Ev)
-    for start in range(0, N, rows):
-        stop = min(N, start + rows)
-        group = slice(start, stop)
-        (q_w, k_w, v_w), kept = _widened(wide, problem.q[group], problem.k[group], problem.v[group])
-        try:
-            group_mask = flat_mask[group] if isinstance(flat_mask, torch.Tensor) and flat_mask.shape[0] == N else flat_mask
-            result = _attend(
-                q_w, k_w, v_w, group_mask, bias=None, softcap=softcap, score_mod=None, scale=problem.scale, dropout=0.0,
-                return_weights=False, return_lse=False, backend=backend, sinks=None, q_max=q_max,
-                kv_bounds=KVBounds.of(k_w, v_w, bounds.k_max, bounds.v_max), out_dtype=q.dtype,
-            )  # (rows, H, L, Ev)
-            assert isinstance(result, torch.Tensor)
-            out[group] = result  # rounded to q's dtype while the group's output is in cache
-        finally:
-            if kept is not None:
-                _buffers.wide = kept
-    return out.reshape(*problem.batch_shape, H, L, Ev)  # (..., H, L, Ev)
 
 
 def _narrow_bounds(
@@ -564,7 +540,10 @@ def explain(
         q, k, v = _cast_for_autocast(low, q, k, v)
     stored = q.dtype if isinstance(q, torch.Tensor) else None
     wide = _widened_dtype(q, k, v)
-    if wide is not None:
+    if wide is not None and not _widens_itself(
+        q, k, v, mask, backend, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks, dropout=dropout,
+        outputs=return_weights or return_lse,
+    ):
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
     problem = describe_problem(
         q, k, v, mask, scale, dropout, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks

@@ -42,7 +42,7 @@ from qkv.backends.flex import FLEX_BLOCK, flex_attention_layout, flex_available,
 from qkv.masks import Mask
 from qkv.native import build as compiled
 from qkv.native import decode as native_decode
-from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
+from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, short_wide, switches
 from qkv.scores import ScoreTerms
 
 if TYPE_CHECKING:  # types only: the attention layer sits above this one
@@ -63,6 +63,7 @@ __all__ = [
 FORWARD_KERNELS: dict[str, str] = {
     "sdpa": "PyTorch's SDPA",
     "short_bf16": f"the {short_bf16.KERNEL_NAME} (C++, AMX tiles)",
+    "short_wide": f"the {short_wide.KERNEL_NAME} (C++, built for this CPU's tier)",
     "math": "the explicit formula in PyTorch ops",
     "flex": "FlexAttention with qkv's BlockMask",
     "decode": "the split-key decode kernel in PyTorch ops",
@@ -92,6 +93,7 @@ BACKWARD_KERNELS: dict[str, str] = {
 # "built on first use" note)
 COMPILED_KERNELS: dict[str, Any] = {
     "short_bf16": short_bf16,
+    "short_wide": short_wide,
     "interval_bf16": interval_bf16,
     "interval_bf16_backward": interval_bf16_backward,
     "native_decode": native_decode,

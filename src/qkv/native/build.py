@@ -75,6 +75,7 @@ __all__ = [
     "first_use_note",
     "function",
     "loaded_or_raise",
+    "local_headers",
     "onednn_packing_reason",
     "padded_heads",
     "static_reason",
@@ -385,19 +386,36 @@ def compile_command(kernel: NativeKernel, output: Path) -> list[str]:
 
 
 def cache_key(kernel: NativeKernel) -> str:
-    """What the cached library depends on, as one text: the source, the compiler (path and
-    version), the command's flags, qkv's CPU tier, the torch version and build, the Python ABI.
+    """What the cached library depends on, as one text: the source and the headers it includes
+    from its own folder (`local_headers`), the compiler (path and version), the command's flags, qkv's CPU tier, the torch version and build, the Python ABI.
     (The command names the build folder, which is this key's hash: it enters as flags only.)"""
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     flags = compile_command(kernel, Path("out.so"))[1:]
     return "\n".join([
         kernel.source.read_text(encoding="utf-8"),
+        *(header.read_text(encoding="utf-8") for header in local_headers(kernel.source)),
         _compiler_identity(_compiler_name()),
         " ".join(flags),
         f"tier {kernel.tier or cpu_features().tier}",
         f"torch {torch.__version__} {torch.version.git_version}",
         f"python {abi}",
     ])  # fmt: skip
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The headers ``source`` includes from its own folder (``#include "name.h"``), in order.
+
+    >>> [h.name for h in local_headers(Path(__file__).with_name("decode.cpp"))]
+    ['vectors.h']
+    """
+    found = []
+    for line in source.read_text(encoding="utf-8").splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "#include" and words[1].startswith('"'):
+            header = source.parent / words[1].strip('"')
+            if header.is_file():
+                found.append(header)
+    return found
 
 
 def _cache_root() -> Path:

@@ -6,8 +6,8 @@ in the cache. `build_all` builds and self-checks every kernel that may run here,
 side (one compiler per core), and says how long each took (`qkv doctor --build`). Every
 kernel is a PyTorch operator ``torch.ops.qkv.<stem>`` (the interval pair:
 ``interval_bf16_forward`` and ``interval_bf16_backward``), registered when its module is
-imported, whether or not it can run here (`OPERATORS`; the kernels built per tier, ``decode``
-and ``magnitude``, have one operator for all their builds).
+imported, whether or not it can run here (`OPERATORS`; the kernels built per tier, ``decode``,
+``magnitude`` and ``short_wide``, have one operator for all their builds).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from qkv.native import (
     interval_bf16_backward,
     magnitude,
     short_bf16,
+    short_wide,
 )
 from qkv.native import build as compiled
 
@@ -35,7 +36,7 @@ __all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 # the kernel modules, each with NATIVE (its source and flags), _built and _build
 _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)
 # the kernels built per tier (`compiled.TieredKernel`: name, machine build, build now, reason)
-_TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED)
+_TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED, short_wide._TIERED)
 # the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
 _NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
 # each kernel's operator, by its stem: torch.ops.qkv.<name>
@@ -72,12 +73,13 @@ def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
 
 
 def _tiered_status(tiered: compiled.TieredKernel, seconds: float | None = None) -> KernelStatus:
-    """A kernel built per tier (`qkv.native.decode`, `qkv.native.magnitude`): the build this
-    machine runs, and why it does not run here for float32 inputs (or None)."""
+    """A kernel built per tier (`qkv.native.decode`, `qkv.native.magnitude`,
+    `qkv.native.short_wide`): the build this machine runs, and why it does not run here for
+    inputs of its first dtype (or None)."""
     kernel = tiered.machine_build()
     return KernelStatus(
         name=f"{tiered.name} ({kernel.tier} build)", stem=kernel.stem,
-        reason=tiered.unavailable_reason(torch.float32, torch.device("cpu")), built=kernel.is_built(),
+        reason=tiered.unavailable_reason(tiered.dtypes[0], torch.device("cpu")), built=kernel.is_built(),
         folder=str(kernel.folder()), seconds=seconds,
     )  # fmt: skip
 

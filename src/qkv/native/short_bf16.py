@@ -34,7 +34,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import switches
 
-__all__ = ["KERNEL_NAME", "MAX_KEYS", "forward", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "MAX_KEYS", "argument_problem", "empty_output", "forward", "self_check", "unavailable_reason"]
 
 # qkv.backends.disabled("short_bf16") switches it off (benchmarks time SDPA so);
 # QKV_NO_COMPILED_KERNELS=1 too.
@@ -76,11 +76,12 @@ def _build() -> ctypes.CDLL | str:
 def _check(library: ctypes.CDLL) -> str | None:
     if not compiled.function(library, "qkv_short_bf16_tiles_permitted", ctypes.c_int)():
         return "Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    return _self_check(functools.partial(_run, library))
+    return self_check(functools.partial(_run, library))
 
 
-def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
-    """Run the kernel (``run``: `_run` on the loaded library) once on an awkward problem
+def self_check(run) -> str | None:  # type: ignore[no-untyped-def]
+    """Run a short-sequence kernel (``run``: `_run` on the loaded library, or
+    `qkv.native.short_wide`'s) once on an awkward problem
     against float64 math: None, or what went wrong (a wrong layout or instruction would give
     wrong numbers, never an error)."""
     gen = torch.Generator().manual_seed(0)
@@ -117,9 +118,10 @@ def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> str | None:
-    """What is wrong with the operator's arguments, or None (the kernel reads raw memory: any
-    mismatch must be refused before it runs). Plain comparisons: it runs on every call."""
+def argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> str | None:
+    """What is wrong with the arguments of a short-sequence operator (this one or
+    `qkv.native.short_wide`'s), or None (the kernel reads raw memory: any mismatch must be
+    refused before it runs). Plain comparisons: it runs on every call."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k and v must be 4-D"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
@@ -143,7 +145,7 @@ def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_val
     return None
 
 
-def _empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The output (N, H, L, Ev) as a view of a (N, L, H, Ev) tensor: a row's heads side by side."""
     N, H, L, _ = q.shape
     return q.new_empty(N, L, H, v.shape[-1], dtype=torch.bfloat16).transpose(1, 2)  # (N, H, L, Ev)
@@ -153,14 +155,14 @@ def _run(
     library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """The kernel on checked arguments: out (N, H, L, Ev) bfloat16."""
-    problem = _argument_problem(q, k, v, key_valid)
+    problem = argument_problem(q, k, v, key_valid)
     if problem is not None:
         raise ValueError(f"qkv::short_bf16: {problem}")
     N, H, L, E = q.shape
     G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # a last dim of one value, any stride
     valid = None if key_valid is None or key_valid.numel() == 0 else key_valid.contiguous()
-    out = _empty_output(q, v)
+    out = empty_output(q, v)
     status = _entry(library)(
         q.data_ptr(), compiled.strides(q), k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
         None if valid is None else valid.data_ptr(), 0 if valid is None else valid.shape[0],
@@ -184,10 +186,10 @@ def _short_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torc
 
 @_short_op.register_fake
 def _(q, k, v, key_valid, scale):  # type: ignore[no-untyped-def]
-    problem = _argument_problem(q, k, v, key_valid)
+    problem = argument_problem(q, k, v, key_valid)
     if problem is not None:
         raise ValueError(f"qkv::short_bf16: {problem}")
-    return _empty_output(q, v)
+    return empty_output(q, v)
 
 
 def forward(
