@@ -255,16 +255,21 @@ def test_rows_lay_out_every_value_in_order() -> None:
         assert offsets == (x.flatten() - x.storage_offset()).tolist(), (tuple(x.shape), x.stride())
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tier", [None, "avx2"])
-def test_widening_copies_exactly_and_scans(tier: str | None) -> None:
+def test_widening_copies_exactly_and_scans(tier: str | None, stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """widen_bf16 writes torch's own float32 conversion of each bfloat16 tensor (strided ones
-    in row-major order) and its largest magnitude; specials included."""
+    in row-major order) and its largest magnitude; specials included. ``stream``: in
+    non-temporal stores (`magnitude.STREAM_BYTES`), into outputs that start off a 64-byte
+    boundary too."""
+    monkeypatch.setattr(magnitude, "STREAM_BYTES", 0 if stream else 1 << 62)
     q = _marked("transposed", "last", BF16)
     k = _base(7).flatten()
     k[5] = -math.inf
     v = _base(8)[..., 1:]
     v[0, 0, 0, 0] = math.nan
     out = [torch.full(t.shape, 3.0) for t in (q, k, v)]
+    out[1] = torch.full((k.numel() + 3,), 3.0)[3:]  # 12 bytes past an aligned start
     if _above_this_machine(tier):
         return
     found = magnitude.widen_bf16([q, k, v], out, tier=tier)

@@ -148,27 +148,34 @@ inline void row_max(const typename Field<Width>::Bits* x, int64_t n, Vec& acc, u
   acc = F::max(F::max(acc, a1), F::max(a2, a3));
 }
 
-// row_max over bfloat16 values that also writes each one widened to float32 at out
-inline void row_widen(const uint16_t* x, int64_t n, float* out, Vec& acc, uint32_t& tail) {
+// row_max over bfloat16 values that also writes each one widened to float32 at out; with
+// `stream`, in non-temporal stores from the first 64-byte boundary of out on (copies much
+// larger than the caches are not read back before they leave them: a cache line written
+// normally is first read from memory, a streamed one is not; the caller fences them)
+inline void row_widen(const uint16_t* x, int64_t n, float* out, Vec& acc, uint32_t& tail, bool stream) {
   int64_t i = 0;
 #if QKV_AVX512 || QKV_AVX2
   constexpr int64_t lanes = kVecBytes / 4;  // float32 values out per vector; as many bf16 in
   const Vec magnitude = Field<2>::mask();
   for (; i + lanes <= n; i += lanes) {
+    const bool aligned = stream && reinterpret_cast<uintptr_t>(out + i) % 64 == 0;
 #if QKV_AVX512
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
     const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
     acc = Field<2>::max(acc, vand(_mm512_zextsi256_si512(half), magnitude));
-    _mm512_storeu_si512(out + i, wide);
+    if (aligned) _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), wide);
+    else _mm512_storeu_si512(out + i, wide);
 #else
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
     const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
     acc = Field<2>::max(acc, vand(_mm256_zextsi128_si256(half), magnitude));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), wide);
+    if (aligned || (stream && reinterpret_cast<uintptr_t>(out + i) % 32 == 0)) _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), wide);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), wide);
 #endif
   }
 #else
   (void)acc;
+  (void)stream;
 #endif
   for (; i < n; ++i) {
     const uint32_t bits = uint32_t(x[i]) << 16;
@@ -188,6 +195,7 @@ struct Strided {
   const int64_t* strides;
   int64_t inner;
   float* out;
+  bool stream;  // the copy in non-temporal stores (`row_widen`)
   int64_t rows;
   int64_t grain;   // rows per share; 1 when rows are cut into pieces
   int64_t pieces;  // pieces of kGrainValues values per row
@@ -224,7 +232,7 @@ inline void scan_piece(const Strided& t, int64_t offset, int64_t r, int64_t from
   const Bits* x = static_cast<const Bits*>(t.base) + offset + from;
   if constexpr (Width == 2) {
     if (t.out != nullptr) {
-      row_widen(x, n, t.out + r * t.inner + from, acc, tail);
+      row_widen(x, n, t.out + r * t.inner + from, acc, tail, t.stream);
       return;
     }
   }
@@ -276,6 +284,9 @@ int scan_all(std::vector<Strided>& tensors, int32_t* bits, int64_t num_threads) 
       const int64_t local = s - first_share[i];
       best[s] = t.width == 2 ? share_max<2>(t, local) : share_max<4>(t, local);
     }
+#if QKV_AVX512 || QKV_AVX2
+    _mm_sfence();  // this thread's streamed copies are in memory before the caller reads them
+#endif
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     uint32_t top = 0;
@@ -286,14 +297,14 @@ int scan_all(std::vector<Strided>& tensors, int32_t* bits, int64_t num_threads) 
 }
 
 int scan_entry(int64_t count, const void* const* data, const int64_t* widths, const int64_t* dims, const int64_t* layout,
-               const int64_t* inner, float* const* out, int32_t* bits, int64_t num_threads) {
+               const int64_t* inner, float* const* out, int32_t* bits, int64_t num_threads, bool stream) {
   try {
     std::vector<Strided> tensors;
     tensors.reserve(count);
     for (int64_t i = 0; i < count; ++i) {
       if (dims[i] > 64 || (widths[i] != 2 && widths[i] != 4)) return 1;
       tensors.push_back(Strided{data[i], static_cast<int>(widths[i]), dims[i], layout, layout + dims[i], inner[i],
-                                out == nullptr ? nullptr : out[i], 0, 1, 1, 0});
+                                out == nullptr ? nullptr : out[i], stream, 0, 1, 1, 0});
       layout += 2 * dims[i];
     }
     return scan_all(tensors, bits, num_threads);
@@ -312,17 +323,18 @@ int scan_entry(int64_t count, const void* const* data, const int64_t* widths, co
 // tensor came with more than 64 row dims or another width).
 extern "C" int qkv_magnitude(int64_t count, const void* const* data, const int64_t* widths, const int64_t* dims,
                              const int64_t* layout, const int64_t* inner, int32_t* bits, int64_t num_threads) {
-  return scan_entry(count, data, widths, dims, layout, inner, nullptr, bits, num_threads);
+  return scan_entry(count, data, widths, dims, layout, inner, nullptr, bits, num_threads, false);
 }
 
 // qkv_magnitude over bfloat16 tensors (every width 2) that also writes tensor i's values as
 // float32 into out[i], contiguous in its row-major order: the scan and the widened copy in one
-// read of the input.
+// read of the input. stream != 0: the copies in non-temporal stores (`row_widen`).
 extern "C" int qkv_widen_bf16(int64_t count, const void* const* data, const int64_t* dims, const int64_t* layout,
-                              const int64_t* inner, float* const* out, int32_t* bits, int64_t num_threads) {
+                              const int64_t* inner, float* const* out, int32_t* bits, int64_t num_threads,
+                              int64_t stream) {
   try {
     std::vector<int64_t> widths(std::max<int64_t>(count, 1), 2);
-    return scan_entry(count, data, widths.data(), dims, layout, inner, out, bits, num_threads);
+    return scan_entry(count, data, widths.data(), dims, layout, inner, out, bits, num_threads, stream != 0);
   } catch (...) {
     return 1;
   }
