@@ -25,7 +25,7 @@ from qkv.attention.problem import describe_problem
 from qkv.backends import protocol
 from qkv.backends.blocks import engine, scored
 from qkv.native import build as compiled
-from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, switches
+from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, short_wide, switches
 from qkv.native.machine import compute_dtype
 
 BF16 = torch.bfloat16
@@ -45,6 +45,7 @@ class Recorder:
         self._wrap(monkeypatch, execute_module, "math_attention", "math", hook="math")
         self._wrap(monkeypatch, execute_module, "decode_attention", "decode", hook="decode")
         self._wrap(monkeypatch, short_bf16, "forward", "short_bf16", only_result=True)
+        self._wrap(monkeypatch, short_wide, "forward", "short_wide", only_result=True)
         self._wrap(monkeypatch, interval_bf16, "forward", "interval_bf16", only_result=True)
         self._wrap(monkeypatch, engine, "run_calls", "cpu_flash_tiles")
         self._wrap(monkeypatch, scored, "_bias_tile", "bias_tile")
@@ -74,9 +75,9 @@ class Recorder:
 
     def forward_kernels(self) -> set[str]:
         """The forward kernels that ran, by the Plan's names."""
-        ran = set(self.events) & {"sdpa", "math", "decode", "short_bf16", "interval_bf16", "cpu_flash_tiles"}
-        if "sdpa" in ran and "short_bf16" in ran:
-            raise AssertionError("both the short-sequence kernel and SDPA ran")
+        ran = set(self.events) & {"sdpa", "math", "decode", "short_bf16", "short_wide", "interval_bf16", "cpu_flash_tiles"}
+        if "sdpa" in ran and ran & {"short_bf16", "short_wide"}:
+            raise AssertionError("both a short-sequence kernel and SDPA ran")
         if "own_tile" in self.events:
             ran.add("score_tiles")
         elif "bias_tile" in self.events:
@@ -154,6 +155,8 @@ def test_the_kernel_that_runs_is_the_one_the_plan_names(monkeypatch: pytest.Monk
     (q, k, v), mask, kwargs = _case(name)
     planned_forward, planned_backward = qkv.explain(q, k, v, mask, **kwargs).kernels
     expected = EXPECTED[name] if _amx_kernels() else PORTABLE.get(name, EXPECTED[name])
+    if name == "short bf16" and compute_dtype(BF16, q.device) != BF16 and short_wide.unavailable_reason(BF16, q.device) is None:
+        expected = ("short_wide", "none")  # bf16 products emulated here: the kernel with float32 products
     assert (planned_forward, planned_backward) == expected
     spy = Recorder(monkeypatch)
     out = qkv.attention(q, k, v, mask, **kwargs)
@@ -204,7 +207,7 @@ def test_disabled_changes_the_plan_and_nesting_restores_it() -> None:
     ("name", "switch", "forward"),
     [
         ("bf16 block engine", ("interval_bf16", "interval_bf16_backward"), "cpu_flash_tiles"),
-        ("short bf16", ("short_bf16",), "sdpa"),
+        ("short bf16", ("short_bf16", "short_wide"), "sdpa"),
         ("decode L=1 S=2048", ("decode",), "sdpa"),
         ("sliding window", ("blocks",), "sdpa"),
     ],

@@ -111,6 +111,18 @@ def test_the_cache_key_covers_source_compiler_flags_tier_torch_and_python(
         assert kernel.folder().name != here.name
 
 
+def test_the_cache_key_follows_the_headers_a_source_includes_from_its_folder(tmp_path: Path) -> None:
+    """decode.cpp and short_wide.cpp share vectors.h: a change there must rebuild both."""
+    (tmp_path / "shared.h").write_text("inline int one() { return 1; }\n")
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include <cstdint>\n#include "shared.h"\n#include "absent.h"\nint f() { return one(); }\n')
+    kernel = compiled.NativeKernel("header_probe", source, "header probe")
+    assert compiled.local_headers(source) == [tmp_path / "shared.h"]  # system and missing headers are not read
+    before = kernel.folder()
+    (tmp_path / "shared.h").write_text("inline int one() { return 2; }\n")
+    assert kernel.folder() != before
+
+
 def test_the_cache_key_names_the_compiler_version_and_the_torch_build() -> None:
     key = compiled.cache_key(interval_bf16.NATIVE)
     compiler = shutil.which(compiled._compiler_name())

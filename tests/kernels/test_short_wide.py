@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qkv
 from qkv import _log
@@ -229,6 +230,9 @@ def test_the_dispatcher_and_the_early_check_agree(emulated: None, case: str) -> 
     threads = torch.get_num_threads()
     taken = case in TAKEN or (case == "one-task" and threads == 1)
     assert early == taken
+    with FakeTensorMode() as fake:  # traced: the compiled kernel is not, so the call is widened
+        q_f, k_f, v_f = (fake.from_tensor(x) for x in (q, k, v))
+        assert not short_widens_itself(q_f, k_f, v_f, None, backend, scored=False, dropout=0.0, outputs=False)
     said = qkv.explain(q, k, v, **kwargs)  # type: ignore[arg-type]
     assert said.forward_kernel.startswith(f"the {short_wide.KERNEL_NAME}") == taken
 
@@ -262,9 +266,9 @@ def test_a_failed_build_falls_back_to_float32_copies(emulated: None, monkeypatch
     copies, rounded once); later calls are planned in float32 and say why."""
     use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.setattr(short_wide._TIERED, "builds", {})
-    q, k, v, _ = _problem(2, 2, 2, 12, 12, 32, 32, seed=4)
+    q, k, v, _ = _problem(3, 2, 2, 12, 12, 32, 32, seed=4)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
-    valid = _valid(2, 12, [12, 5])
+    valid = _valid(3, 12, [12, 5, 0])  # the last batch row sees no key: zeros
     want = _reference(q, k, v, valid, 32**-0.5)
     first = qkv.attention(q, k, v, valid[:, None, None, :])
     assert first.dtype == DTYPE and _within_half_an_ulp(first, want)

@@ -533,6 +533,8 @@ def short_widens_itself(
     share a dtype): a validated problem would give the same answer."""
     if q.device.type != "cpu" or q.dim() < 3 or k.dim() != q.dim() or short_kernel(q) != "short_wide":
         return False
+    if private_torch.host_unreadable(q, k, v):
+        return False  # traced: the compiled kernel is not (`short_kernel_reason`), the call is widened
     if scored or dropout > 0.0 or outputs or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return False
     if short_wide.unavailable_reason(q.dtype, q.device) is not None:

@@ -45,6 +45,7 @@ from qkv.attention.problem import (
     scan_magnitudes,
     with_traced_check,
 )
+from qkv.backends.overflow import memory_order
 from qkv.bias import Bias
 from qkv.masks import Mask
 from qkv.native import magnitude
@@ -268,15 +269,15 @@ def attention(
                 sinks=sinks,
             )
     wide = _widened_dtype(q, k, v)
-    if wide is not None and _widens_itself(
-        q, k, v, mask, backend, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks, dropout=dropout,
-        outputs=return_weights or return_lse,
-    ):
-        note_computed_wide(q.dtype, q.device)
-        wide = None  # its path reads the inputs in their dtype and computes in float32 itself
     if wide is not None:
-        # products in q's dtype are emulated on this CPU: compute in float32, return q's dtype
-        note_computed_wide(q.dtype, q.device)
+        note_computed_wide(q.dtype, q.device)  # products in q's dtype are emulated on this CPU
+        if _widens_itself(
+            q, k, v, mask, backend, bias=bias, softcap=softcap, score_mod=score_mod, sinks=sinks, dropout=dropout,
+            outputs=return_weights or return_lse,
+        ):
+            wide = None  # its path reads the inputs in their dtype and computes in float32 itself
+    if wide is not None:
+        # compute in float32, return q's dtype
         readable = not private_torch.host_unreadable(q, k, v)
         # Whether no autograd graph can keep the float32 copies, which may then live in this
         # thread's kept buffer: with no bias, sinks or score_mod (whose tensors may require grad
@@ -425,11 +426,11 @@ def _buffer_fits(wide: torch.dtype, untracked: bool, tensors: Sequence[torch.Ten
 
 
 def _memory_order(t: torch.Tensor) -> list[int] | None:
-    """The order of t's dims that lays its values out contiguously (largest stride first),
-    when there is one: a contiguous tensor, or a permutation of one such as (N, L, H, E) seen
-    as (N, H, L, E). None for a tensor with gaps or overlaps (a slice of a fused projection).
-    A copy into a buffer of that layout is then a plain contiguous pass with t's strides."""
-    order = sorted(range(t.ndim), key=lambda d: -t.stride(d))  # stable: equal strides keep their order
+    """The order of t's dims that lays its values out contiguously (`memory_order`), when
+    there is one: a contiguous tensor, or a permutation of one such as (N, L, H, E) seen as
+    (N, H, L, E). None for a tensor with gaps or overlaps (a slice of a fused projection). A
+    copy into a buffer of that layout is then a plain contiguous pass with t's strides."""
+    order = memory_order(t)
     return order if t.permute(order).is_contiguous() else None
 
 

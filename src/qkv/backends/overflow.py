@@ -23,7 +23,7 @@ import torch
 from qkv.backends.softmax import accumulation_dtype
 from qkv.native import magnitude
 
-__all__ = ["compact", "in_memory_order", "largest_magnitude", "largest_magnitudes", "refuse_overflow"]
+__all__ = ["compact", "in_memory_order", "largest_magnitude", "largest_magnitudes", "memory_order", "refuse_overflow"]
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:
@@ -34,18 +34,26 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def memory_order(x: torch.Tensor) -> list[int]:
+    """x's dims in the order its values lie in memory: largest stride first (a stable sort:
+    equal strides keep their order).
+
+    >>> memory_order(torch.ones(2, 3, 4).transpose(0, 1))
+    [1, 0, 2]
+    """
+    return sorted(range(x.ndim), key=lambda d: -x.stride(d))
+
+
 def in_memory_order(x: torch.Tensor) -> torch.Tensor:
-    """x's dims permuted into the order its values lie in memory (largest stride first): the
-    same values, for a reduction over all of them. Heads taken from a projection, (N, L, H, E)
-    seen as (N, H, L, E), become one contiguous block again: torch.aminmax no longer copies
-    them first (2.5x faster at N=32, L=128, H=12, E=32), and the compiled scan reads long rows
-    instead of rows of E values.
+    """x's dims permuted into `memory_order`: the same values, for a reduction over all of
+    them. Heads taken from a projection, (N, L, H, E) seen as (N, H, L, E), become one
+    contiguous block again: torch.aminmax no longer copies them first (2.5x faster at N=32,
+    L=128, H=12, E=32), and the compiled scan reads long rows instead of rows of E values.
 
     >>> in_memory_order(torch.ones(2, 3, 4).transpose(0, 1)).is_contiguous()
     True
     """
-    order = sorted(range(x.ndim), key=lambda d: -x.stride(d))  # stable: equal strides keep their order
-    return x.permute(order)
+    return x.permute(memory_order(x))
 
 
 def largest_magnitude(x: torch.Tensor) -> float:

@@ -387,8 +387,9 @@ def compile_command(kernel: NativeKernel, output: Path) -> list[str]:
 
 def cache_key(kernel: NativeKernel) -> str:
     """What the cached library depends on, as one text: the source and the headers it includes
-    from its own folder (`local_headers`), the compiler (path and version), the command's flags, qkv's CPU tier, the torch version and build, the Python ABI.
-    (The command names the build folder, which is this key's hash: it enters as flags only.)"""
+    from its own folder (`local_headers`), the compiler (path and version), the command's
+    flags, qkv's CPU tier, the torch version and build, the Python ABI. (The command names the
+    build folder, which is this key's hash: it enters as flags only.)"""
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     flags = compile_command(kernel, Path("out.so"))[1:]
     return "\n".join([
