@@ -5,9 +5,11 @@ and `interval_bf16_backward`, and the short-sequence kernel, `qkv.native.short_b
 built for the ``amx`` tier. On a lower tier (AVX-512 without AMX, AVX2 + FMA) bf16 products
 are emulated, and qkv computes a bf16 request in float32 with bf16 storage: `qkv.attention`
 widens q, k and v once per call (into a buffer kept per thread, in each input's own layout,
-when no autograd graph can keep the copies) and rounds the output once (`qkv.attention.functional`), every path alike; the input checks scan the bf16
-tensors, not their float32 copies (a call widened whole, in the same pass that writes the
-copies: `qkv.native.magnitude.widen_bf16`).
+when no autograd graph can keep the copies) and rounds the output once
+(`qkv.attention.functional`); the input checks scan the bf16 tensors, not their float32
+copies, in the same pass that writes the copies (`qkv.native.magnitude.widen_bf16`). The
+short-sequence calls go to a kernel of their own there, `qkv.native.short_wide`, which reads
+the bf16 inputs and computes in float32 in registers.
 A lower-tier kernel is not needed when that fallback is as fast as float32 itself on the
 same problem: this script measures it, case by case, bf16 over float32 (goal >= 1.0x; the
 bf16 run returns bf16, so it also pays the rounding of its output).
