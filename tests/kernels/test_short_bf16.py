@@ -95,6 +95,20 @@ def test_strided_inputs_and_a_head_side_by_side_output(monkeypatch: pytest.Monke
         assert out.transpose(1, 2).is_contiguous()
 
 
+def test_inputs_whose_last_dim_is_not_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transposed views (..., E, L) -> (..., L, E): the kernel reads rows, so they are copied
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 3, 33, 7, generator=gen).to(DTYPE).transpose(-1, -2)  # (N, H, L, E), E strided
+    k = torch.randn(2, 3, 33, 9, generator=gen).to(DTYPE).transpose(-1, -2)
+    v = torch.randn(2, 3, 20, 9, generator=gen).to(DTYPE).transpose(-1, -2)
+    spy = _spy(monkeypatch)
+    out = qkv.attention(q, k, v)
+    assert spy.calls == (1 if _can_run() else 0)
+    want = _reference(q, k, v, None, 33**-0.5)
+    dense = torch.ones(1, 1, 7, 9, dtype=torch.bool)
+    assert _err(out, want) <= 2 * _err(_naive(q, k, v, dense, 33**-0.5), want) + FLOOR
+
+
 def test_extreme_scores_stay_exact() -> None:
     # scaled scores of magnitude ~ 10^3: the row's max keeps exp() in range
     q, k, v, _ = _problem(2, 2, 2, 30, 45, 32, 32, seed=9)

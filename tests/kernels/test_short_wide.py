@@ -137,6 +137,10 @@ def test_strided_views_of_a_projection_and_the_heads_side_by_side(emulated: None
     assert spy.calls == 1
     assert _within_half_an_ulp(out, _reference(q, k, v, valid, E**-0.5))
     assert out.transpose(1, 2).is_contiguous()  # concatenating the heads copies nothing
+    # transposed views (..., E, L) -> (..., L, E): the kernel reads rows, so they are copied
+    q_t, k_t, v_t = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v))
+    assert _within_half_an_ulp(qkv.attention(q_t, k_t, v_t, valid[:, None, None, :]), _reference(q, k, v, valid, E**-0.5))
+    assert spy.calls == 2
 
 
 @pytest.mark.parametrize("mask", ["none", "padding", "key_padding_valid", "key_padding_lengths"])

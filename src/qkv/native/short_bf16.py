@@ -34,7 +34,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import switches
 
-__all__ = ["KERNEL_NAME", "MAX_KEYS", "argument_problem", "empty_output", "forward", "self_check", "unavailable_reason"]
+__all__ = ["KERNEL_NAME", "MAX_KEYS", "argument_problem", "empty_output", "forward", "self_check", "unavailable_reason", "unit_last_stride"]
 
 # qkv.backends.disabled("short_bf16") switches it off (benchmarks time SDPA so);
 # QKV_NO_COMPILED_KERNELS=1 too.
@@ -145,6 +145,12 @@ def argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     return None
 
 
+def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors with a contiguous last dim, as the kernels read rows (a copy only of one
+    that has none, e.g. a transposed view)."""
+    return tuple(x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous() for x in tensors)
+
+
 def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The output (N, H, L, Ev) as a view of a (N, L, H, Ev) tensor: a row's heads side by side."""
     N, H, L, _ = q.shape
@@ -205,6 +211,7 @@ def forward(
     library = _module()
     if isinstance(library, str):
         return None
+    q, k, v = unit_last_stride(q, k, v)
     if compiled.direct_call(q, k, v, *(() if key_valid is None else (key_valid,))):
         return _run(library, q, k, v, key_valid, float(scale))
     return torch.ops.qkv.short_bf16(q, k, v, key_valid, float(scale))

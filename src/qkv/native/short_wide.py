@@ -154,6 +154,7 @@ def forward(
     library = _TIERED.module(built)
     if isinstance(library, str):
         return None
+    q, k, v = short_bf16.unit_last_stride(q, k, v)
     if compiled.direct_call(q, k, v, *(() if key_valid is None else (key_valid,))):
         return _run(library, q, k, v, key_valid, float(scale))
     return torch.ops.qkv.short_wide(q, k, v, key_valid, float(scale), tier or "")
