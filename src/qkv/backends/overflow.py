@@ -41,7 +41,8 @@ def memory_order(x: torch.Tensor) -> list[int]:
     >>> memory_order(torch.ones(2, 3, 4).transpose(0, 1))
     [1, 0, 2]
     """
-    return sorted(range(x.ndim), key=lambda d: -x.stride(d))
+    strides = x.stride()
+    return sorted(range(x.ndim), key=lambda d: -strides[d])
 
 
 def in_memory_order(x: torch.Tensor) -> torch.Tensor:
