@@ -34,7 +34,7 @@ import torch
 from qkv.native import build as compiled
 from qkv.native import switches
 
-__all__ = ["KERNEL_NAME", "MAX_KEYS", "argument_problem", "empty_output", "forward", "self_check", "unavailable_reason", "unit_last_stride"]
+__all__ = ["KERNEL_NAME", "MAX_KEYS", "argument_problem", "empty_output", "forward", "run_kernel", "self_check", "unavailable_reason", "unit_last_stride"]
 
 # qkv.backends.disabled("short_bf16") switches it off (benchmarks time SDPA so);
 # QKV_NO_COMPILED_KERNELS=1 too.
@@ -106,11 +106,12 @@ def _module() -> ctypes.CDLL | str:
 
 
 @functools.cache
-def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
-    """The kernel's entry point with its C signature (short_bf16.cpp)."""
+def _entry(library: ctypes.CDLL, name: str):  # type: ignore[no-untyped-def]
+    """A short-sequence kernel's entry point ``name`` with its C signature, the same in this
+    kernel (short_bf16.cpp) and `qkv.native.short_wide`'s."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return compiled.function(
-        library, "qkv_short_bf16_forward", ctypes.c_int,
+        library, name, ctypes.c_int,
         p, p, p, p, p, p,  # q, k, v and their strides
         p, i64,  # key_valid (or null), its rows
         i64, i64, i64, i64, i64, i64, i64,  # N, H, G, L, E, S, Ev
@@ -157,26 +158,36 @@ def empty_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return q.new_empty(N, L, H, v.shape[-1], dtype=torch.bfloat16).transpose(1, 2)  # (N, H, L, Ev)
 
 
-def _run(
-    library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, scale: float
+def run_kernel(
+    library: ctypes.CDLL, stem: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    key_valid: torch.Tensor | None, scale: float,
 ) -> torch.Tensor:
-    """The kernel on checked arguments: out (N, H, L, Ev) bfloat16."""
+    """A short-sequence kernel (``stem``: "short_bf16" or "short_wide", its operator
+    qkv::<stem> and its entry point qkv_<stem>_forward) on checked arguments: out
+    (N, H, L, Ev) bfloat16."""
     problem = argument_problem(q, k, v, key_valid)
     if problem is not None:
-        raise ValueError(f"qkv::short_bf16: {problem}")
+        raise ValueError(f"qkv::{stem}: {problem}")
     N, H, L, E = q.shape
     G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # a last dim of one value, any stride
     valid = None if key_valid is None or key_valid.numel() == 0 else key_valid.contiguous()
     out = empty_output(q, v)
-    status = _entry(library)(
+    status = _entry(library, f"qkv_{stem}_forward")(
         q.data_ptr(), compiled.strides(q), k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
         None if valid is None else valid.data_ptr(), 0 if valid is None else valid.shape[0],
         N, H, G, L, E, S, Ev, float(scale), out.data_ptr(), compiled.strides(out), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(f"the {KERNEL_NAME} could not allocate its scratch buffers")
+        raise MemoryError(f"qkv::{stem} could not allocate its working buffers")
     return out
+
+
+def _run(
+    library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The kernel on checked arguments: out (N, H, L, Ev) bfloat16."""
+    return run_kernel(library, "short_bf16", q, k, v, key_valid, scale)
 
 
 # the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations

@@ -68,39 +68,11 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, tier: str | Non
     return _TIERED.unavailable_reason(dtype, device, tier)
 
 
-@functools.cache
-def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
-    """The kernel's entry point with its C signature (short_wide.cpp)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return compiled.function(
-        library, "qkv_short_wide_forward", ctypes.c_int,
-        p, p, p, p, p, p,  # q, k, v and their strides
-        p, i64,  # key_valid (or null), its rows
-        i64, i64, i64, i64, i64, i64, i64,  # N, H, G, L, E, S, Ev
-        ctypes.c_double, p, p, i64,  # scale, out and its strides, threads
-    )  # fmt: skip
-
-
 def _run(
     library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """The kernel on checked arguments: out (N, H, L, Ev) bfloat16, a view of (N, L, H, Ev)."""
-    problem = short_bf16.argument_problem(q, k, v, key_valid)
-    if problem is not None:
-        raise ValueError(f"qkv::short_wide: {problem}")
-    N, H, L, E = q.shape
-    G, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # a last dim of one value, any stride
-    valid = None if key_valid is None or key_valid.numel() == 0 else key_valid.contiguous()
-    out = short_bf16.empty_output(q, v)
-    status = _entry(library)(
-        q.data_ptr(), compiled.strides(q), k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
-        None if valid is None else valid.data_ptr(), 0 if valid is None else valid.shape[0],
-        N, H, G, L, E, S, Ev, float(scale), out.data_ptr(), compiled.strides(out), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError(f"the {KERNEL_NAME} could not allocate its working buffers")
-    return out
+    return short_bf16.run_kernel(library, "short_wide", q, k, v, key_valid, scale)
 
 
 def _check_tier(tier: str | None) -> None:
