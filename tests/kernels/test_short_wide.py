@@ -242,15 +242,15 @@ def test_the_dispatcher_and_the_early_check_agree(emulated: None, case: str) -> 
 
 
 def test_switched_off_the_call_is_widened_and_gives_the_same_answer(emulated: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v, _ = _problem(3, 4, 4, 40, 40, 32, 32, seed=2)
+    lengths = torch.tensor([17, 40, 1])
+    padding = qkv.masks.key_padding(lengths)  # qkv's own mask object this time
+    q, k, v, _ = _problem(3, 6, 2, 25, 40, 48, 24, seed=2)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
-    valid = _valid(3, 40, [40, 25, 9])
-    want = _reference(q, k, v, valid, 32**-0.5)
-    fast = qkv.attention(q, k, v, valid[:, None, None, :])
+    want = _reference(q, k, v, _valid(3, 40, lengths.tolist()), 48**-0.5)
+    fast = qkv.attention(q, k, v, padding)
     spy = _spy(monkeypatch)
     with qkv.backends.disabled("short_wide"):
-        widened = qkv.attention(q, k, v, valid[:, None, None, :])
-        said = qkv.explain(q, k, v, valid[:, None, None, :])
+        widened, said = qkv.attention(q, k, v, padding), qkv.explain(q, k, v, padding)
     assert spy.calls == 0
     assert not said.forward_kernel.startswith(f"the {short_wide.KERNEL_NAME}")
     for out in (fast, widened):
