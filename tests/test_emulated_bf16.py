@@ -412,3 +412,33 @@ def test_a_float_mask_that_requires_grad_keeps_its_copies_out_of_the_kept_buffer
     assert torch.allclose(mask.grad.double(), exact.grad, atol=0.05, rtol=0.05)
 
 
+# forward-mode AD loads torch's jvp decompositions, which call the deprecated torch.jit.script
+# (torch/_decomp/decompositions_for_jvp.py): torch's internals, not the code under test
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_the_kept_buffer_after_inference_mode_vmap_and_forward_ad() -> None:
+    """The kept buffer serves plain values only: a buffer made under torch.inference_mode is
+    not written outside it, a vmapped or dual (forward-mode AD) call keeps its copies out of it,
+    and each of these calls still gives its float64 answer (and tangent)."""
+    from torch.autograd import forward_ad
+
+    from qkv.attention import functional
+
+    gen = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=gen).bfloat16() for _ in range(3))
+    want = qkv.attention(q.double(), k.double(), v.double(), backend="math")
+    with qkv.backends.disabled("short_wide"):  # the widening path, not the short-sequence kernel
+        with torch.inference_mode():
+            _within_bf16_rounding(qkv.attention(q, k, v), want)
+        _within_bf16_rounding(qkv.attention(q, k, v), want)  # grad mode: the buffer is written again
+        with torch.no_grad():
+            _within_bf16_rounding(qkv.attention(q, k, v), want)
+        _within_bf16_rounding(torch.vmap(qkv.attention)(q, k, v), want)
+        tangent = torch.randn(q.shape, generator=gen).bfloat16()
+        with forward_ad.dual_level():
+            out = qkv.attention(forward_ad.make_dual(q, tangent), k, v, backend="math")
+            assert forward_ad.unpack_dual(out).tangent is not None
+            plain = qkv.attention(q, k, v, backend="math")  # the buffer carries no tangent over
+            assert forward_ad.unpack_dual(plain).tangent is None
+        _within_bf16_rounding(plain, want)
+    assert functional._buffers.wide is None or not functional._buffers.wide.is_inference()
+

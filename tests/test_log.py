@@ -83,6 +83,22 @@ def test_multihead_attention_widening_a_layer_notes_it_once(
     assert [(r.levelname, r.getMessage()) for r in _ours(fresh)] == [("INFO", expected)]
 
 
+def test_a_first_note_met_while_compiling_does_not_break_the_graph(
+    fresh: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo cannot trace the lock of a first note: under torch.compile(fullgraph=True) a note
+    not yet said is left to an eager call, and the compiled call still answers."""
+    monkeypatch.setenv("QKV_CPU_TIER", "avx2")  # the widened bf16 call notes it, whatever this machine is
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda x: qkv.attention(x, x, x, backend="math"), fullgraph=True, backend="eager")
+    out = compiled(q)
+    want = qkv.attention(q.double(), q.double(), q.double(), backend="math")
+    assert out.dtype == torch.bfloat16 and bool(((out.double() - want).abs() <= 2**-8 * want.abs() + 1e-6).all())
+    assert _ours(fresh) == []  # nothing said while compiling; the first eager call says it
+    qkv.attention(q, q, q)
+    assert len(_ours(fresh)) == 1
+
+
 def test_an_emulated_dtype_kept_as_it_is_is_a_warning(
     fresh: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
 __all__ = ["logger", "note_once"]
 
 logger = logging.getLogger("qkv")
@@ -36,6 +38,8 @@ def note_once(cause: str, message: str | Callable[[], str | None], level: int = 
     """
     if cause in _noted:  # the common case, without the lock
         return
+    if torch.compiler.is_compiling():
+        return  # Dynamo cannot trace the lock (fullgraph=True would fail): said by an eager call
     with _noted_lock:
         if cause in _noted:
             return

@@ -109,6 +109,22 @@ def test_negative_tiny_and_large_scores(tier: str, scale: float) -> None:
 
 
 @pytest.mark.parametrize("tier", [t for t in short_wide.TIERS if _runs_here(t)])
+def test_a_scale_that_would_overflow_q_alone(tier: str) -> None:
+    """|q| * scale beyond float32's largest value while scale * (q . k) is small: the scores
+    are scaled after the product, as qkv's overflow check bounds them (scaling q first gave
+    inf, then NaN in every output)."""
+    gen = torch.Generator().manual_seed(13)
+    q = (torch.randn(2, 2, 9, 16, generator=gen) * 1e36).to(DTYPE)
+    k = (torch.randn(2, 2, 12, 16, generator=gen) * 1e-3).to(DTYPE)
+    v = torch.randn(2, 2, 12, 16, generator=gen).to(DTYPE)
+    if _refused(tier, q, k, v, None, 1e3):
+        return
+    out = short_wide.forward(q, k, v, None, 1e3, tier=tier)
+    assert out is not None and bool(torch.isfinite(out).all())
+    assert _within_half_an_ulp(out, _reference(q, k, v, None, 1e3))
+
+
+@pytest.mark.parametrize("tier", [t for t in short_wide.TIERS if _runs_here(t)])
 def test_bits_do_not_depend_on_the_thread_count(tier: str) -> None:
     q, k, v, _ = _problem(5, 6, 3, 19, 70, 32, 32, seed=3)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
@@ -190,12 +206,15 @@ def _cases() -> dict[str, tuple[tuple[torch.Tensor, ...], dict[str, object]]]:
     q, k, v = (torch.randn(3, 4, 10, 16, generator=gen).to(DTYPE) for _ in range(3))
     valid = _valid(3, 10, [10, 4, 7])
     long = torch.randn(2, 2, short_wide.MAX_KEYS + 1, 16, generator=gen).to(DTYPE)
+    big = torch.randn(3, 2, 256, 16, generator=gen).to(DTYPE)
     trained = q.clone().requires_grad_(True)
     return {
         "none": ((q, k, v), {}),
         "padding": ((q, k, v), {"mask": valid[:, None, None, :]}),
         "padding-one-row": ((q, k, v), {"mask": valid[:1, None, None, :]}),
         "key_padding": ((q, k, v), {"mask": qkv.masks.key_padding(valid)}),
+        # 256 x 256 pairs, most keys hidden: the block engine's case (`_sparse_if_it_wins`)
+        "key_padding-sparse": ((big, big, big), {"mask": qkv.masks.key_padding(torch.tensor([40, 60, 30]))}),
         "causal": ((q, k, v), {"mask": qkv.masks.causal()}),
         "window": ((q, k, v), {"mask": qkv.masks.sliding_window(2, 2)}),
         "dense-bool": ((q, k, v), {"mask": torch.ones(3, 1, 10, 10, dtype=torch.bool).tril()}),

@@ -530,7 +530,9 @@ def short_widens_itself(
     itself: then `qkv.attention` does not copy them to float32 first. ``scored``: a bias,
     softcap, score_mod or sinks is given; ``outputs``: weights or lse are asked for. The
     conditions of `short_kernel_reason` on the call's arguments (q, k, v already checked to
-    share a dtype): a validated problem would give the same answer."""
+    share a dtype), kept on the safe side: every call it says yes to is planned on that kernel
+    (a call left in bf16 on another path would run on emulated products); a few it says no to
+    would be too (masks of fewer dims than q), and are widened."""
     if q.device.type != "cpu" or q.dim() < 3 or k.dim() != q.dim() or short_kernel(q) != "short_wide":
         return False
     if private_torch.host_unreadable(q, k, v):
@@ -542,8 +544,11 @@ def short_widens_itself(
     tasks = q.shape[:-3].numel() * k.shape[-3]  # (batch row, key/value head)
     if _short_shape_reason(backend, k.shape[-2], tasks) is not None:
         return False
-    # no mask, or one that varies over batch rows and keys only ((N | 1, 1, 1, S) as a tensor)
-    return mask is None or isinstance(mask, KeyPadding) or (
+    # no mask, or one that varies over batch rows and keys only ((N | 1, 1, 1, S) as a tensor);
+    # a key_padding object from _SPARSE_MIN_PAIRS pairs up may go to the block engine instead
+    # (`_sparse_if_it_wins`), so it is taken only below that
+    small = q.shape[-2] * k.shape[-2] < _SPARSE_MIN_PAIRS
+    return mask is None or (isinstance(mask, KeyPadding) and small) or (
         isinstance(mask, torch.Tensor) and mask.dim() == q.dim() == 4 and _key_padding(mask, k.shape[-2]) is not None
     )
 

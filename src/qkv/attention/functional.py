@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
+from torch.autograd import forward_ad
 
 from qkv._log import note_once
 from qkv._private import torch as private_torch
@@ -281,13 +282,15 @@ def attention(
         readable = not private_torch.host_unreadable(q, k, v)
         # Whether no autograd graph can keep the float32 copies, which may then live in this
         # thread's kept buffer: with no bias, sinks or score_mod (whose tensors may require grad
-        # too), a graph is recorded only when q, k, v or a float mask requires grad. The whole
+        # too), a graph is recorded only when q, k, v or a float mask requires grad; plain
+        # values only (no vmap batch, no forward-mode tangent to copy in). The whole
         # call is widened at once: groups of batch rows, widened and computed while in cache,
         # were slower once one pass scans and widens (forced AVX2, B=32 H=12 L=128 E=32, 2
         # threads: 0.74x float32 in 2 MiB groups, 0.93x whole).
-        untracked = not torch.is_grad_enabled() or (
-            bias is None and score_mod is None and sinks is None and not _any_requires_grad(q, k, v, mask)
-        )
+        untracked = readable and not _has_tangent(q, k, v) and (
+            not torch.is_grad_enabled()
+            or (bias is None and score_mod is None and sinks is None and not _any_requires_grad(q, k, v, mask))
+        )  # fmt: skip
         scanned = _widened_and_scanned(wide, q, k, v, untracked) if readable else None
         q_max: float | None
         narrow_bounds: KVBounds | None
@@ -393,6 +396,11 @@ def _widens_itself(
     return short_widens_itself(q, k, v, mask, backend, scored=scored, dropout=dropout, outputs=outputs)
 
 
+def _has_tangent(*tensors: torch.Tensor) -> bool:
+    """Whether a tensor carries a forward-mode AD tangent (`torch.autograd.forward_ad`)."""
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _any_requires_grad(*values: object) -> bool:
     """Whether any of the tensors among ``values`` requires grad."""
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
@@ -440,7 +448,10 @@ def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[t
     total = sum(t.numel() for t in tensors)
     buffer = getattr(_buffers, "wide", None)
     _buffers.wide = None
-    if buffer is None or buffer.numel() < total or buffer.dtype != wide:
+    # one made under torch.inference_mode cannot be written outside it (and the reverse would
+    # hand inference tensors to a graph)
+    inference = torch.is_inference_mode_enabled()
+    if buffer is None or buffer.numel() < total or buffer.dtype != wide or buffer.is_inference() != inference:
         buffer = torch.empty(total, dtype=wide, device=tensors[0].device)
     views, start = [], 0
     for t in tensors:

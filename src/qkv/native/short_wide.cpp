@@ -10,9 +10,9 @@
 //   - one task is one (batch row, key/value head): the keys it may see (key padding leaves the
 //     others out entirely) are packed once as float32, K^T in panels of W keys and V by rows,
 //     for the R = H / G query heads that share them;
-//   - per block of kRows query rows (scaled on the way in): s = q K^T in registers (kRows rows
-//     x kPanels panels of accumulators), an exact softmax over the whole row (no online
-//     rescaling: S is short), then out = (p V) / sum p, rounded to bf16 to nearest even.
+//   - per block of kRows query rows: s = q K^T in registers (kRows rows x kPanels panels of
+//     accumulators), scaled, an exact softmax over the whole row (no online rescaling: S is
+//     short), then out = (p V) / sum p, rounded to bf16 to nearest even.
 // A row that sees no key gets out = 0 (docs/design.md). Each output row is computed by one
 // thread in a fixed order, so the result does not depend on the thread count.
 //
@@ -115,6 +115,7 @@ extern "C" int qkv_short_wide_forward(const uint16_t* q_p, const int64_t* qs, co
   const int e_dim = static_cast<int>(E), ev_dim = static_cast<int>(Ev);
   const int Evp = (ev_dim + W - 1) / W * W, width = (static_cast<int>(S) + W - 1) / W * W;
   const int64_t group = H / G, tasks = N * G;
+  const vf scaled = vset(scale);
   // contiguous shares of ceil(tasks / threads) tasks, one per worker
   const int64_t threads = std::max<int64_t>(1, std::min(num_threads, tasks));
   const int64_t share = (tasks + threads - 1) / threads;
@@ -144,14 +145,17 @@ extern "C" int qkv_short_wide_forward(const uint16_t* q_p, const int64_t* qs, co
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           for (int64_t i0 = 0; i0 < L; i0 += kRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kRows, L - i0));
-            for (int r = 0; r < kRows; ++r) {  // the block's rows, scaled, zeros past the last
+            for (int r = 0; r < kRows; ++r) {  // the block's rows, zeros past the last
               const uint16_t* src = q_p + n * qs[0] + h * qs[1] + (i0 + r) * qs[2];
-              for (int e = 0; e < e_dim; ++e) q_block[r * e_dim + e] = r < rows ? scalar(src + e) * scale : 0.0f;
+              for (int e = 0; e < e_dim; ++e) q_block[r * e_dim + e] = r < rows ? scalar(src + e) : 0.0f;
             }
             scores(q_block.data(), e_dim, keys.data(), panels, s.data(), width);
             float inverse[kRows];
-            for (int r = 0; r < kRows; ++r) {  // p = exp(s - max) over the visible keys, in place
+            for (int r = 0; r < kRows; ++r) {  // p = exp(scale * s - max) over the visible keys, in place
               float* row = s.data() + r * width;
+              // scaled after the product, as qkv's overflow check bounds it: scale * q may
+              // overflow where scale * (q . k) does not
+              for (int j = 0; j < panels * W; j += W) vstore(row + j, vmul(vload(row + j), scaled));
               std::fill(row + count, row + panels * W, kNegInf);  // the last panel's unused lanes
               const float top = row_max(row, count);
               inverse[r] = 1.0f / exp_sum(row, count, top);  // the max key gives exp(0) = 1: sum >= 1
