@@ -442,3 +442,15 @@ def test_the_kept_buffer_after_inference_mode_vmap_and_forward_ad() -> None:
         _within_bf16_rounding(plain, want)
     assert functional._buffers.wide is None or not functional._buffers.wide.is_inference()
 
+
+
+def test_torch_func_grad_through_a_widened_call() -> None:
+    """torch.func.grad's wrappers have no storage: the bounds of the float32 copies are told
+    apart without a data pointer (it raised), and the gradient is float64 autograd's."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).bfloat16() for _ in range(3))
+    got = torch.func.grad(lambda x: qkv.attention(x, k, v, qkv.masks.causal()).float().square().sum())(q)
+    exact = q.double().requires_grad_()
+    qkv.attention(exact, k.double(), v.double(), qkv.masks.causal(), backend="math").square().sum().backward()
+    assert got.dtype == torch.bfloat16 and exact.grad is not None
+    assert torch.allclose(got.double(), exact.grad, atol=0.05, rtol=0.05)

@@ -29,7 +29,11 @@ _Identity = tuple[object, ...]
 def _identity(x: torch.Tensor) -> _Identity:
     """Which tensor x is and, where PyTorch tracks it, how often it was written in place."""
     version = None if x.is_inference() else x._version  # inference tensors keep no counter
-    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), version)
+    try:
+        where: object = x.data_ptr()
+    except RuntimeError:  # a wrapper without storage (torch.func.grad's): the object itself
+        where = ("object", id(x))
+    return (where, x.device, x.dtype, tuple(x.shape), x.stride(), version)
 
 
 @dataclass(frozen=True, eq=False)
