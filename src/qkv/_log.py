@@ -14,10 +14,9 @@ one line that matters.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
-
-import torch
 
 __all__ = ["logger", "note_once"]
 
@@ -38,7 +37,8 @@ def note_once(cause: str, message: str | Callable[[], str | None], level: int = 
     """
     if cause in _noted:  # the common case, without the lock
         return
-    if torch.compiler.is_compiling():
+    torch = sys.modules.get("torch")  # not imported here: the CLI's help imports no torch
+    if torch is not None and torch.compiler.is_compiling():
         return  # Dynamo cannot trace the lock (fullgraph=True would fail): said by an eager call
     with _noted_lock:
         if cause in _noted:
