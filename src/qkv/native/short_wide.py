@@ -17,8 +17,9 @@ that runs is the machine's (`qkv.native.machine.cpu_features`, which ``QKV_CPU_T
 lower), or the one ``tier=`` asks for: a build for a lower tier runs on a higher machine, so
 both are tested on an AMX one.
 
-Measured (B = 32, H = 12, L = S = 128, E = 32, 2 threads, AMX machine forced to the avx2 tier,
-quiet): see ``benchmarks/lower_tiers.py``'s short-sequence rows.
+Measured (``benchmarks/lower_tiers.py``: B = 32, H = 12, L = S = 128, E = 32, 2 threads, an
+AMX Xeon forced to the avx2 tier, quiet): bf16 at 1.17-1.28x float32's speed without a mask,
+1.38-1.53x with key padding, where widening to float32 copies for SDPA gave 0.93x and 0.95x.
 
 `unavailable_reason` says why it cannot run without building; `forward` builds on first use
 (seconds, one note on the ``qkv`` logger) and returns None when the build or its self-check
