@@ -324,6 +324,14 @@ class TieredKernel:
         """The tier whose build runs for ``tier`` (None: the tier qkv uses now), or None."""
         return self.pick(tier) if self.pick is not None else build_tier(self.tiers, tier)
 
+    def check_tier(self, tier: str | None) -> None:
+        """Refuse a ``tier=`` that names no build of this kernel or a tier above the machine's
+        (ValueError, before anything is built or run); None (the tier qkv uses now) passes."""
+        if tier is not None and tier not in self.tiers:
+            raise ValueError(f"tier={tier!r}: the {self.name} is built for {', '.join(self.tiers)}")
+        if tier is not None and build_tier((tier,), None) is None:
+            raise ValueError(f"tier={tier!r} is above this machine's tier ({cpu_features().describe()})")
+
     def kernel(self, tier: str) -> NativeKernel:
         """The build of ``tier``: its flags and its own cache folder."""
         return NativeKernel(f"{self.stem}_{tier}", self.source, self.name, cflags=TIER_CFLAGS[tier], tier=tier)

@@ -344,10 +344,7 @@ def forward(
     either way, so a paged sequence gives the bits of the same keys in a contiguous cache.
     ``tier``: the build to run (a tier at or below the machine's; None: the tier qkv uses now).
     None when the kernel is unavailable (`unavailable_reason`)."""
-    if tier is not None and tier not in TIERS:
-        raise ValueError(f"tier={tier!r}: the {KERNEL_NAME} is built for {', '.join(TIERS)}")
-    if tier is not None and compiled.build_tier((tier,), None) is None:
-        raise ValueError(f"tier={tier!r} is above this machine's tier ({cpu_features().describe()})")
+    _TIERED.check_tier(tier)
     if unavailable_reason(q.dtype, q.device, tier) is not None:
         return None
     built = _tier(tier)

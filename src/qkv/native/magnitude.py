@@ -48,7 +48,6 @@ import torch
 from qkv._private import torch as private_torch
 from qkv.native import build as compiled
 from qkv.native import switches
-from qkv.native.machine import cpu_features
 
 __all__ = [
     "DTYPES", "KERNEL_NAME", "MIN_VALUES", "TIERS", "first_use_note", "kernel_reason", "largest_magnitudes",
@@ -160,19 +159,12 @@ def strided_rows(x: torch.Tensor) -> tuple[list[int], list[int], int] | None:
     return [n for n, _ in merged], [s for _, s in merged], inner
 
 
-def _check_tier(tier: str | None) -> None:
-    if tier is not None and tier not in TIERS:
-        raise ValueError(f"tier={tier!r}: the {KERNEL_NAME} is built for {', '.join(TIERS)}")
-    if tier is not None and compiled.build_tier((tier,), None) is None:
-        raise ValueError(f"tier={tier!r} is above this machine's tier ({cpu_features().describe()})")
-
-
 def largest_magnitudes(tensors: Sequence[torch.Tensor], tier: str | None = None) -> list[float | None]:
     """Per tensor its largest |x_i| (math.inf when an entry is infinite or NaN), or None for a
     tensor the scan does not take (`unavailable_reason`), or for all of them when its build
     failed. ``tier``: the build to run (a tier of ``TIERS`` at or below the machine's; None:
     the tier qkv uses now)."""
-    _check_tier(tier)
+    _TIERED.check_tier(tier)
     plans = [_rows_or_reason(x, tier) for x in tensors]
     found: list[float | None] = [None] * len(tensors)
     taken = [i for i, (rows, _) in enumerate(plans) if rows is not None]
@@ -196,7 +188,7 @@ def widen_bf16(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor], tie
     exact copies) and return each one's largest |x_i| (inf when infinite or NaN), in one read;
     None, writing nothing, when the scan does not take every tensor (`unavailable_reason`) or
     cannot run directly on their memory (tracing, a mode, a wrapper)."""
-    _check_tier(tier)
+    _TIERED.check_tier(tier)
     if len(tensors) != len(out):
         raise ValueError(f"widen_bf16: {len(tensors)} tensors but {len(out)} outputs")
     for x, o in zip(tensors, out, strict=True):

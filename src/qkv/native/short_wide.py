@@ -41,7 +41,6 @@ import torch
 
 from qkv.native import build as compiled
 from qkv.native import short_bf16
-from qkv.native.machine import cpu_features
 
 __all__ = ["DTYPES", "KERNEL_NAME", "MAX_KEYS", "TIERS", "first_use_note", "forward", "unavailable_reason"]
 
@@ -74,13 +73,6 @@ def _run(
 ) -> torch.Tensor:
     """The kernel on checked arguments: out (N, H, L, Ev) bfloat16, a view of (N, L, H, Ev)."""
     return short_bf16.run_kernel(library, "short_wide", q, k, v, key_valid, scale)
-
-
-def _check_tier(tier: str | None) -> None:
-    if tier is not None and tier not in TIERS:
-        raise ValueError(f"tier={tier!r}: the {KERNEL_NAME} is built for {', '.join(TIERS)}")
-    if tier is not None and compiled.build_tier((tier,), None) is None:
-        raise ValueError(f"tier={tier!r} is above this machine's tier ({cpu_features().describe()})")
 
 
 # the schema is written out: torch 2.5 infers none from `X | None` annotations
@@ -119,7 +111,7 @@ def forward(
     `qkv.native.short_bf16.forward`'s. ``tier``: the build to run (a tier of ``TIERS`` at or
     below the machine's; None: the tier qkv uses now). None when the kernel is unavailable
     (`unavailable_reason`)."""
-    _check_tier(tier)
+    _TIERED.check_tier(tier)
     if unavailable_reason(q.dtype, q.device, tier) is not None:
         return None
     built = _TIERED.tier(tier)
