@@ -419,7 +419,7 @@ def _widened(
     from a score_mod say, gets its own) and given back by the caller."""
     if not _buffer_fits(wide, untracked, tensors):
         return tuple(t.to(wide) for t in tensors), None
-    buffer, views = _taken_buffer(wide, tensors)
+    buffer, views, _ = _taken_buffer(wide, tensors)
     return tuple(view.copy_(t) for view, t in zip(views, tensors, strict=True)), buffer
 
 
@@ -442,9 +442,12 @@ def _memory_order(t: torch.Tensor) -> list[int] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
-def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _taken_buffer(
+    wide: torch.dtype, tensors: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
     """This thread's kept buffer (taken: the caller gives it back), grown to hold ``tensors``
-    in ``wide``, and its views of their shapes, one after another."""
+    in ``wide``, its views of their shapes and strides, one after another, and each tensor's
+    `_memory_order` (in which both it and its view are contiguous)."""
     total = sum(t.numel() for t in tensors)
     buffer = getattr(_buffers, "wide", None)
     _buffers.wide = None
@@ -453,14 +456,15 @@ def _taken_buffer(wide: torch.dtype, tensors: Sequence[torch.Tensor]) -> tuple[t
     inference = torch.is_inference_mode_enabled()
     if buffer is None or buffer.numel() < total or buffer.dtype != wide or buffer.is_inference() != inference:
         buffer = torch.empty(total, dtype=wide, device=tensors[0].device)
-    views, start = [], 0
+    views, orders, start = [], [], 0
     for t in tensors:
         order = _memory_order(t)
         assert order is not None  # `_buffer_fits` checked it
         block = buffer[start : start + t.numel()].view([t.shape[d] for d in order])  # t's dims in memory order
         views.append(block.permute(sorted(range(t.ndim), key=order.__getitem__)))  # (*t.shape), t's strides
+        orders.append(order)
         start += t.numel()
-    return buffer, views
+    return buffer, views, orders
 
 
 def _widened_and_scanned(
@@ -475,11 +479,10 @@ def _widened_and_scanned(
     tensors = (q, k, v)
     if wide != torch.float32 or q.dtype != torch.bfloat16 or not _buffer_fits(wide, untracked, tensors):
         return None
-    buffer, views = _taken_buffer(wide, tensors)
-    orders = [_memory_order(t) for t in tensors]  # each copy has its tensor's layout: both contiguous in this order
-    found = magnitude.widen_bf16(
-        [t.permute(o) for t, o in zip(tensors, orders, strict=True) if o is not None],
-        [view.permute(o) for view, o in zip(views, orders, strict=True) if o is not None],
+    buffer, views, orders = _taken_buffer(wide, tensors)
+    found = magnitude.widen_bf16(  # each copy has its tensor's layout: both contiguous in its order
+        [t.permute(o) for t, o in zip(tensors, orders, strict=True)],
+        [view.permute(o) for view, o in zip(views, orders, strict=True)],
     )
     if found is None:
         _buffers.wide = buffer  # not used: back to this thread
