@@ -344,7 +344,7 @@ def chosen_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_traced_auto_takes_the_block_engine_where_eager_does(chosen_paths: list[str]) -> None:
     seen = chosen_paths
-    big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
+    big = tuple(torch.randn(1, 2, 1024, 16) for _ in range(3))
     qkv.attention(*big, qkv.masks.sliding_window(16))
     assert seen == ["blocks"]  # eagerly: the block engine
     torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(16)), backend="eager", fullgraph=True)(*big)
@@ -358,18 +358,25 @@ def test_traced_auto_takes_the_block_engine_where_eager_does(chosen_paths: list[
     assert seen == ["fused", "math"]
 
 
-@pytest.mark.parametrize("window", [(16, 0), (224, 112), (96, 96)], ids=["narrow", "near the threshold", "wide"])
-def test_traced_auto_decides_by_the_planned_tiles_as_eager(window: tuple[int, int], chosen_paths: list[str]) -> None:
-    """Eager counts the planned tiles against the engine's threshold; traced dispatch decides by
-    the same share. sliding_window(224, 112) at n = 512 leaves 53.8 % of the pairs visible but
-    its tiles compute 68.3 %: eager takes SDPA, and so must the traced call."""
+@pytest.mark.parametrize(
+    ("n", "window", "path"),
+    [(1024, (16, 0), "blocks"), (1024, (448, 224), "fused"), (1024, (192, 192), "fused"), (256, (16, 0), "fused")],
+    ids=["narrow", "near the share threshold", "the cost model's choice", "below the engine's fixed cost"],
+)
+def test_traced_auto_decides_by_the_planned_tiles_as_eager(n: int, window: tuple[int, int], path: str, chosen_paths: list[str]) -> None:
+    """Eager counts the planned tiles against the engine's threshold and its cost model; traced
+    dispatch decides by the same share and the same model. At n = 1,024 (B=1, H=2, E=16):
+    sliding_window(448, 224) leaves 53.7 % of the pairs visible but its tiles compute 60.2 %,
+    over the threshold; sliding_window(192, 192)'s tiles compute 41.4 %, and the model
+    (`qkv.backends.blocks.crossover`) puts the engine at 2.6 ms against SDPA's 2.4 ms. At
+    n = 256 the engine's fixed cost alone is above SDPA's estimate."""
     seen = chosen_paths
-    big = tuple(torch.randn(1, 2, 512, 16) for _ in range(3))
+    big = tuple(torch.randn(1, 2, n, 16) for _ in range(3))
     mask = qkv.masks.sliding_window(*window)
     qkv.attention(*big, mask)
     torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="eager", fullgraph=True)(*big)
     assert seen[0] == seen[1], seen
-    assert seen[0] == ("fused" if window == (224, 112) else "blocks")
+    assert seen[0] == path
 
 
 def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
@@ -391,9 +398,11 @@ def test_sinks_compile_whole_and_equal_the_float64_math_path() -> None:
 
 
 # The block engine under tracing ---------------------------------------------------------------
-# At n = 384 tokens (147,456 pairs per head) eager 'auto' takes the CPU block engine for these
-# cases; traced, the same engine runs as the qkv::blocks_forward / qkv::blocks_backward operators.
-ENGINE_N = 384
+# At n = 1,032 tokens (H=4, E=8) eager 'auto' takes the CPU block engine for these cases (at
+# n = 768 its cost model, `qkv.backends.blocks.crossover`, estimates SDPA with a dense mask
+# faster for the windows); traced, the same engine runs as the qkv::blocks_forward /
+# qkv::blocks_backward operators. A multiple of 24: three and six documents, n // 8 windows.
+ENGINE_N = 1032
 
 
 def _engine_tensors(seed: int = 5) -> dict[str, torch.Tensor]:
@@ -693,7 +702,9 @@ def test_traced_nan_rule_for_documents_counts_bad_keys_per_document(ids_order: s
     out = compiled(q, k, v)
     assert torch.equal(out.isnan().any(dim=-1), expected_bad)
     assert torch.equal(out.isnan().all(dim=-1), expected_bad)
-    torch.testing.assert_close(out, qkv.attention(q, k, v, mask), atol=0, rtol=0, equal_nan=True)
+    # traced, a documents mask goes to the engine by its size (its ids are not known); eagerly,
+    # shuffled ids leave every tile non-empty and 'auto' takes SDPA: the engine's eager result
+    torch.testing.assert_close(out, qkv.attention(q, k, v, mask, backend="blocks"), atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks"])
@@ -738,7 +749,7 @@ def test_backward_operator_reuses_the_forwards_plan_for_mask_tensors(monkeypatch
     monkeypatch.setattr(ops, "plan_for", lambda *args, **kwargs: planned.append(1) or original(*args, **kwargs))
     compiled = torch.compile(lambda q, k, v, ids: qkv.attention(q, k, v, qkv.masks.documents(ids)), backend="aot_eager", fullgraph=True)
     q, k, v = _inputs(torch.float32, n=ENGINE_N)
-    first, second = _ids(ENGINE_N), torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([100, 250, 34]))
+    first, second = _ids(ENGINE_N), torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([100, 250, ENGINE_N - 350]))
     for ids, plans in ((first, 1), (second, 2)):
         eager_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
         compiled_in = [x.clone().requires_grad_(True) for x in (q, k, v)]

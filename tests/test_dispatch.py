@@ -163,8 +163,8 @@ def test_attention_varlen_goes_through_the_dispatcher(monkeypatch: pytest.Monkey
         return plan
 
     monkeypatch.setattr(functional_module, "choose_path", recording)
-    q = torch.randn(600, 2, 8)
-    cu = torch.tensor([0, 200, 600], dtype=torch.int32)
+    q = torch.randn(2400, 4, 16)  # large enough for the engine to beat SDPA with a dense mask
+    cu = torch.tensor([0, 800, 2400], dtype=torch.int32)
     qkv.attention_varlen(q, q, q, cu, causal=True)
     assert [p.path for p in chosen] == ["blocks"] and chosen[0].mask == "tiles"
 

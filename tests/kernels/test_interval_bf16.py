@@ -208,8 +208,9 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
     fused, fused_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
     spy = _spy(monkeypatch)
     with qkv.backends.disabled("interval_bf16"):
-        tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True)
-        explained = qkv.explain(q, k, v, mask)
+        # the engine's own fallback (at this size 'auto' would estimate SDPA faster than the portable tiles)
+        tiles, tiles_lse = qkv.attention(q, k, v, mask, scale=0.125, return_lse=True, backend="blocks")
+        explained = qkv.explain(q, k, v, mask, backend="blocks")
     assert spy.calls == 0
     assert 'switched off (qkv.backends.disabled("interval_bf16"))' in explained.forward_kernel
     # both paths see the same bf16 inputs: each within the rounding of its bf16 output
@@ -274,7 +275,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
     assert _err(out, trace.output) < 2e-2  # the per-tile path ran
     reason = interval_bf16.unavailable_reason(DTYPE, CPU)
     assert reason == FAILED_BUILD
-    assert reason in qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask).forward_kernel
+    assert reason in qkv.explain(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask, backend="blocks").forward_kernel
 
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from qkv._private import spec as spec_codec
 from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
+from qkv.backends.blocks import crossover
 from qkv.backends.blocks.ops import encodable, planned_share
 from qkv.backends.blocks.planner import (
     BlockConfig,
@@ -96,7 +97,9 @@ BLOCKS = BlockConfig()
 # building and reading the L x S mask on top.
 _SPARSE_MAX_VISITED = 0.6
 # ... and when the problem has at least this many (query, key) pairs per head: below it the
-# few microseconds of SDPA beat planning and launching tiles.
+# few microseconds of SDPA beat planning and launching tiles. Above it, the block engine's cost
+# model (`qkv.backends.blocks.crossover`, `_engine_refusal`) weighs its fixed cost against the
+# work it skips, by the whole problem's size.
 _SPARSE_MIN_PAIRS = 256 * 256
 
 # 'auto' sends dense bfloat16 attention on CPU (no mask, or causal with L == S) that needs no
@@ -275,15 +278,17 @@ def choose_path(problem: AttentionProblem, backend: str, return_weights: bool, r
             return_weights,
             return_lse,
         )
+    engine_refusal = None
     if backend == "auto" and isinstance(mask, Mask) and not sdpa_causal and problem.dropout == 0.0:
         sparse = _sparse_if_it_wins(problem, return_weights, return_lse)
-        if sparse is not None:
+        if isinstance(sparse, Plan):
             return sparse
+        engine_refusal = sparse
     if backend == "auto" and (mask is None or sdpa_causal):
         kernel = _dense_bf16_kernel(problem, return_weights, return_lse)
         if kernel is not None:
             return kernel
-    return _fused_plan(problem, backend, return_weights, return_lse)
+    return _fused_plan(problem, backend, return_weights, return_lse, engine_refusal)
 
 
 def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
@@ -408,8 +413,11 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
     return _sparse_plan(problem, "blocks", reason, False, return_lse, deferred=traced)
 
 
-def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool) -> Plan:
-    """SDPA: the mask as is_causal, a dense tensor or nothing; a bias joins it as one float mask."""
+def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, return_lse: bool,
+                engine_refusal: str | None = None) -> Plan:
+    """SDPA: the mask as is_causal, a dense tensor or nothing; a bias joins it as one float mask.
+    ``engine_refusal``: why 'auto' did not send this structured mask to the block engine, said
+    in the reason when there is one."""
     mask, S = problem.mask, problem.S
     causal_offset = _causal_offset(problem)
     bias = problem.terms.bias
@@ -432,6 +440,8 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         reason += "; bottom-right causal with L != S is passed as a dense bool mask"
     elif isinstance(mask, Mask):
         reason += f"; {mask.describe()} is passed as a dense bool mask"
+        if engine_refusal is not None:
+            reason += f" ({engine_refusal})"
     short_reason = short_kernel_reason(problem, backend, route, return_weights, return_lse)
     q = problem.q
     short = short_kernel(q)
@@ -862,8 +872,9 @@ def _flex_suits(problem: AttentionProblem) -> bool:
     return flex_available() and not switches.is_off("flex") and flex_suits(problem.q.dtype, (problem.E, problem.Ev))
 
 
-def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
-    """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they pay off."""
+def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | str | None:
+    """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they
+    pay off; else why not, when the engine's cost model decided (`_engine_refusal`), or None."""
     L, S = problem.L, problem.S
     if L * S < _SPARSE_MIN_PAIRS:
         return None
@@ -880,6 +891,11 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
     engine = "the CPU block engine" if path == "blocks" else "FlexAttention with qkv's BlockMask"
     if _too_large_to_evaluate(problem):
         return _sparse_plan(problem, path, _deferred_reason(problem, engine), return_weights, return_lse, deferred=True)
+    if path == "blocks":
+        # before planning, which costs a good part of a small call
+        refusal = _engine_refusal(problem, None, True)
+        if refusal is not None:
+            return refusal
     layout = _layout(problem, block_q, block_k)
     tiles = None
     if path == "blocks":
@@ -889,6 +905,10 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
         visited = layout.visited_pairs() / (L * S)
     if visited > _SPARSE_MAX_VISITED:
         return None
+    if tiles is not None:
+        refusal = _engine_refusal(problem, visited, tiles.intervals is not None)
+        if refusal is not None:
+            return refusal
     assert isinstance(problem.mask, Mask)
     reason = (
         f"{problem.mask.describe()} leaves {layout.visited_block_fraction:.1%} of the "
@@ -898,13 +918,40 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
     return _sparse_plan(problem, path, reason, return_weights, return_lse, layout, tiles)
 
 
+def _engine_refusal(problem: AttentionProblem, visited: float | None, has_intervals: bool) -> str | None:
+    """Why SDPA with the mask rendered dense is estimated faster than the block engine
+    computing ``visited`` of the score matrix (`qkv.backends.blocks.crossover`), or None. With
+    ``visited`` None, before any planning: whether SDPA wins even against an engine that
+    computes nothing, its fixed and per-row costs alone. Only where the engine would run
+    PyTorch's flash kernel per tile: the fused bf16 interval kernel (which needs one key
+    interval per query) beat SDPA at every size measured. Plain Python on the sizes, as eager
+    and traced dispatch both decide by it."""
+    q = problem.q
+    if interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals) is None:
+        return None
+    sizes = (problem.N, problem.H, problem.L, problem.S, max(problem.E, problem.Ev))
+    if not all(type(n) is int for n in sizes):
+        return None  # symbolic sizes (dynamic shapes): the share threshold alone decides
+    share = 0.0 if visited is None else visited
+    if crossover.engine_beats_dense(*sizes, share):
+        return None
+    work = "even computing none of the score matrix" if visited is None else f"computing {visited:.1%} of the score matrix"
+    return (
+        f"at this size the CPU block engine's fixed cost outweighs the work it skips: an estimated "
+        f"{crossover.engine_ms(*sizes, share):.1f} ms {work}, against {crossover.dense_ms(*sizes):.1f} ms for SDPA"
+    )
+
+
 def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for a structured mask while torch.compile / torch.export trace: the block engine's
     operators when eager would choose the engine, decided from the mask's Python parameters (the
     values of its tensors are not known): a mask without tensors (causal, windows, prefix-LM) by
     the share of the score matrix its planned tiles compute, as eagerly (`ops.planned_share`, a
-    constant to Dynamo); a mask given by data (documents, varlen, key padding) by size alone. A bool tensor (`qkv.masks.dense`)
-    stays on SDPA, which reads it as it is."""
+    constant to Dynamo); a mask given by data (documents, varlen, key padding) by size alone.
+    Both also by the engine's cost model (`_engine_refusal`): with the planned share, or for
+    data masks with nothing computed, so that a call too small for the engine whatever its data
+    keeps to SDPA, as eagerly. A bool tensor (`qkv.masks.dense`) stays on SDPA, which reads it
+    as it is."""
     mask = problem.mask
     assert isinstance(mask, Mask)
     if isinstance(mask, Dense) or _traced_engine_refusal(problem, return_weights) is not None:
@@ -915,10 +962,12 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
     spec = spec_codec.encode(mask, tensors)
     sizes = (problem.N, problem.H, L, S, max(problem.E, problem.Ev), problem.q.element_size(), mask_heads(problem))
     if pairs is None:
+        if _engine_refusal(problem, None, True) is not None:
+            return None  # too small for the engine whatever the mask's data, as eager finds
         reason = f"{mask.describe()} at {L * S:,} pairs per head: the CPU block engine skips its empty tiles; {_TRACED_OPERATOR}"
     elif spec is not None and not tensors and all(type(n) is int for n in sizes):
         visited = planned_share(spec, *sizes, needs_grad(problem))
-        if visited > _SPARSE_MAX_VISITED:
+        if visited > _SPARSE_MAX_VISITED or _engine_refusal(problem, visited, True) is not None:
             return None
         reason = (
             f"{mask.describe()} leaves {pairs / (L * S):.1%} of the score matrix visible (from its parameters); "
@@ -926,7 +975,7 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
         )
     else:
         visited = pairs / (L * S)  # an upper bound of a mask with tensors (`&` of key padding)
-        if visited > _SPARSE_MAX_VISITED:
+        if visited > _SPARSE_MAX_VISITED or _engine_refusal(problem, None, True) is not None:
             return None
         reason = (
             f"{mask.describe()} leaves at most {visited:.1%} of the score matrix visible (from its parameters); the "

@@ -89,8 +89,11 @@ class BenchConfig:
 
 
 STANDARD = BenchConfig()
+# window 128: at n = 1,024 a window of 256 either side is near the size where 'auto' estimates
+# SDPA with a dense mask faster (`qkv.backends.blocks.crossover`), and the smoke run should
+# exercise the block engine
 QUICK = BenchConfig(
-    n_window=1024, n_docs=1024, documents=8, n_causal=(512,), n_memory=2048, sweep=(256, 512),
+    n_window=1024, window=128, n_docs=1024, documents=8, n_causal=(512,), n_memory=2048, sweep=(256, 512),
     repeats=2, flex=False, backward=True, matmul=256, judge=False,
 )
 
