@@ -21,18 +21,22 @@ def test_the_engine_wins_from_some_length_on_and_keeps_winning() -> None:
     """For a fixed share of the score matrix the engine's estimate grows with n (its rows),
     SDPA's with n squared: below some length SDPA is estimated faster, from it on the engine,
     and more heads or a wider head move that length down."""
-    def first_winning_length(N: int, H: int, E: int, share: float) -> int:
-        wins = [crossover.engine_beats_dense(N, H, n, n, E, share) for n in range(64, 8193, 64)]
+    def first_winning_length(N: int, H: int, E: int, share: float, tier: str) -> int:
+        wins = [crossover.engine_beats_dense(N, H, n, n, E, share, tier) for n in range(64, 8193, 64)]
         first = wins.index(True)
         assert all(wins[first:]), "once ahead, the engine stays ahead"
         return 64 * (first + 1)
 
-    base = first_winning_length(1, 4, 32, 0.2)
-    assert 256 < base <= 1024  # the engine's measured fixed cost, a couple of milliseconds
-    assert first_winning_length(1, 32, 128, 0.2) < base
-    assert first_winning_length(1, 4, 32, 0.05) <= base <= first_winning_length(1, 4, 32, 0.5)
-    # an engine that computes the whole matrix is never estimated faster than SDPA on it
-    assert not any(crossover.engine_beats_dense(1, 8, n, n, 64, 1.0) for n in (256, 1024, 4096, 16384))
+    for tier in ("amx", "avx512", "avx2", "default"):
+        base = first_winning_length(1, 4, 32, 0.2, tier)
+        assert 256 < base <= 1024, tier  # the engine's measured fixed cost, about a millisecond
+        assert first_winning_length(1, 32, 128, 0.2, tier) < base
+        assert first_winning_length(1, 4, 32, 0.05, tier) <= base <= first_winning_length(1, 4, 32, 0.5, tier)
+        # an engine that computes the whole matrix is never estimated faster than SDPA on it
+        assert not any(crossover.engine_beats_dense(1, 8, n, n, 64, 1.0, tier) for n in (256, 1024, 4096, 16384))
+    # AVX2's slower float32 products cost SDPA, which does all of them, more than the engine
+    wide, narrow = (crossover.dense_ms(1, 8, 1024, 1024, 64, t) / crossover.engine_ms(1, 8, 1024, 1024, 64, 0.2, t) for t in ("amx", "avx2"))
+    assert narrow > wide
 
 
 def test_a_small_window_stays_on_sdpa_and_says_why() -> None:

@@ -22,6 +22,7 @@ from qkv.backends.blocks.planner import (
     BlockConfig,
     BlockPlan,
     BlockSizes,
+    TileStore,
     plan_intervals,
     plan_layout,
 )
@@ -330,8 +331,8 @@ def test_tiles_of_unsorted_documents_are_not_kept(grad: bool) -> None:
         assert any(c.masked for c in tiles.calls)
         run = BlockRun(tiles, mask, 0.5)
         _forward(q, k, v, run)
-        assert bool(run.tiles) == kept
-        assert run.tile_bytes <= cfg.call_bytes
+        assert bool(run.store.tiles) == kept
+        assert run.store.bytes <= cfg.call_bytes
         # and the result is still exact, forward and backward (tiles rebuilt in the backward)
         qg, kg, vg = (t.clone().requires_grad_(grad) for t in (q, k, v))
         out, _ = block_attention(qg, kg, vg, mask, tiles, 0.5)
@@ -341,3 +342,47 @@ def test_tiles_of_unsorted_documents_are_not_kept(grad: bool) -> None:
             grads = torch.autograd.grad(out.sum(), (qg, kg, vg))
             for got, want in zip(grads, ref_grads, strict=True):
                 np.testing.assert_allclose(got.numpy(), want, atol=1e-10)
+
+
+def _window_call(q: torch.Tensor, mask: M.Mask) -> tuple[torch.Tensor, TileStore | None]:
+    """qkv.attention on the engine, and the tile store of the plan 'auto' made for it."""
+    from qkv.attention.functional import describe_problem
+
+    plan = dispatch.choose_path(describe_problem(q, q, q, mask, None, 0.0), "blocks", False, False)
+    assert plan.tiles is not None
+    return qkv.attention(q, q, q, mask, backend="blocks"), plan.tiles.tile_store
+
+
+def test_a_mask_given_by_its_parameters_shares_plan_and_tiles_across_calls() -> None:
+    """A sliding window has no tensors: its plan is made once per size and kept, with the mask
+    tiles every run of it builds; a second call builds none, and both equal float64's."""
+    q = torch.randn(1, 2, 1000, 16, generator=torch.Generator().manual_seed(3))
+    mask = M.sliding_window(75)
+    expected = qkv.attention(q.double(), q.double(), q.double(), mask, backend="math")
+    first, store = _window_call(q, mask)
+    assert store is not None and store.tiles and 0 < store.bytes <= store.limit
+    held = dict(store.tiles)
+    second, again = _window_call(q, mask)
+    # the same tensors, nothing built
+    assert again is store and store.tiles.keys() == held.keys() and all(store.tiles[key] is tile for key, tile in held.items())
+    for out in (first, second):
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    # documents carry tensors: no shared store, each run keeps its own tiles
+    _, documents_store = _window_call(q, M.documents(torch.arange(1000) // 300))
+    assert documents_store is None
+
+
+def test_a_shared_tile_store_keeps_to_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qkv.backends.blocks import ops
+
+    monkeypatch.setattr(ops, "_SHARED_TILE_BYTES", 100_000)  # under two f32 tiles of 192 x 75+ keys
+    ops._cached_plan.cache_clear()
+    try:
+        q = torch.randn(1, 2, 1200, 16, generator=torch.Generator().manual_seed(4))
+        mask = M.sliding_window(100, 20)
+        out, store = _window_call(q, mask)
+        assert store is not None and store.limit == 100_000 and store.bytes <= 100_000
+        expected = qkv.attention(q.double(), q.double(), q.double(), mask, backend="math")
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    finally:
+        ops._cached_plan.cache_clear()  # no plan made under the patched limit outlives the test

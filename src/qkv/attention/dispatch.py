@@ -34,7 +34,7 @@ from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
 from qkv.backends.blocks import crossover
-from qkv.backends.blocks.ops import encodable, planned_share
+from qkv.backends.blocks.ops import encodable, kept_layout, kept_plan, planned_share
 from qkv.backends.blocks.planner import (
     BlockConfig,
     BlockPlan,
@@ -679,6 +679,8 @@ def _layout(problem: AttentionProblem, block_q: int, block_k: int) -> BlockLayou
     """The mask's tiles; no mask is one FULL tile grid."""
     mask = problem.mask
     if isinstance(mask, Mask):
+        if problem.q.device.type == "cpu":
+            return kept_layout(mask, problem.L, problem.S, block_q, block_k)  # the same for the same spec and size
         return mask.layout(problem.L, problem.S, block_q, block_k, device=problem.q.device)
     n_q, n_k = -(-problem.L // block_q), -(-problem.S // block_k)
     states = torch.full((1, 1, n_q, n_k), FULL, dtype=torch.uint8)
@@ -695,6 +697,11 @@ def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLay
         N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
         mask_heads=mask_heads(problem), need_grad=needs_grad(problem), score_terms=problem.terms.active,
     )
+    if device.type == "cpu" and config == BlockConfig():
+        assert mask is None or isinstance(mask, Mask)
+        kept = kept_plan(mask, sizes)  # planned once per spec and size for a mask without tensors
+        if kept is not None:
+            return kept
     intervals: tuple[torch.Tensor, torch.Tensor] | None
     if mask is None:
         intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))

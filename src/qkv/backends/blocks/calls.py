@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from qkv.backends.blocks.planner import BlockPlan, Call
+from qkv.backends.blocks.planner import BlockPlan, Call, TileStore
 from qkv.backends.heads import expand_kv_heads
 from qkv.backends.merge import merge_partial, merge_split
 from qkv.backends.softmax import accumulation_dtype
@@ -56,13 +56,17 @@ CallResult = tuple[torch.Tensor, ...]
 
 @dataclass(eq=False)
 class BlockRun:
-    """What a kernel needs besides the tensors, and the mask tiles kept for reuse."""
+    """What a kernel needs besides the tensors, and the mask tiles kept for reuse: the plan's
+    shared store when it has one, else this run's own, up to the plan's ``call_bytes``."""
 
     plan: BlockPlan
     mask: Mask | None
     scale: float
-    tiles: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    tile_bytes: int = 0  # bytes held by ``tiles``, at most plan.config.call_bytes
+    store: TileStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        shared = self.plan.tile_store
+        self.store = shared if shared is not None else TileStore(self.plan.config.call_bytes)
 
 
 def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,8 +132,10 @@ def mask_tile(run: BlockRun, call: Call, dtype: torch.dtype) -> tuple[torch.Tens
     b0 = call.n if mask.batch is not None else 0
     key = (call.q0 - call.k0, call.q_len, call.width, dtype)
     keep = shared and mask.shift_invariant
-    if keep and key in run.tiles:
-        return run.tiles[key]
+    store = run.store
+    kept = store.tiles.get(key) if keep else None
+    if kept is not None:
+        return kept
     count = 1 if shared else call.items
     j = torch.arange(count).view(count, 1, 1, 1)  # (count, 1, 1, 1): item index
     if call.over_batch:
@@ -155,9 +161,9 @@ def mask_tile(run: BlockRun, call: Call, dtype: torch.dtype) -> tuple[torch.Tens
     bias = torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), _NEG_INF, dtype=dtype))
     result = bias, empty  # (count, heads | 1, q_len, width), (count, heads | 1, q_len)
     size = bias.numel() * bias.element_size() + empty.numel()
-    if keep and run.tile_bytes + size <= run.plan.config.call_bytes:
-        run.tiles[key] = result
-        run.tile_bytes += size
+    if keep and store.bytes + size <= store.limit:
+        store.tiles[key] = result
+        store.bytes += size
     return result
 
 

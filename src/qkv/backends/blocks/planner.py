@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -123,6 +123,16 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
 
 
+@dataclass(eq=False)
+class TileStore:
+    """Mask tiles kept for reuse (`qkv.backends.blocks.calls.mask_tile`), by tile shape and
+    dtype, and the bytes they hold, at most ``limit``."""
+
+    limit: int
+    tiles: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    bytes: int = 0
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """Every kernel call of one problem, and the pieces of each (plan batch row)."""
@@ -134,6 +144,10 @@ class BlockPlan:
     uncovered: tuple[tuple[tuple[int, int], ...], ...]  # [plan batch row]: row ranges with no piece
     # the exact key interval lo..hi of every query, (B | 1, L) each, when the plan comes from them
     intervals: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the mask tiles that every run of this plan shares: only on a plan kept for a mask given by
+    # its parameters alone (`qkv.backends.blocks.ops.kept_plan`), whose tiles are the same on
+    # every call; None: each run keeps its own
+    tile_store: TileStore | None = field(default=None, compare=False, repr=False)
 
     def computed_pairs(self) -> int:
         """(query, key) pairs the calls compute, summed over batch rows (per head); a causal
