@@ -10,9 +10,10 @@ score terms and the tile plan from them *when the graph runs*, then call the eng
 forward and backward code, the same as eager. The plan needs the mask's values (document ids,
 lengths) anyway, so planning at run time is not a cost that tracing adds; for masks without
 tensors (causal, windows, prefix-LM) the plan of the last few sizes is kept, with the mask
-tiles its runs share (`_cached_plan`; eager dispatch takes it too, `kept_plan`), and for masks with tensors the last few plans with copies of the tensors
-they were made from (`_data_plan`): the backward operator finds the forward's plan there, as
-eager's autograd Function keeps its plan, instead of planning again.
+tiles its runs share (`_cached_plan`; eager dispatch takes it too, `kept_plan`), and for masks
+with tensors the last few plans with copies of the tensors they were made from (`_data_plan`):
+the backward operator finds the forward's plan there, as eager's autograd Function keeps its
+plan, instead of planning again.
 
 Why a spec string rather than another design. The mask and bias reach the operators as text
 (`qkv._private.spec`: ``('sliding_window',256,0,'bottom-right')`` and the list of tensors
