@@ -60,16 +60,23 @@ def test_a_long_window_goes_to_the_engine() -> None:
     torch.testing.assert_close(qkv.attention(q, k, v, mask).double(), expected, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("n", [256, 1024])
-def test_the_decision_follows_the_estimates(n: int) -> None:
-    """At the crossover 'auto' picks the engine exactly when its estimate, with the share its
-    plan computes, is below SDPA's: the explanation's own figures decide."""
-    q, k, v = _qkv(1, 2, n, 16)
-    for window in (16, 64, 192):
-        mask = qkv.masks.sliding_window(window, window)
-        share = qkv.explain(q, k, v, mask, backend="blocks").visited_fraction  # the computed share of the plan
-        wins = crossover.engine_beats_dense(1, 2, n, n, 16, share) and share <= 0.6
-        assert qkv.explain(q, k, v, mask).path == ("blocks" if wins else "fused"), (n, window, share)
+def test_the_decision_follows_the_estimates() -> None:
+    """Near the crossover 'auto' picks the engine exactly when its estimate, with the share its
+    plan computes, is below SDPA's (and the share is under the threshold); the cases cover both
+    outcomes and both reasons for SDPA."""
+    chosen = set()
+    for n in (256, 512, 1024):
+        q, k, v = _qkv(1, 2, n, 16)
+        for window in (16, 64, 192):
+            mask = qkv.masks.sliding_window(window, window)
+            share = qkv.explain(q, k, v, mask, backend="blocks").visited_fraction  # the computed share of the plan
+            wins = crossover.engine_beats_dense(1, 2, n, n, 16, share) and share <= 0.6
+            explained = qkv.explain(q, k, v, mask)
+            assert explained.path == ("blocks" if wins else "fused"), (n, window, share)
+            chosen.add(explained.path if wins or share > 0.6 else "fused by the estimates")
+            if not wins and share <= 0.6:
+                assert "fixed cost outweighs the work it skips" in explained.reason
+    assert chosen == {"blocks", "fused", "fused by the estimates"}, chosen
 
 
 def test_the_fused_bf16_interval_kernel_is_judged_by_the_share_alone() -> None:
