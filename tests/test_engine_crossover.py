@@ -70,13 +70,27 @@ def test_the_decision_follows_the_estimates() -> None:
         for window in (16, 64, 192):
             mask = qkv.masks.sliding_window(window, window)
             share = qkv.explain(q, k, v, mask, backend="blocks").visited_fraction  # the computed share of the plan
-            wins = crossover.engine_beats_dense(1, 2, n, n, 16, share) and share <= 0.6
+            wins = (not crossover.decides(n, n) or crossover.engine_beats_dense(1, 2, n, n, 16, share)) and share <= 0.6
             explained = qkv.explain(q, k, v, mask)
             assert explained.path == ("blocks" if wins else "fused"), (n, window, share)
             chosen.add(explained.path if wins or share > 0.6 else "fused by the estimates")
             if not wins and share <= 0.6:
                 assert "fixed cost outweighs the work it skips" in explained.reason
     assert chosen == {"blocks", "fused", "fused by the estimates"}, chosen
+
+
+@pytest.mark.parametrize(("n", "window", "H"), [(1024, (256, 256), 8), (4096, (1200, 1200), 1)])
+def test_wide_windows_beyond_the_models_range_stay_on_the_engine(n: int, window: tuple[int, int], H: int) -> None:
+    """Beyond 512 x 512 pairs per head the share threshold alone decides: wide windows with
+    E = 128, whose tiles are mostly full, ran 1.2x and 3.2x faster on the engine than on SDPA,
+    where the model's estimates, fitted on smaller problems, would have picked SDPA."""
+    q = torch.zeros(1, H, n, 128)
+    mask = qkv.masks.sliding_window(*window)
+    share = qkv.explain(q, q, q, mask, backend="blocks").visited_fraction
+    assert 0.45 < share <= 0.6
+    assert not crossover.decides(n, n)
+    assert not any(crossover.engine_beats_dense(1, H, n, n, 128, share, t) for t in ("amx",))  # the model alone would refuse
+    assert qkv.explain(q, q, q, mask).path == "blocks"
 
 
 def test_the_fused_bf16_interval_kernel_is_judged_by_the_share_alone() -> None:

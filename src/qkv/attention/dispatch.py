@@ -937,8 +937,8 @@ def _engine_refusal(problem: AttentionProblem, visited: float | None, has_interv
     if interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals) is None:
         return None
     sizes = (problem.N, problem.H, problem.L, problem.S, max(problem.E, problem.Ev))
-    if not all(type(n) is int for n in sizes):
-        return None  # symbolic sizes (dynamic shapes): the share threshold alone decides
+    if not all(type(n) is int for n in sizes) or not crossover.decides(problem.L, problem.S):
+        return None  # symbolic sizes (dynamic shapes), or beyond the model's range: the share threshold decides
     share = 0.0 if visited is None else visited
     if crossover.engine_beats_dense(*sizes, share):
         return None

@@ -39,7 +39,21 @@ from dataclasses import dataclass
 
 from qkv.native.machine import cpu_features
 
-__all__ = ["dense_ms", "engine_beats_dense", "engine_ms"]
+__all__ = ["MAX_PAIRS", "decides", "dense_ms", "engine_beats_dense", "engine_ms"]
+
+# The model decides only up to this many (query, key) pairs per head. It was fitted on L = S of
+# 256 to 1,024; beyond 512 x 512 it mispredicted wide windows, whose tiles are mostly full:
+# sliding_window(256, 256) at n = 1,024 (B=1 H=8 E=128, 52 % computed) ran 17.9 ms on the
+# engine against 22.3 on SDPA, sliding_window(1200, 1200) at n = 4,096 (H=1) 27.5 against
+# 87.9, where the model estimated SDPA faster. Up to 512 x 512 it picked the faster of the two
+# in each such case timed (shares 0.52-0.72), and beyond it, in the 50 shapes above, the
+# engine was the faster every time: there the share threshold alone decides, as before.
+MAX_PAIRS = 512 * 512
+
+
+def decides(L: int, S: int) -> bool:
+    """Whether the model's estimates decide between the engine and SDPA for L x S pairs per head."""
+    return L * S <= MAX_PAIRS
 
 
 @dataclass(frozen=True)
