@@ -697,7 +697,7 @@ def _block_plan(problem: AttentionProblem, config: BlockConfig, layout: BlockLay
         N=problem.N, H=problem.H, L=L, S=S, Ep=max(problem.E, problem.Ev), itemsize=problem.q.element_size(),
         mask_heads=mask_heads(problem), need_grad=needs_grad(problem), score_terms=problem.terms.active,
     )
-    if device.type == "cpu" and config == BlockConfig():
+    if device.type == "cpu" and config == BLOCKS:
         assert mask is None or isinstance(mask, Mask)
         kept = kept_plan(mask, sizes)  # planned once per spec and size for a mask without tensors
         if kept is not None:
@@ -940,12 +940,13 @@ def _engine_refusal(problem: AttentionProblem, visited: float | None, has_interv
     if not all(type(n) is int for n in sizes) or not crossover.decides(problem.L, problem.S):
         return None  # symbolic sizes (dynamic shapes), or beyond the model's range: the share threshold decides
     share = 0.0 if visited is None else visited
-    if crossover.engine_beats_dense(*sizes, share):
+    engine, dense = crossover.engine_ms(*sizes, share), crossover.dense_ms(*sizes)
+    if engine < dense:
         return None
     work = "even computing none of the score matrix" if visited is None else f"computing {visited:.1%} of the score matrix"
     return (
         f"at this size the CPU block engine's fixed cost outweighs the work it skips: an estimated "
-        f"{crossover.engine_ms(*sizes, share):.1f} ms {work}, against {crossover.dense_ms(*sizes):.1f} ms for SDPA"
+        f"{engine:.1f} ms {work}, against {dense:.1f} ms for SDPA"
     )
 
 
