@@ -7,12 +7,17 @@ and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function 
 traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "dense" for SDPA or
 the math path, where a score_mod goes), and the fastest of a few compiled calls over the fastest
 of a few eager calls, the two alternating. One run per case on a shared machine: the ratios
-are noisy; read them as "about the same" or "several times slower", not as figures.
+are noisy; read them as "about the same" or "several times slower", not as figures. A full
+run ends with the same ratio for PyTorch's own SDPA (rows "torch: ..."), called directly: what
+torch.compile costs an operator qkv does not own. On a 2-core CPU a compiled training step of
+SDPA itself runs a few percent slower than eager at these sizes (AOTAutograd's and Dynamo's
+fixed cost per step), the floor for qkv's rows.
 
 Run: ``uv run python benchmarks/compile_modes.py`` (``--n 1024`` sets L = S, default 1,024, which
 sends the structured masks to the CPU block engine (at 512, B=1 H=4 E=32, its cost model finds
 SDPA with a dense mask faster for the windows); ``--dtype float32`` for one dtype;
-``--grad`` times forward and backward; ``--steady-malloc`` keeps glibc from handing freed memory
+``--grad`` times forward and backward (from a fixed gradient; ``--sum-loss`` from ``out.sum()``,
+see `compiled_over_eager`); ``--steady-malloc`` keeps glibc from handing freed memory
 back to the system (see `keep_freed_memory`); ``--no-time`` for the graph counts only; ``--reasons N``
 prints up to N break reasons per case). The block engine's rows at a long sequence, where a
 dense mask would cost O(n^2) memory::
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import qkv
 
@@ -99,16 +105,50 @@ def inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(1, 4, n, 32, generator=gen).to(dtype) for _ in range(3))
 
 
-def fastest_ratio(compiled: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], rounds: int) -> float:
-    """The fastest compiled call over the fastest eager call, the two alternating ``rounds`` times
-    (alternating spreads a load spike of a shared machine over both)."""
+def fastest_times(compiled: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], rounds: int) -> tuple[float, float]:
+    """The fastest compiled call and the fastest eager call in seconds, the two alternating
+    ``rounds`` times (alternating spreads a load spike of a shared machine over both)."""
     best = [float("inf"), float("inf")]
     for _ in range(rounds):
         for slot, fn in enumerate((compiled, eager)):
             start = time.perf_counter()
             fn(*args)
             best[slot] = min(best[slot], time.perf_counter() - start)
-    return best[0] / best[1]
+    return best[0], best[1]
+
+
+def compiled_over_eager(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], args: argparse.Namespace) -> str:
+    """torch.compile(fn) against fn by `fastest_times`, as text: the ratio of the two times, the
+    compiled call's extra milliseconds and the eager call's milliseconds ("error ..." when a call
+    fails). With
+    ``args.grad`` each call also runs the backward from a fixed gradient in the output's own
+    layout, as a model's output projection sends back; with ``args.sum_loss`` from
+    ``out.sum()`` instead, whose gradient is one value broadcast (stride 0) and which
+    AOTAutograd copies into a full tensor before a compiled backward (eager kernels read it as
+    it is), so that the compiled step pays one extra pass over the output."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    gradients: dict[int, torch.Tensor] = {}
+
+    def with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        out = fn(q, k, v)
+        if args.sum_loss:
+            out.sum().backward()
+        else:
+            if not gradients:  # one gradient for both, made on the first call; randn_like keeps the output's strides
+                gradients[0] = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+            out.backward(gradients[0])
+        return out
+
+    run_compiled = functools.partial(with_grad, fn=compiled) if args.grad else compiled
+    run_eager = functools.partial(with_grad, fn=fn) if args.grad else fn
+    try:
+        run_compiled(*inputs)  # compiles
+        run_eager(*inputs)  # warm-up of the eager path (plans, kernel builds)
+        compiled_s, eager_s = fastest_times(run_compiled, run_eager, inputs, args.rounds)
+    except Exception as error:  # a benchmark reports every case, failing or not
+        return f"error {type(error).__name__}"
+    return f"{compiled_s / eager_s:.2f} {(compiled_s - eager_s) * 1e3:+7.2f} {eager_s * 1e3:8.2f}"
 
 
 def main() -> int:
@@ -120,6 +160,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating timed calls of each (fastest kept)")
     parser.add_argument("--only", type=str, default=None, help="comma-separated case names")
     parser.add_argument("--grad", action="store_true", help="time forward and backward (q, k, v require grad)")
+    parser.add_argument("--sum-loss", action="store_true", help="with --grad: backward from out.sum() (see compiled_over_eager)")
     parser.add_argument("--steady-malloc", action="store_true", help="keep freed memory in this process (glibc; see keep_freed_memory)")
     args = parser.parse_args()
     if args.steady_malloc and not keep_freed_memory():
@@ -128,8 +169,8 @@ def main() -> int:
     malloc = "freed memory kept (--steady-malloc)" if args.steady_malloc else "the C allocator's defaults"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, L = S = {args.n}, B = 1, H = 4, E = 32, {malloc}")
     print(f"time ratio = fastest compiled call / fastest eager call, {args.rounds} alternating rounds after a warm-up "
-          "(one run on a shared machine: noisy)")
-    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'traced':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}"
+          "(one run on a shared machine: noisy); +ms = compiled minus eager")
+    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'traced':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}{'+ms':>8}{'eager ms':>9}"
     print(header)
     failures = 0
     for dtype in dtypes:
@@ -141,10 +182,6 @@ def main() -> int:
             def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
                 return qkv.attention(q, k, v, **kwargs)
 
-            def with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: Callable[..., torch.Tensor] = fn) -> torch.Tensor:
-                out = fn(q, k, v)
-                out.sum().backward()
-                return out
 
             torch._dynamo.reset()
             path = qkv.explain(*qkv_inputs, **kwargs).path
@@ -155,24 +192,22 @@ def main() -> int:
                 failures += 1
                 print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8} explain failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            ratio = ""
-            if not args.no_time:
-                torch._dynamo.reset()
-                compiled = torch.compile(fn)
-                run_compiled = functools.partial(with_grad, fn=compiled) if args.grad else compiled
-                run_eager = with_grad if args.grad else fn
-                run_compiled(*qkv_inputs)  # compiles
-                run_eager(*qkv_inputs)  # warm-up of the eager path (plans, kernel builds)
-                try:
-                    ratio = f"{fastest_ratio(run_compiled, run_eager, qkv_inputs, args.rounds):.2f}"
-                except Exception as error:
-                    ratio = f"error {type(error).__name__}"
-            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{traced:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>8}")
+            ratio = "" if args.no_time else compiled_over_eager(fn, qkv_inputs, args)
+            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{traced:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>25}")
             for reason in report.break_reasons[: args.reasons]:
                 frame = reason.user_stack[-1] if reason.user_stack else None
                 where = f" at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame is not None else ""
                 print(f"    - {reason.reason.splitlines()[0][:150]}{where}")
             sys.stdout.flush()
+        if not args.no_time and not args.only:
+            # PyTorch's own kernel under the same timing: what torch.compile costs an operator
+            # that qkv does not own, the floor for the rows above
+            for name, is_causal in (("no mask", False), ("causal", True)):
+                def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = is_causal) -> torch.Tensor:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+                ratio = compiled_over_eager(reference, qkv_inputs, args)
+                print(f"{'torch: ' + name:<16}{str(dtype)[6:]:<10}{'sdpa':<8}{'sdpa':<8}{'':>7}{'':>7}{ratio:>25}")
     return 1 if failures else 0
 
 

@@ -855,3 +855,99 @@ def test_nan_rows_pass_no_gradient_when_the_loss_reads_them(dtype: torch.dtype) 
     for got, want in zip(compiled_grads, eager_grads, strict=True):
         assert got is not None and want is not None and not want.isnan().any()
         torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def _bad_entries(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Sets q[0, 1, 3, 0] = inf and v[0, 0, 40, 2] = NaN in place; returns (1, H, L) bool, the rows
+    that read them under a causal mask (row 3 of query head 1; rows 40.. of query heads 0 and 1,
+    which share kv head 0)."""
+    q[0, 1, 3, 0] = float("inf")
+    v[0, 0, 40, 2] = float("nan")
+    bad = torch.zeros(1, H, q.shape[2], dtype=torch.bool)
+    bad[0, 1, 3] = True
+    bad[0, :2, 40:] = True
+    return bad
+
+
+def _loss_of_finite_rows(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    return torch.where(bad.unsqueeze(-1), 0.0, out).square().sum()
+
+
+def _clean_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad: torch.Tensor) -> list[torch.Tensor]:
+    """The expected gradients of `_loss_of_finite_rows`: the float64 math path on the inputs with
+    their non-finite entries replaced by 0. The rows that read one are left out of the loss, so
+    no gradient reaches the replaced entries, as the NaN rule asks."""
+    leaves = [x.double().nan_to_num(nan=0.0, posinf=0.0).requires_grad_(True) for x in (q, k, v)]
+    _loss_of_finite_rows(qkv.attention(*leaves, qkv.masks.causal(), backend="math"), bad).backward()
+    return [x.grad for x in leaves]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_nan_rule_gradients_on_the_compiled_dense_path_equal_the_math_path(compiler: str) -> None:
+    """The dense path's traced NaN rule cleans q, k, v with the ``qkv::finite_entries`` operator,
+    whose backward is an operator too: the gradients reach every finite entry as the float64
+    math path gives them on the cleaned inputs and are 0 at the non-finite ones; a loss that
+    reads the NaN rows too (out.sum()) sends them none, as eagerly."""
+    q, k, v = _inputs(torch.float32)
+    bad = _bad_entries(q, v)
+    fn = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()), backend=compiler, fullgraph=True)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = fn(*leaves)
+    assert qkv.explain(q, k, v, qkv.masks.causal()).path != "blocks"
+    assert torch.equal(out.isnan().all(dim=-1), bad)
+    _loss_of_finite_rows(out, bad).backward()
+    for got, want in zip(leaves, _clean_grads(q, k, v, bad), strict=True):
+        assert got.grad is not None
+        torch.testing.assert_close(got.grad.double(), want, atol=2e-5, rtol=0)
+    assert leaves[0].grad is not None and leaves[2].grad is not None
+    assert leaves[0].grad[0, 1, 3, 0] == 0 and leaves[2].grad[0, 0, 40, 2] == 0
+    # the loss reads the NaN rows: their gradient is dropped, the others stay as above
+    eager = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    qkv.attention(*eager, qkv.masks.causal()).sum().backward()
+    compiled = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    fn(*compiled).sum().backward()
+    for got, want in zip(compiled, eager, strict=True):
+        assert got.grad is not None and want.grad is not None and not want.grad.isnan().any()
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_vmap_of_grad_with_non_finite_entries_equals_the_math_path() -> None:
+    """Under vmap the NaN rule runs as tensor operations on the whole batch (its operators'
+    vmap rules): a batch entry with a non-finite q and v entry gets NaN in the rows that read
+    them and the cleaned problem's gradients elsewhere; the other entries are unaffected."""
+    q, k, v = _inputs(torch.float64, batch=3)
+    bad = torch.zeros(3, H, L, dtype=torch.bool)
+    bad[1:2] = _bad_entries(q[1:2], v[1:2])
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        return _loss_of_finite_rows(qkv.attention(q, k, v, qkv.masks.causal()), bad)
+
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, bad)
+    outs = torch.func.vmap(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()))(q, k, v)
+    assert torch.equal(outs.isnan().all(dim=-1), bad)
+    for i in range(3):
+        expected = _clean_grads(q[i : i + 1], k[i : i + 1], v[i : i + 1], bad[i : i + 1])
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-12, rtol=0, msg=f"batch entry {i}")
+
+
+def test_compiled_vmap_with_non_finite_entries_equals_the_math_path() -> None:
+    """torch.compile of a vmapped call: the traced NaN rule's operators run batched (their vmap
+    rules), forward and backward."""
+    q, k, v = _inputs(torch.float64, batch=3)
+    bad = torch.zeros(3, H, L, dtype=torch.bool)
+    bad[:1] = _bad_entries(q[:1], v[:1])  # the first entry: a batch in the wrong order shows
+
+    def batched_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.func.vmap(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()))(q, k, v)
+        return _loss_of_finite_rows(out, bad), out
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    total, out = torch.compile(batched_loss, backend="aot_eager", fullgraph=True)(*leaves)
+    assert torch.equal(out.isnan().all(dim=-1), bad) and torch.equal(out.isnan().any(dim=-1), bad)
+    total.backward()
+    for i in range(3):
+        expected = _clean_grads(q[i : i + 1], k[i : i + 1], v[i : i + 1], bad[i : i + 1])
+        for got, want in zip(leaves, expected, strict=True):
+            assert got.grad is not None
+            torch.testing.assert_close(got.grad[i : i + 1], want, atol=1e-12, rtol=0, msg=f"batch entry {i}")

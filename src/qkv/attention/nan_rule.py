@@ -51,8 +51,8 @@ def affected_rows(problem: AttentionProblem) -> torch.Tensor:
     """(N, H, L) bool: the query rows that read a non-finite entry of q, k or v (module docstring)."""
     q, k, v = problem.q, problem.k, problem.v
     with torch.no_grad():
-        rows = ~torch.isfinite(q).all(dim=-1)  # (N, H, L)
-        bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (N, G, S)
+        rows = private_torch.nonfinite_rows(q)  # (N, H, L)
+        bad_keys = private_torch.nonfinite_rows(k) | private_torch.nonfinite_rows(v)  # (N, G, S)
         if private_torch.host_unreadable(q, k, v):
             return rows | _traced_key_rows(problem, bad_keys.repeat_interleave(problem.H // problem.G, dim=1))
         cols = torch.nonzero(bad_keys.any(dim=0).any(dim=0)).flatten()  # (c,) keys bad somewhere
@@ -121,10 +121,7 @@ def _document_rows(mask: Documents, bad: torch.Tensor, L: int, S: int) -> torch.
 
 def finite_problem(problem: AttentionProblem) -> AttentionProblem:
     """The problem with every non-finite entry of q, k, v replaced by 0 (gradient 0 there)."""
-
-    def clean(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
+    clean = private_torch.finite_entries
     return dataclasses.replace(problem, q=clean(problem.q), k=clean(problem.k), v=clean(problem.v), nonfinite=False)
 
 
