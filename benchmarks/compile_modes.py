@@ -120,9 +120,8 @@ def fastest_times(compiled: Callable[..., torch.Tensor], eager: Callable[..., to
 def compiled_over_eager(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], args: argparse.Namespace) -> str:
     """torch.compile(fn) against fn by `fastest_times`, as text: the ratio of the two times, the
     compiled call's extra milliseconds and the eager call's milliseconds ("error ..." when a call
-    fails). With
-    ``args.grad`` each call also runs the backward from a fixed gradient in the output's own
-    layout, as a model's output projection sends back; with ``args.sum_loss`` from
+    fails). With ``args.grad`` each call also runs the backward from a fixed gradient in the
+    output's own layout, as a model's output projection sends back; with ``args.sum_loss`` from
     ``out.sum()`` instead, whose gradient is one value broadcast (stride 0) and which
     AOTAutograd copies into a full tensor before a compiled backward (eager kernels read it as
     it is), so that the compiled step pays one extra pass over the output."""
@@ -181,7 +180,6 @@ def main() -> int:
 
             def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any] = kwargs) -> torch.Tensor:
                 return qkv.attention(q, k, v, **kwargs)
-
 
             torch._dynamo.reset()
             path = qkv.explain(*qkv_inputs, **kwargs).path
