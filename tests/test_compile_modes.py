@@ -953,3 +953,21 @@ def test_compiled_vmap_with_non_finite_entries_equals_the_math_path() -> None:
         for got, want in zip(leaves, expected, strict=True):
             assert got.grad is not None
             torch.testing.assert_close(got.grad[i : i + 1], want, atol=1e-12, rtol=0, msg=f"batch entry {i}")
+
+
+def test_traced_nan_rule_cleans_through_its_operator_under_compile_only() -> None:
+    """torch.compile's graph of a dense path cleans q, k and v with ``qkv::finite_entries``
+    (the graph code would make Inductor write bool masks, slowly); an exported program holds
+    PyTorch's operators only, as ONNX and AOTInductor need."""
+    targets: list[str] = []
+
+    def capture(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    q, k, v = _inputs(torch.float32)
+    torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()), backend=capture, fullgraph=True)(q, k, v)
+    assert sum("qkv.finite_entries" in t for t in targets) == 3
+    layer = qkv.MultiHeadAttention(16, 4)
+    exported = torch.export.export(layer, (torch.randn(2, 8, 16),))
+    assert not [n for n in exported.graph.nodes if n.op == "call_function" and "qkv" in str(n.target)]

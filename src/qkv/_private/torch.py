@@ -276,10 +276,11 @@ def finite_entries(x: torch.Tensor) -> torch.Tensor:
     bool tensor of the finite entries for the backward, and its CPU code writes bool tensors
     slowly (torch 2.15, 2 threads: 1.9 ms for three (1, 4, 2048, 32) float32 masks, against
     0.15 ms to clean the three tensors), about a third of a compiled dense call at that size,
-    with the row scans below. ONNX has no such operator, and torch.func's transforms do not
-    differentiate a ``torch.library`` operator's autograd formula: an ONNX export and eager
-    vmap / grad keep the graph code."""
-    if torch.compiler.is_compiling() and not _in_onnx_export():
+    with the row scans below. Exports keep the graph code: an exported dense path stays made of
+    PyTorch's own operators (ONNX and AOTInductor know no Python operator). So do eager vmap and
+    grad: torch.func's transforms do not differentiate a ``torch.library`` operator's autograd
+    formula."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _finite_entries_op(x)
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
