@@ -43,12 +43,17 @@ from qkv.backends.blocks.planner import (
     plan_layout,
 )
 from qkv.backends.blocks.scored import closes_over_grad
-from qkv.backends.dense import flash_kernel_available, fused_lse_available
+from qkv.backends.dense import (
+    WIDE_BACKWARD_MAX_HEAD_DIM,
+    flash_kernel_available,
+    fused_lse_available,
+    wide_backward_wins,
+)
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Dense, KeyPadding, Mask
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, short_wide, switches
-from qkv.native.machine import compute_dtype
+from qkv.native.machine import compute_dtype, cpu_features
 
 __all__ = [
     "BACKENDS",
@@ -461,6 +466,13 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         # SDPA gives and a differentiable recomputed lse
         kernel = not return_weights and not _learned_float_mask(problem) and fused_lse_available(problem.q)
         lse = "kernel" if kernel else "dense"
+    backward = "none" if short_reason is None else "sdpa"
+    if backward == "sdpa" and _wide_backward(problem):
+        backward = "sdpa_wide"
+        reason += (
+            f"; its backward runs on float32 copies: PyTorch's bf16 CPU flash backward is slower at head dims up to "
+            f"{WIDE_BACKWARD_MAX_HEAD_DIM} on this CPU"
+        )
     return Plan(
         "fused",
         reason,
@@ -470,10 +482,21 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         lse=lse,
         causal_offset=0 if route == "is_causal" else None,
         forward_kernel=short if short_reason is None else "sdpa",
-        backward_kernel="none" if short_reason is None else "sdpa",
+        backward_kernel=backward,
         # said for bf16 on CPU, where that kernel is a candidate
         forward_absent=short_reason if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
     )
+
+
+def _wide_backward(problem: AttentionProblem) -> bool:
+    """Whether the fused path's backward runs on float32 copies of bf16 inputs
+    (`qkv.backends.dense.wide_backward_wins`): eager calls that need a gradient, without dropout
+    (traced graphs keep SDPA's own backward)."""
+    q = problem.q
+    return (
+        needs_grad(problem) and problem.dropout == 0.0 and not private_torch.host_unreadable(q, problem.k, problem.v)
+        and not switches.is_off("sdpa_wide") and wide_backward_wins(q, problem.v, cpu_features().tier)
+    )  # fmt: skip
 
 
 # the two short-sequence kernels by their names in a Plan (`short_kernel`)

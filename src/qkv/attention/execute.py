@@ -66,7 +66,7 @@ def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = N
     # its empty-row check and SDPA's bool-to-float conversion read S values per item, not L x S
     out, lse = fused_attention(
         q, k, v, None if mask is None else compact(mask), scale, is_causal=plan.mask == "is_causal",
-        dropout=problem.dropout, need_lse=plan.lse == "kernel",
+        dropout=problem.dropout, need_lse=plan.lse == "kernel", wide_backward=plan.backward_kernel == "sdpa_wide",
     )
     weights = None
     if plan.weights == "dense":

@@ -171,11 +171,12 @@ def explanation(
         dtype_text += f" computed in {str(computed).removeprefix('torch.')}"
     shape = f"B={batch} H={problem.H} G={problem.G} L={L} S={S} E={E} Ev={Ev} {dtype_text} on {q.device}"
     note = emulation_note(stored or q.dtype, q.device)
-    # a kernel line where the Plan chose a compiled kernel or says why one does not run
+    # a kernel line where the Plan chose a compiled kernel (or the float32 backward for bf16) or
+    # says why one does not run
     forward_kernel = backward_kernel = ""
     if plan.forward_kernel in COMPILED_KERNELS or plan.forward_absent is not None:
         forward_kernel = kernel_words(plan.forward_kernel, plan.forward_absent)
-    if plan.backward_kernel in COMPILED_KERNELS or plan.backward_absent is not None:
+    if plan.backward_kernel in COMPILED_KERNELS or plan.backward_absent is not None or plan.backward_kernel == "sdpa_wide":
         backward_kernel = kernel_words(plan.backward_kernel, plan.backward_absent)
     rates: tuple[tuple[str, float], ...] = ()
     threads = 0

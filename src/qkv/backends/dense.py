@@ -31,6 +31,7 @@ from qkv.backends.softmax import accumulation_dtype, causal_kernel_scale, masked
 from qkv.scores import ScoreTerms
 
 __all__ = [
+    "WIDE_BACKWARD_MAX_HEAD_DIM",
     "attention_weights_dense",
     "dense_lse",
     "flash_kernel_available",
@@ -39,6 +40,7 @@ __all__ = [
     "fused_lse_available",
     "math_attention",
     "math_extra_bytes",
+    "wide_backward_wins",
 ]
 
 _NEG_INF = float("-inf")
@@ -188,6 +190,24 @@ def fused_lse_available(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and flash_kernel_available()
 
 
+# The widest head (max(E, Ev)) at which PyTorch's CPU flash backward runs faster on float32
+# copies of bf16 inputs than in bf16 on an AMX machine. Measured (torch 2.15, 2 threads, the
+# backward kernel alone, copies included; n 1,024 and 4,096, with and without causal): E = 32,
+# H = 4: 1.16-1.30x faster on the copies; E = 64 (H 8, 16): 0.72-0.89x, E = 128: 0.54-0.59x.
+WIDE_BACKWARD_MAX_HEAD_DIM = 32
+
+
+def wide_backward_wins(q: torch.Tensor, v: torch.Tensor, tier: str) -> bool:
+    """Whether the fused path's backward should run on float32 copies of these bf16 inputs
+    (`fused_attention`'s ``wide_backward``): on the amx tier, where it was measured, for heads
+    up to `WIDE_BACKWARD_MAX_HEAD_DIM`. Other tiers with native bf16 keep its bf16 backward; on
+    tiers without, bf16 calls are computed in float32 throughout before they get here."""
+    return (
+        q.dtype == torch.bfloat16 and q.device.type == "cpu" and tier == "amx" and flash_kernel_available()
+        and max(q.shape[-1], v.shape[-1]) <= WIDE_BACKWARD_MAX_HEAD_DIM
+    )  # fmt: skip
+
+
 # Query rows per chunk when the log-sum-exp is computed apart from the output: bounds the
 # scores held at once to (N, H, _LSE_CHUNK, S).
 _LSE_CHUNK = 256
@@ -226,15 +246,16 @@ def _additive_mask(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor |
 
 
 class _FlashWithLse(torch.autograd.Function):
-    """PyTorch's CPU flash kernel, output and lse both differentiable in q, k, v."""
+    """PyTorch's CPU flash kernel, output and lse both differentiable in q, k, v. ``wide``: the
+    backward runs the kernel on float32 copies of low-precision inputs ("sdpa_wide" in a Plan)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float):  # type: ignore[override]
+    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float, wide: bool = False):  # type: ignore[override]
         out, lse = private_torch.cpu_flash_attention(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )[:2]  # (N, H, L, Ev), (N, H, L)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.wide = is_causal, scale, wide
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -245,6 +266,9 @@ class _FlashWithLse(torch.autograd.Function):
         E = q.shape[-1]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        if ctx.wide:
+            # exact float32 copies; the float mask is float32 already (the accumulation dtype)
+            q, k, v, out, grad_out = (x.float() for x in (q, k, v, out, grad_out))
         if grad_lse is not None:
             q, k, v, out, grad_out = with_lse_gradient(q, k, v, out, grad_out, grad_lse)  # (N, H, *, E + 1)
             mask = _additive_mask(mask, q)
@@ -252,7 +276,7 @@ class _FlashWithLse(torch.autograd.Function):
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
         )
         grads = (g[..., :E].to(dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True))
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def fused_attention(
@@ -265,9 +289,12 @@ def fused_attention(
     is_causal: bool = False,
     dropout: float = 0.0,
     need_lse: bool = False,
+    wide_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PyTorch's SDPA. ``is_causal`` is SDPA's (top-left). ``mask`` broadcasts to (N, H, L, S)
-    (size 1 on any axis). Returns (output (N, H, L, Ev), lse (N, H, L) or None)."""
+    (size 1 on any axis). Returns (output (N, H, L, Ev), lse (N, H, L) or None).
+    ``wide_backward``: bf16 inputs on PyTorch's CPU flash kernel, whose backward then runs on
+    float32 copies (`wide_backward_wins`); no dropout."""
     H = q.shape[1]
     if is_causal:
         q, scale = causal_kernel_scale(q, scale)  # the kernel's causal -inf needs a positive scale
@@ -282,18 +309,18 @@ def fused_attention(
             # Open the empty rows so that the kernel computes something finite there; the
             # rows are zeroed below, which also zeroes their gradient.
             mask = mask | empty_rows if mask.dtype == torch.bool else mask.masked_fill(empty_rows, 0.0)
-    if need_lse:
+    if need_lse or wide_backward:
         if dropout > 0.0:
-            raise ValueError("the fused kernel returns no log-sum-exp under dropout")
+            raise ValueError("the fused kernel returns no log-sum-exp and has no float32 backward under dropout")
         if mask is not None and mask.dtype == torch.bool:
             # built once, in the accumulation dtype the kernel takes (no second copy below)
             hidden = torch.zeros(mask.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
             mask = hidden.masked_fill(~mask, _NEG_INF)
         Ev = v.shape[-1]
         out, lse = _FlashWithLse.apply(
-            *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale
+            *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward
         )  # (N, H, L, Ep), (N, H, L)
-        out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
+        out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype)) if need_lse else None
     else:
         mask = _additive_mask(mask, q)
         # a Python bool where a tracer makes shapes tensors (ONNX) or symbols (dynamic shapes): the

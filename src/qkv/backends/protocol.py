@@ -82,6 +82,7 @@ FORWARD_KERNELS: dict[str, str] = {
 BACKWARD_KERNELS: dict[str, str] = {
     "none": "none (no gradient is needed)",
     "sdpa": "PyTorch's SDPA backward",
+    "sdpa_wide": "PyTorch's CPU flash backward on float32 copies of the bf16 inputs, gradients rounded to bf16",
     "math": "autograd through the explicit formula",
     "flex": "FlexAttention's backward",
     "decode": "autograd through the decode kernel's ops",

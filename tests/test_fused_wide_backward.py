@@ -1,0 +1,111 @@
+"""The fused path's backward on float32 copies of bf16 inputs ("sdpa_wide" in a Plan).
+
+On an AMX machine PyTorch's bf16 CPU flash backward runs slower than its float32 backward at
+head dims up to 32 (`qkv.backends.dense.WIDE_BACKWARD_MAX_HEAD_DIM`), so 'auto' runs the
+backward of such bf16 calls on exact float32 copies and rounds the gradients to bf16. The
+gradients must equal the float64 math path's on the same bf16 values (within bf16 rounding),
+with every mask kind the fused path takes, GQA, an lse gradient and rows without keys; the
+Plan names the kernel where the machine qualifies, and the switch and the rule's limits hold.
+`fused_attention(..., wide_backward=True)` is called directly too, so every machine runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends.dense import WIDE_BACKWARD_MAX_HEAD_DIM, fused_attention
+from qkv.native.machine import cpu_features
+
+BF16 = torch.bfloat16
+
+
+def _inputs(H: int = 4, G: int = 4, L: int = 96, S: int = 96, E: int = 32, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, h, n, E, generator=gen).to(BF16).requires_grad_(True) for h, n in ((H, L), (G, S), (G, S))]
+
+
+def _math_grads(inputs: list[torch.Tensor], mask: Any, upstream: torch.Tensor, lse_weight: float = 0.0) -> list[torch.Tensor]:
+    """float64 math path on the same bf16 values: the expected gradients."""
+    leaves = [x.detach().double().requires_grad_(True) for x in inputs]
+    out, lse = qkv.attention(*leaves, mask, backend="math", return_lse=True)
+    loss = (out * upstream.double()).sum() + lse_weight * torch.where(torch.isfinite(lse), lse, 0.0).sum()
+    loss.backward()
+    return [x.grad for x in leaves]  # type: ignore[misc]
+
+
+def _assert_close_to_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    # a bf16 gradient rounds its float32 value once (relative 2^-8), plus the bf16 output's rounding in
+    # rowsum(dO * O); a 3 % error in every gradient fails this
+    torch.testing.assert_close(got.double(), want, atol=5e-3 * want.abs().max().item() + 1e-4, rtol=1e-2)
+
+
+MASKS: dict[str, Any] = {
+    "none": None,
+    "causal": qkv.masks.causal(),
+    "bottom-right causal": qkv.masks.causal(),  # L != S below: a dense bool mask
+    "key padding": qkv.masks.key_padding(torch.arange(96).expand(2, 96) < torch.tensor([[96], [40]])),
+    "bool tensor": torch.rand(2, 1, 96, 96, generator=torch.Generator().manual_seed(3)) > 0.3,
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_gradients_equal_the_math_path(name: str) -> None:
+    L = 64 if name == "bottom-right causal" else 96
+    inputs = _inputs(L=L, G=2)  # GQA: 4 query heads on 2 key/value heads
+    mask = MASKS[name]
+    upstream = torch.randn(2, 4, L, 32, generator=torch.Generator().manual_seed(1)).to(BF16)
+    plan = qkv.explain(*inputs, mask)
+    assert plan.kernels[1] == ("sdpa_wide" if cpu_features().tier == "amx" else "sdpa")
+    out = qkv.attention(*inputs, mask)
+    out.backward(upstream)
+    for x, want in zip(inputs, _math_grads(inputs, mask, upstream), strict=True):
+        assert x.grad is not None and x.grad.dtype == BF16
+        _assert_close_to_bf16(x.grad, want)
+
+
+def test_direct_call_with_an_lse_gradient_and_rows_without_keys() -> None:
+    """fused_attention(wide_backward=True) on any machine: output and lse both differentiable;
+    a row whose keys are all hidden gets output 0, lse -inf and no gradient."""
+    q, k, v = _inputs(H=2, G=2, L=16, S=24, E=20)
+    visible = torch.ones(2, 1, 16, 24, dtype=torch.bool)
+    visible[1, :, 5] = False  # query 5 of batch item 1 sees no key
+    out, lse = fused_attention(q, k, v, visible, 20**-0.5, need_lse=True, wide_backward=True)
+    assert lse is not None
+    assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5])) and torch.isneginf(lse[1, :, 5]).all()
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(BF16)
+    ((out * upstream).float().sum() + 0.5 * torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    expected = _math_grads([q, k, v], visible, upstream, lse_weight=0.5)
+    for x, want in zip((q, k, v), expected, strict=True):
+        assert x.grad is not None and x.grad.dtype == BF16
+        _assert_close_to_bf16(x.grad, want)
+    assert q.grad is not None and torch.equal(q.grad[1, :, 5], torch.zeros_like(q.grad[1, :, 5]))
+
+
+def test_the_rule_and_its_switch() -> None:
+    """Wider heads, no gradient, dropout and the switch keep SDPA's own backward (or none)."""
+    amx = cpu_features().tier == "amx"
+    small = _inputs(E=WIDE_BACKWARD_MAX_HEAD_DIM)
+    assert qkv.explain(*small).kernels[1] == ("sdpa_wide" if amx else "sdpa")
+    assert qkv.explain(*_inputs(E=WIDE_BACKWARD_MAX_HEAD_DIM + 1)).kernels[1] == "sdpa"
+    assert qkv.explain(*small, dropout=0.1).kernels[1] == "sdpa"
+    assert qkv.explain(*(x.detach() for x in small)).kernels[1] in ("none", "sdpa")
+    with qkv.backends.disabled("sdpa_wide"):
+        assert qkv.explain(*small).kernels[1] == "sdpa"
+    if amx:
+        assert "float32 copies" in str(qkv.explain(*small))
+
+
+def test_two_runs_are_bitwise_equal() -> None:
+    inputs = _inputs()
+    grads = []
+    for _ in range(2):
+        for x in inputs:
+            x.grad = None
+        qkv.attention(*inputs, qkv.masks.causal()).float().square().sum().backward()
+        grads.append([x.grad.clone() for x in inputs])  # type: ignore[union-attr]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
