@@ -109,3 +109,33 @@ def test_two_runs_are_bitwise_equal() -> None:
         grads.append([x.grad.clone() for x in inputs])  # type: ignore[union-attr]
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_under_torch_compile_too() -> None:
+    """torch.compile traces the same backward: the compiled backward graph runs the CPU flash
+    backward on float32 inputs with the heads' own 32 columns (the unused lse is no output
+    there, so no zero lse gradient adds a column), and its gradients equal the math path's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    flash_inputs: list[tuple[torch.dtype, int]] = []
+
+    def backward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flash_attention_for_cpu_backward" in str(node.target):
+                query = node.args[1].meta["val"]  # (grad_out, query, key, value, out, logsumexp, ...)
+                flash_inputs.append((query.dtype, query.shape[-1]))
+        return make_boxed_func(gm.forward)
+
+    inputs = _inputs(G=2)
+    upstream = torch.randn(2, 4, 96, 32, generator=torch.Generator().manual_seed(1)).to(BF16)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()), backend=backend, fullgraph=True)
+    compiled(*inputs).backward(upstream)
+    torch._dynamo.reset()
+    expected = (torch.float32, 32) if cpu_features().tier == "amx" else (BF16, 32)
+    assert flash_inputs == [expected]
+    for x, want in zip(inputs, _math_grads(inputs, qkv.masks.causal(), upstream), strict=True):
+        assert x.grad is not None and x.grad.dtype == BF16
+        _assert_close_to_bf16(x.grad, want)

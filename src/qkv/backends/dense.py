@@ -247,20 +247,24 @@ def _additive_mask(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor |
 
 class _FlashWithLse(torch.autograd.Function):
     """PyTorch's CPU flash kernel, output and lse both differentiable in q, k, v. ``wide``: the
-    backward runs the kernel on float32 copies of low-precision inputs ("sdpa_wide" in a Plan)."""
+    backward runs the kernel on float32 copies of low-precision inputs ("sdpa_wide" in a Plan).
+    ``with_lse``: lse is an output; without it only the output is, so that a compiled backward
+    gets no zero lse gradient (AOTAutograd materializes one), which would cost the backward a
+    column (`with_lse_gradient`: E + 1, an odd head dim the kernel runs slower: 112 against 88 ms,
+    bf16 n = 4,096, H = 4, E = 32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float, wide: bool = False):  # type: ignore[override]
+    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float, wide: bool = False, with_lse: bool = True):  # type: ignore[override]
         out, lse = private_torch.cpu_flash_attention(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )[:2]  # (N, H, L, Ev), (N, H, L)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.is_causal, ctx.scale, ctx.wide = is_causal, scale, wide
+        ctx.is_causal, ctx.scale, ctx.wide, ctx.with_lse = is_causal, scale, wide, with_lse
         ctx.set_materialize_grads(False)
-        return out, lse
+        return (out, lse) if with_lse else out
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+    def backward(ctx, grad_out, grad_lse=None):  # type: ignore[override]
         q, k, v, out, lse, mask = ctx.saved_tensors
         dtypes = q.dtype, k.dtype, v.dtype
         E = q.shape[-1]
@@ -276,7 +280,7 @@ class _FlashWithLse(torch.autograd.Function):
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
         )
         grads = (g[..., :E].to(dtype) for g, dtype in zip((dq, dk, dv), dtypes, strict=True))
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def fused_attention(
@@ -317,10 +321,16 @@ def fused_attention(
             hidden = torch.zeros(mask.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
             mask = hidden.masked_fill(~mask, _NEG_INF)
         Ev = v.shape[-1]
-        out, lse = _FlashWithLse.apply(
-            *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward
-        )  # (N, H, L, Ep), (N, H, L)
-        out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype)) if need_lse else None
+        if need_lse:
+            out, lse = _FlashWithLse.apply(
+                *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward
+            )  # (N, H, L, Ep), (N, H, L)
+            out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
+        else:
+            out = _FlashWithLse.apply(
+                *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward, False
+            )[..., :Ev]  # (N, H, L, Ev)
+            lse = None
     else:
         mask = _additive_mask(mask, q)
         # a Python bool where a tracer makes shapes tensors (ONNX) or symbols (dynamic shapes): the
