@@ -18,7 +18,7 @@ import torch
 
 import qkv
 from qkv.backends.dense import WIDE_BACKWARD_MAX_HEAD_DIM, fused_attention
-from qkv.native.machine import cpu_features
+from qkv.native.machine import compute_dtype, cpu_features
 
 BF16 = torch.bfloat16
 
@@ -134,8 +134,10 @@ def test_under_torch_compile_too() -> None:
     compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.causal()), backend=backend, fullgraph=True)
     compiled(*inputs).backward(upstream)
     torch._dynamo.reset()
-    expected = (torch.float32, 32) if cpu_features().tier == "amx" else (BF16, 32)
-    assert flash_inputs == [expected]
+    # float32: on the float32 copies (amx), or because bf16 is computed in float32 throughout on
+    # this tier (its products are emulated); bf16 where they are native and the rule is not measured
+    wide = cpu_features().tier == "amx" or compute_dtype(BF16, torch.device("cpu")) != BF16
+    assert flash_inputs == [(torch.float32 if wide else BF16, 32)]
     for x, want in zip(inputs, _math_grads(inputs, qkv.masks.causal(), upstream), strict=True):
         assert x.grad is not None and x.grad.dtype == BF16
         _assert_close_to_bf16(x.grad, want)
