@@ -141,3 +141,19 @@ def test_under_torch_compile_too() -> None:
     for x, want in zip(inputs, _math_grads(inputs, qkv.masks.causal(), upstream), strict=True):
         assert x.grad is not None and x.grad.dtype == BF16
         _assert_close_to_bf16(x.grad, want)
+
+
+def test_a_learned_bias_keeps_sdpa_backward_and_its_gradient() -> None:
+    """A learnable T5 table joins the float mask SDPA gets; the float32 backward gives q, k and v
+    their gradients only, so such a call keeps SDPA's own backward, and the table's gradient
+    equals the math path's."""
+    inputs = _inputs(L=48, S=48)
+    table = torch.nn.Parameter(torch.randn(4, 32, generator=torch.Generator().manual_seed(4)) * 0.1)
+    bias = qkv.bias.relative(table)
+    assert qkv.explain(*inputs, qkv.masks.causal(), bias=bias).kernels == ("sdpa", "sdpa")
+    qkv.attention(*inputs, qkv.masks.causal(), bias=bias).float().sum().backward()
+    wide_table = table.detach().double().requires_grad_(True)
+    leaves = [x.detach().double() for x in inputs]
+    qkv.attention(*leaves, qkv.masks.causal(), bias=qkv.bias.relative(wide_table), backend="math").sum().backward()
+    assert table.grad is not None and wide_table.grad is not None
+    torch.testing.assert_close(table.grad.double(), wide_table.grad, atol=3e-2 * wide_table.grad.abs().max().item(), rtol=3e-2)

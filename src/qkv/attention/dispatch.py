@@ -490,14 +490,14 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
 
 def _wide_backward(problem: AttentionProblem) -> bool:
     """Whether the fused path's backward runs on float32 copies of bf16 inputs
-    (`qkv.backends.dense.wide_backward_wins`): calls that need a gradient, without dropout,
-    eager or under torch.compile (its autograd Function traces whole). Exports keep SDPA
-    (ONNX knows it, not the CPU flash operators), and so does vmap (those operators have no
-    batching rule)."""
+    (`qkv.backends.dense.wide_backward_wins`): calls that need a gradient, without dropout or
+    a float mask or bias that learns (that backward gives q, k, v theirs only), eager or under
+    torch.compile (its autograd Function traces whole). Exports keep SDPA (ONNX knows it, not
+    the CPU flash operators), and so does vmap (those operators have no batching rule)."""
     q = problem.q
     compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
     return (
-        needs_grad(problem) and problem.dropout == 0.0
+        needs_grad(problem) and problem.dropout == 0.0 and not _learned_float_mask(problem)
         and (compiling or not private_torch.host_unreadable(q, problem.k, problem.v))
         and not switches.is_off("sdpa_wide") and wide_backward_wins(q, problem.v, cpu_features().tier)
     )  # fmt: skip
