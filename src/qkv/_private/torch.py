@@ -225,14 +225,10 @@ def require(condition: torch.Tensor, message: str) -> torch.Tensor:
     otherwise. The caller multiplies a tensor it uses by the gate: compilers drop an operator
     whose result nothing reads (``torch._assert_async`` is kept, but Inductor's CPU code
     terminates the process on it instead of raising)."""
-    if _in_onnx_export():
+    if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():
         # ONNX has no operator for this check: an ONNX graph carries none (documented in qkv.attention)
         return torch.ones((), dtype=torch.float32, device=condition.device)
     return _check_op(condition.detach(), message)
-
-
-def _in_onnx_export() -> bool:
-    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
 
 
 @torch.library.custom_op("qkv::finite_entries", mutates_args=())
@@ -247,15 +243,11 @@ def _finite_entries_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _finite_entries_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
-    del ctx, inputs, output  # the backward reads nothing
-
-
 def _finite_entries_backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     # The identity, also at the replaced entries: the NaN rule sets every row that reads one to
     # NaN afterwards (`qkv.attention.nan_rule.poison`), and those rows pass no gradient, so none
     # reaches them (a row that cannot see a key gives it probability 0). Eager's torch.where
-    # gives the same zeros; here the compiled backward keeps nothing of x.
+    # gives the same zeros; here the compiled backward keeps nothing of x (no setup_context).
     del ctx
     return grad
 
@@ -265,7 +257,7 @@ def _finite_entries_vmap(info, in_dims, x):  # type: ignore[no-untyped-def]  # t
     return _finite_entries_op(x), in_dims[0]
 
 
-_finite_entries_op.register_autograd(_finite_entries_backward, setup_context=_finite_entries_setup)
+_finite_entries_op.register_autograd(_finite_entries_backward)
 _finite_entries_op.register_vmap(_finite_entries_vmap)
 
 
