@@ -66,10 +66,9 @@ class Recorder:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             result = real(*args, **kwargs)
             if not only_result or result is not None:  # a compiled kernel returns None when it did not run
-                self.events.append(event)
-                if dtype_of is not None:
-                    self.events.append(f"{event} {str(args[dtype_of].dtype).removeprefix('torch.')}")
-                self.all_events.extend(self.events[-2 if dtype_of is not None else -1 :])
+                new = [event] if dtype_of is None else [event, f"{event} {str(args[dtype_of].dtype).removeprefix('torch.')}"]
+                self.events += new
+                self.all_events += new
             out = result[0] if isinstance(result, tuple) else result
             if hook is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 # the gradient reaches this kernel's output: autograd runs its backward next
