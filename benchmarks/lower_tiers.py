@@ -2,7 +2,9 @@
 
 qkv's compiled bf16 kernels (the fused interval forward and backward, `qkv.native.interval_bf16`
 and `interval_bf16_backward`, and the short-sequence kernel, `qkv.native.short_bf16`) are
-built for the ``amx`` tier. On a lower tier (AVX-512 without AMX, AVX2 + FMA) bf16 products
+built for the ``amx`` tier; the interval pair also for ``avx512`` with AVX-512 BF16 (its own
+micro-kernel: there this script measures that build, and the short-sequence calls take
+`qkv.native.short_wide`). On a lower tier (AVX-512 without BF16, AVX2 + FMA) bf16 products
 are emulated, and qkv computes a bf16 request in float32 with bf16 storage: `qkv.attention`
 widens q, k and v once per call (into a buffer kept per thread, in each input's own layout,
 when no autograd graph can keep the copies) and rounds the output once

@@ -17,6 +17,7 @@ from qkv.attention import functional as functional_module
 from qkv.attention.dispatch import choose_path, ring_block_path, weights_plan
 from qkv.attention.problem import describe_problem
 from qkv.native import interval_bf16
+from qkv.native.machine import cpu_features
 
 
 def _plan(L: int, S: int, mask: object, *, backend: str = "auto", weights: bool = False, lse: bool = False,
@@ -206,11 +207,39 @@ def test_auto_sends_dense_bf16_to_the_fused_kernel_where_it_wins() -> None:
         assert (out.float() - want).abs().max() < 2e-2  # the output's bf16 rounding and P's
     heads_128 = [torch.randn(1, 2, 600, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
     assert qkv.explain(*heads_128).path == ("blocks" if kernel else "fused")
-    # where SDPA stays: wider heads, gradients, small problems, float32
+    # the avx512 build (AVX-512 BF16, no AMX) takes training and heads up to 256 too, from 128
+    # queries; on AMX, SDPA keeps those
+    dot = kernel and not cpu_features().amx
     wide = [torch.randn(1, 2, 600, 192, generator=gen).to(torch.bfloat16) for _ in range(3)]
-    assert qkv.explain(*wide).path == "fused"
-    assert qkv.explain(q.requires_grad_(True), k, v).path == "fused"
+    assert qkv.explain(*wide).path == ("blocks" if dot else "fused")
+    assert qkv.explain(q.requires_grad_(True), k, v).path == ("blocks" if dot else "fused")
+    assert qkv.explain(q[:, :, :255].detach(), k, v).path == ("blocks" if dot else "fused")  # few queries over 600 keys
+    # where SDPA stays everywhere: wider heads, small problems, float32
+    wider = [torch.randn(1, 2, 600, 288, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    assert qkv.explain(*wider).path == "fused"
     assert qkv.explain(q[:, :, :100].detach(), k[:, :, :100], v[:, :, :100], M.causal()).path == "fused"
-    assert qkv.explain(q[:, :, :255].detach(), k, v).path == "fused"  # few queries over 600 keys
+    assert qkv.explain(q[:, :, :127].detach(), k, v).path == "fused"
     assert qkv.explain(q[:, :, :256].detach(), k, v).path == ("blocks" if kernel else "fused")
     assert qkv.explain(q.detach().float(), k.float(), v.float()).path == "fused"
+
+
+def test_the_avx512_build_trains_dense_bf16_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an AVX-512 BF16 CPU without AMX (forced on an AMX machine): 'auto' sends dense
+    bf16 training to the interval kernels, and their gradients match float64 autograd."""
+    monkeypatch.setenv("QKV_CPU_TIER", "avx512")  # ignored on a lower machine: then SDPA runs
+    gen = torch.Generator().manual_seed(11)
+    leaves = [torch.randn(2, 3, 200, 80, generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(3)]
+    d_out = torch.randn(2, 3, 200, 80, generator=gen).to(torch.bfloat16)
+    runs = interval_bf16.unavailable_reason(torch.bfloat16, torch.device("cpu")) is None
+    for mask in (None, M.causal()):
+        said = qkv.explain(*leaves, mask)
+        assert said.kernels == (("interval_bf16", "interval_bf16_backward") if runs else ("sdpa", "sdpa"))
+        out = qkv.attention(*leaves, mask)
+        grads = torch.autograd.grad(out, leaves, d_out)
+        wide = [x.detach().double().requires_grad_(True) for x in leaves]
+        want = torch.nn.functional.scaled_dot_product_attention(*wide, is_causal=mask is not None)
+        want_grads = torch.autograd.grad(want, wide, d_out.double())
+        assert (out.double() - want).abs().max().item() < 2e-2
+        for got, expected in zip(grads, want_grads, strict=True):
+            scale = expected.abs().max().item()
+            assert (got.double() - expected).abs().max().item() < 3e-2 * scale

@@ -105,8 +105,8 @@ def test_an_emulated_dtype_kept_as_it_is_is_a_warning(
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")  # bf16 emulated, whatever this machine is
     monkeypatch.setenv("QKV_KEEP_EMULATED_DTYPES", "1")
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-    for _ in range(3):
-        qkv.attention(q, q, q)
+    for _ in range(3):  # causal: SDPA in bf16 (without a mask, short_wide would compute in float32 itself)
+        qkv.attention(q, q, q, qkv.masks.causal())
     expected = emulation_note(torch.bfloat16, torch.device("cpu"))
     assert expected is not None and "PyTorch emulates them" in expected
     assert [(r.levelname, r.getMessage()) for r in _ours(fresh)] == [("WARNING", expected)]

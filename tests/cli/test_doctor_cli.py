@@ -27,6 +27,8 @@ from qkv.native import build as compiled
 
 # the bf16 kernels, which share one reason where they cannot run (`compiled.static_reason`)
 KERNEL_STEMS = {"interval_bf16", "interval_bf16_backward", "short_bf16", "add_norm_bf16"}
+# the fused interval pair is built for amx and, with its own micro-kernel, for avx512 with AVX-512 BF16
+INTERVAL_MODULES = {"interval_bf16": interval_bf16, "interval_bf16_backward": interval_bf16_backward}
 # the kernels built per tier (from AVX2 up): one entry each, the build for this tier
 TIERED_MODULES = {"decode": decode, "magnitude": magnitude, "short_wide": short_wide}
 TIERED = tuple(f"{stem}_" for stem in TIERED_MODULES)
@@ -65,6 +67,30 @@ def _fresh_probe() -> object:
     machine._FEATURES.clear()
 
 
+def _bf16_stem(stem: str) -> str:
+    """The stem doctor lists for a bf16 kernel: the interval pair's avx512 build on a tier
+    avx512 machine with AVX-512 BF16."""
+    features = machine.cpu_features()
+    avx512_build = stem in INTERVAL_MODULES and features.tier == "avx512" and features.avx512_bf16
+    return f"{stem}_avx512" if avx512_build else stem
+
+
+def _bf16_static_reason(stem: str) -> str | None:
+    """Why a bf16 kernel (``stem`` as doctor lists it) cannot run here, from facts that need no build."""
+    base = stem.removesuffix("_avx512")
+    if base in INTERVAL_MODULES:
+        return compiled.static_reason(torch.bfloat16, CPU, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+    return compiled.static_reason(torch.bfloat16, CPU)
+
+
+def _forget_builds(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
+    """Empty a kernel module's build attempts for one test (the interval pair keeps one per tier)."""
+    if hasattr(module, "BUILDS"):
+        monkeypatch.setattr(module, "_builds", {tier: {} for tier in module.BUILDS})
+    else:
+        monkeypatch.setattr(module, "_built", {})
+
+
 def _report(*args: str) -> dict:  # type: ignore[type-arg]
     result = CliRunner().invoke(app, ["doctor", "--json", *args])
     assert result.exit_code == 0, result.output
@@ -80,13 +106,13 @@ def test_json_names_the_tier_and_every_kernel() -> None:
     within_tier = machine.TIERS.index(report["tier"]) >= machine.TIERS.index("avx512")
     assert report["native"]["bfloat16"] == (machine_bf16 and within_tier)
     assert report["torch"] == torch.__version__
-    assert {k["stem"] for k in report["kernels"]} == KERNEL_STEMS | {_decode_stem(), _magnitude_stem(), _short_wide_stem()}
-    static = compiled.static_reason(torch.bfloat16, CPU)
+    bf16_stems = {_bf16_stem(stem) for stem in KERNEL_STEMS}
+    assert {k["stem"] for k in report["kernels"]} == bf16_stems | {_decode_stem(), _magnitude_stem(), _short_wide_stem()}
     for kernel in report["kernels"]:
         assert kernel["available"] == (kernel["reason"] is None)
         if kernel["stem"].startswith(TIERED):
             assert kernel["reason"] == _tiered_reason(kernel["stem"])
-        elif static is not None:  # the machine's reason stops every bf16 kernel alike
+        elif (static := _bf16_static_reason(kernel["stem"])) is not None:  # the machine's reason
             assert kernel["reason"] == static and not kernel["available"]
 
 
@@ -123,9 +149,9 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     # each kernel's reason is its build's first error line, and how long the attempt took
     use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # the kernels built per tier read it themselves
-    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
+    monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
-        monkeypatch.setattr(module, "_built", {})  # each kernel's one build attempt, emptied for this test
+        _forget_builds(monkeypatch, module)  # each kernel's one build attempt, emptied for this test
     for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
     report = _report("--build")
@@ -141,21 +167,26 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     # self-checked, and its line says how long that took; elsewhere each line says why not
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
-        monkeypatch.setattr(module, "_built", {})
+        _forget_builds(monkeypatch, module)
     for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.startswith("- ")]
     assert len(lines) == len(KERNEL_STEMS) + len(TIERED)
-    static = compiled.static_reason(torch.bfloat16, CPU)
+    bf16_names = {m.KERNEL_NAME: m.__name__.rsplit(".", 1)[1] for m in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)}
     for line in lines:
         stem = next((s for s, m in TIERED_MODULES.items() if line.startswith(f"- {m.KERNEL_NAME} (")), None)
         if stem is not None:
             reason = _tiered_reason(f"{stem}_")
             expected = ": runs here, built in " if reason is None else f"does not run here: {reason}"
             assert expected in line and (reason is not None or f", {tmp_path}/qkv_{stem}_" in line), line
-        elif static is None:
+            continue
+        name = line.removeprefix("- ").split(":")[0]
+        bf16_stem = _bf16_stem(bf16_names[name.removesuffix(" (avx512 build)")])
+        assert name.endswith(" (avx512 build)") == bf16_stem.endswith("_avx512"), line
+        static = _bf16_static_reason(bf16_stem)
+        if static is None:
             assert ": runs here, built in " in line and f", {tmp_path}/qkv_" in line, line
         else:
             assert line.endswith(f"does not run here: {static}")

@@ -89,7 +89,7 @@ def test_the_cache_key_covers_source_compiler_flags_tier_torch_and_python(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("QKV_CPU_TIER", raising=False)
-    kernel = interval_bf16.NATIVE
+    kernel = interval_bf16.BUILDS["amx"]
     here = kernel.folder()
     assert here.name.startswith("qkv_interval_bf16_") and kernel.folder() == here  # stable
     assert dataclasses.replace(kernel, cflags=(*kernel.cflags, "-DQKV_OTHER")).folder() != here
@@ -123,22 +123,35 @@ def test_the_cache_key_follows_the_headers_a_source_includes_from_its_folder(tmp
     assert kernel.folder() != before
 
 
+def test_the_two_builds_of_an_interval_kernel_are_cached_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The amx build calls oneDNN's micro-kernel, the avx512 build its own (QKV_DPBF16_PRODUCTS):
+    two libraries, and the avx512 one keyed by its own tier whatever the machine's."""
+    amx, avx512 = interval_bf16.BUILDS["amx"], interval_bf16.BUILDS["avx512"]
+    assert "-DQKV_DPBF16_PRODUCTS" in avx512.cflags and "-DQKV_DPBF16_PRODUCTS" not in amx.cflags
+    assert amx.folder() != avx512.folder() and avx512.folder().name.startswith("qkv_interval_bf16_avx512_")
+    here = avx512.folder()
+    monkeypatch.setenv("QKV_CPU_TIER", "avx2")
+    assert avx512.folder() == here and "tier avx512" in compiled.cache_key(avx512)
+    assert compiled.local_headers(avx512.source) == [avx512.source.with_name("products_bf16.h")]
+
+
 def test_the_cache_key_names_the_compiler_version_and_the_torch_build() -> None:
-    key = compiled.cache_key(interval_bf16.NATIVE)
+    key = compiled.cache_key(interval_bf16.BUILDS["amx"])
     compiler = shutil.which(compiled._compiler_name())
     if compiler is not None:
         assert str(Path(compiler).resolve()) in key
     assert f"torch {torch.__version__} {torch.version.git_version}" in key
     assert f"tier {inventory.compiled.cpu_features().tier}" in key
-    assert " ".join(interval_bf16.NATIVE.cflags) in key
+    assert " ".join(interval_bf16.BUILDS["amx"].cflags) in key
 
 
 def test_only_the_kernels_that_call_aten_link_torch() -> None:
     """A kernel that includes no torch header builds without torch's include folder, and only
     the interval pair (oneDNN's micro-kernels, Sleef's log) links libtorch_cpu."""
-    linked = {m.NATIVE.stem for m in inventory._MODULES if "-ltorch_cpu" in compiled.compile_command(m.NATIVE, Path("x.so"))}
-    assert linked == {"interval_bf16", "interval_bf16_backward"}
-    for module in inventory._MODULES:
-        text = module.NATIVE.source.read_text()
+    builds = [build for m in inventory._MODULES for build in getattr(m, "BUILDS", {"": m.native()}).values()]
+    linked = {b.stem for b in builds if "-ltorch_cpu" in compiled.compile_command(b, Path("x.so"))}
+    assert linked == {"interval_bf16", "interval_bf16_backward", "interval_bf16_avx512", "interval_bf16_backward_avx512"}
+    for build in builds:
+        text = build.source.read_text()
         assert "#include <torch/extension.h>" not in text and "PYBIND11_MODULE" not in text
-        assert ("#include <ATen/" in text) == module.NATIVE.torch_headers
+        assert ("#include <ATen/" in text) == build.torch_headers

@@ -230,12 +230,12 @@ def test_explain_names_the_kernel_or_why_not(monkeypatch: pytest.MonkeyPatch) ->
     assert qkv.explain(q.float(), q.float(), q.float(), mask).forward_kernel == ""  # float32: nothing to say
     per_head = M.predicate(lambda b, h, i, j: (i - j).abs() < 50, heads=2)
     with monkeypatch.context() as able:  # as on a machine that could run it (explain builds nothing)
-        able.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
+        able.setattr(compiled, "static_reason", lambda *args, **kwargs: None)
         assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").forward_kernel
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # its own reason would come first
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")  # as on an AVX2 machine, whatever this one is
     assert "this CPU's tier is avx2" in qkv.explain(q, q, q, mask).forward_kernel
-    assert "compiled kernels need amx" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
+    assert "the kernel needs AVX-512 BF16 (tier avx512 or amx)" in interval_bf16.unavailable_reason(DTYPE, CPU)  # type: ignore[operator]
 
 
 def test_onednn_switched_off_falls_back_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,9 +247,11 @@ def test_onednn_switched_off_falls_back_without_a_traceback(monkeypatch: pytest.
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     ql, kl, vl = (t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
     explained = qkv.explain(ql, kl, vl, mask, backend="blocks")
-    if compiled.static_reason(DTYPE, CPU) is None:  # a machine that could run them
+    if compiled.static_reason(DTYPE, CPU) is None:  # a machine that could run their amx builds
         assert "oneDNN is switched off" in explained.forward_kernel
         assert "oneDNN is switched off" in explained.backward_kernel
+    elif compiled.interval_tier() == "avx512":  # their own micro-kernel needs no oneDNN
+        assert "does not run" not in explained.forward_kernel + explained.backward_kernel
     out = qkv.attention(ql, kl, vl, mask, backend="blocks", scale=0.125)
     grads = torch.autograd.grad(out, (ql, kl, vl), d_out.to(DTYPE))
     assert _err(out, trace.output) < 2e-2
@@ -266,7 +268,7 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16, "_built", {})
+    monkeypatch.setattr(interval_bf16, "_builds", {tier: {} for tier in interval_bf16.BUILDS})
     monkeypatch.setattr(interval_bf16, "_static_reason", lambda dtype, device: None)  # as on a machine that could run it
     q, k, v, d_out = _problem(1, 2, 2, 300, 300, 64, 64, seed=4)
     mask = M.sliding_window(64, 64)
@@ -280,11 +282,11 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16, "_built", {})
+    monkeypatch.setattr(interval_bf16, "_builds", {tier: {} for tier in interval_bf16.BUILDS})
     assert interval_bf16._build() == FAILED_BUILD
-    folder = interval_bf16.NATIVE.folder()
+    folder = interval_bf16.native().folder()
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("qkv_interval_bf16_")
-    assert not interval_bf16.NATIVE.is_built()
+    assert not interval_bf16.native().is_built()
 
 
 def test_the_kernel_builds_where_nothing_is_missing() -> None:

@@ -194,7 +194,7 @@ def test_explain_names_the_backward_kernel_or_why_not(monkeypatch: pytest.Monkey
     assert qkv.explain(q.float(), q.float(), q.float(), mask).backward_kernel == ""  # float32: nothing to say
     per_head = M.predicate(lambda b, h, i, j: (i - j).abs() < 50, heads=2)
     with monkeypatch.context() as able:  # as on a machine that could run it (explain builds nothing)
-        able.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)
+        able.setattr(compiled, "static_reason", lambda *args, **kwargs: None)
         assert "one key interval per query" in qkv.explain(q, q, q, per_head, backend="blocks").backward_kernel
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # its own reason would come first
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")  # as on an AVX2 machine, whatever this one is
@@ -211,8 +211,8 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16_backward, "_built", {})
-    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)  # as on a machine that could run it
+    monkeypatch.setattr(interval_bf16_backward, "_builds", {tier: {} for tier in interval_bf16_backward.BUILDS})
+    monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)  # as on a machine that could run it
     L = S = 300
     q, k, v, d_out = _problem(1, 2, 2, L, S, 64, 64, seed=4)
     mask = M.sliding_window(64, 64)
@@ -228,9 +228,9 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_kernel_builds_where_nothing_is_missing() -> None:
-    # on a machine with AMX, AVX-512 and a compiler the kernel must build and pass its
-    # self-check (float64 autograd): otherwise every test above would quietly test the fallback
-    static = compiled.static_reason(DTYPE, CPU)
+    # on a machine with AVX-512 BF16 (tier avx512 or amx) and a compiler the kernel must build and
+    # pass its self-check (float64 autograd): otherwise every test above would quietly test the fallback
+    static = compiled.static_reason(DTYPE, CPU, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
     if static is not None:
         assert interval_bf16_backward.unavailable_reason(DTYPE, CPU) == static
         return

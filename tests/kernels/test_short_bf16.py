@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.attention import dispatch
 from qkv.native import build as compiled
 from qkv.native import short_bf16
 from tests.kernels._compiler import REASON as FAILED_BUILD
@@ -222,7 +223,8 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.setattr(short_bf16, "_built", {})
-    monkeypatch.setattr(compiled, "static_reason", lambda dtype, device, needs_onednn=False: None)  # as on a machine that could run it
+    monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)  # as on a machine that could run it
+    monkeypatch.setattr(dispatch, "short_kernel", lambda q: "short_bf16")  # ... an AMX one (short_wide elsewhere)
     q, k, v, _ = _problem(2, 2, 2, 12, 12, 32, 32, seed=4)
     q, k, v = (x.to(DTYPE) for x in (q, k, v))
     valid = _valid(2, 12, [12, 5])

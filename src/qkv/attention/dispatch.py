@@ -119,6 +119,15 @@ _DENSE_BF16_KERNEL_MAX_HEAD_DIM = 128
 # values for 64 queries, which few queries do not repay (measured the same way, no mask: L, S =
 # 16, 8192 0.58x; 64, 8192 0.97x; 256, 4096 (E = 128) 1.10x; 1024, 4096 1.16x)
 _DENSE_BF16_KERNEL_MIN_QUERIES = 256
+# Where the interval kernels run on AVX-512 BF16 without AMX (their avx512 build), PyTorch's
+# bf16 flash kernel reaches a fifth of the bf16 matrix-multiply rate, and the engine wins with
+# gradients too, up to heads of 256 and from 128 queries (AMD EPYC, tier avx512, 2 threads,
+# H = 8, load 1.1-1.5; SDPA time / engine time): inference n = 256-4,096, E = 32-256, no mask
+# and causal 2.8-5.6x (L, S = 64, 8192: 3.5x; 16, 8192: 1.3x); forward + backward 2.4-4.5x
+# (16, 8192: 1.4x). Below `short_bf16.MAX_KEYS` keys it beats the short-sequence kernel with
+# float32 products as well (n = 128-512: 1.4-2.0x).
+_DENSE_BF16_DOT_MAX_HEAD_DIM = 256
+_DENSE_BF16_DOT_MIN_QUERIES = 128
 
 # 'auto' sends a float32 problem that needs gradients to the math path when its float mask's
 # finite values span more than this: PyTorch's CPU flash backward then misses docs/design.md's
@@ -394,24 +403,31 @@ def decode_widens_itself(
 
 def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
     """'auto' for dense bf16 on CPU (no mask, or causal with L == S): the block engine with its
-    fused bf16 interval kernel where that beats SDPA (`_DENSE_BF16_KERNEL_MAX_HEAD_DIM`), else None."""
+    fused bf16 interval kernel where that beats SDPA, else None. On the ``amx`` tier for
+    inference (`_DENSE_BF16_KERNEL_MAX_HEAD_DIM`); with AVX-512 BF16 and no AMX for training
+    too (`_DENSE_BF16_DOT_MAX_HEAD_DIM`)."""
     q = problem.q
-    if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active or needs_grad(problem):
+    if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active:
         return None
+    if not flash_kernel_available() or switches.is_off("blocks") or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
+        return None
+    amx, trains = cpu_features().amx, needs_grad(problem)
+    if trains and (amx or interval_bf16_backward.unavailable_reason(q.dtype, q.device) is not None):
+        return None  # on AMX, SDPA's flash backward is faster than the engine's
     traced = _traced(problem)
     if traced and _traced_engine_refusal(problem, return_weights) is not None:
         return None
-    if max(problem.E, problem.Ev) > _DENSE_BF16_KERNEL_MAX_HEAD_DIM or problem.L < _DENSE_BF16_KERNEL_MIN_QUERIES:
+    max_dim = _DENSE_BF16_KERNEL_MAX_HEAD_DIM if amx else _DENSE_BF16_DOT_MAX_HEAD_DIM
+    min_queries = _DENSE_BF16_KERNEL_MIN_QUERIES if amx else _DENSE_BF16_DOT_MIN_QUERIES
+    if max(problem.E, problem.Ev) > max_dim or min_queries > problem.L:
         return None
-    if problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
+    if amx and problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
         return None  # the short-sequence kernel's problems (`short_kernel_reason`)
-    if not flash_kernel_available() or switches.is_off("blocks") or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
-        return None
     what = "no mask" if problem.mask is None else "causal (L == S)"
+    gradient = "with or without a gradient" if not amx else "no gradient"
     reason = (
-        f"dense bfloat16 on CPU with {what}, head dims <= {_DENSE_BF16_KERNEL_MAX_HEAD_DIM}, "
-        f"at least {_DENSE_BF16_KERNEL_MIN_QUERIES} queries and no gradient: "
-        f"the block engine's {interval_bf16.KERNEL_NAME} beats PyTorch's CPU flash kernel here"
+        f"dense bfloat16 on CPU with {what}, head dims <= {max_dim}, at least {min_queries} queries and "
+        f"{gradient}: the block engine's {interval_bf16.KERNEL_NAME} beats PyTorch's CPU flash kernel here"
     )
     if traced:
         reason += f"; {_TRACED_OPERATOR}"
@@ -457,7 +473,8 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
             f"{what}, no gradient; "
             + ("SDPA's CPU kernel spends most of such a call on per-head set-up" if short == "short_bf16" else
                "this CPU only emulates bf16 products, and the kernel reads the bf16 inputs themselves where the "
-               "portable route copies them to float32 for SDPA")
+               "portable route copies them to float32 for SDPA" if compute_dtype(q.dtype, q.device) != q.dtype else
+               "this CPU has no AMX, and the kernel's float32 products beat SDPA's in bf16 and in float32")
         )  # fmt: skip
     lse: Source = "none"
     if return_weights or return_lse:
@@ -483,9 +500,12 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         causal_offset=0 if route == "is_causal" else None,
         forward_kernel=short if short_reason is None else "sdpa",
         backward_kernel=backward,
-        # said for bf16 on CPU, where that kernel is a candidate
-        forward_absent=short_reason if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
-    )
+        # said for bf16 on CPU, where that kernel is a candidate; short_wide says why the AMX one does not run
+        forward_absent=(
+            short_reason if short_reason is not None or short == "short_bf16"
+            else short_bf16.unavailable_reason(q.dtype, q.device)
+        ) if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
+    )  # fmt: skip
 
 
 def _wide_backward(problem: AttentionProblem) -> bool:
@@ -508,10 +528,12 @@ _SHORT_KERNELS = {"short_bf16": short_bf16, "short_wide": short_wide}
 
 
 def short_kernel(q: torch.Tensor) -> str:
-    """The short-sequence kernel for bf16 inputs like ``q``: "short_wide" (float32 products,
-    `qkv.native.short_wide`) where this CPU only emulates bf16 products and qkv computes them
-    in float32 (`qkv.native.machine.compute_dtype`), else "short_bf16" (AMX tiles)."""
-    return "short_wide" if compute_dtype(q.dtype, q.device) != q.dtype else "short_bf16"
+    """The short-sequence kernel for bf16 inputs like ``q``: "short_bf16" (AMX tiles) on the
+    ``amx`` tier, else "short_wide" (float32 products, `qkv.native.short_wide`): where this CPU
+    emulates bf16 products, and where it has AVX-512 BF16 but no AMX too, as there it beats
+    PyTorch's SDPA in both dtypes (B=32 H=12 L=S=128 E=32 on an AMD EPYC of tier avx512, 2
+    threads: 3.6 ms against SDPA's 7.2 in bf16 and 5.7 in float32)."""
+    return "short_bf16" if cpu_features().amx else "short_wide"
 
 
 def short_kernel_reason(
@@ -562,9 +584,9 @@ def short_widens_itself(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, backend: str, *, scored: bool, dropout: float,
     outputs: bool,
 ) -> bool:
-    """Whether a bf16 call on a CPU that emulates bf16 products will run on the short-sequence
-    kernel with float32 products (`short_kernel` "short_wide"), which reads the bf16 inputs
-    itself: then `qkv.attention` does not copy them to float32 first. ``scored``: a bias,
+    """Whether a bf16 call will run on the short-sequence kernel with float32 products
+    (`short_kernel` "short_wide"), which reads the bf16 inputs itself: then `qkv.attention`
+    does not copy them to float32 first where this CPU emulates bf16 products. ``scored``: a bias,
     softcap, score_mod or sinks is given; ``outputs``: weights or lse are asked for. The
     conditions of `short_kernel_reason` on the call's arguments (q, k, v already checked to
     share a dtype), kept on the safe side: every call it says yes to is planned on that kernel

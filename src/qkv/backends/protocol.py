@@ -68,7 +68,7 @@ FORWARD_KERNELS: dict[str, str] = {
     "flex": "FlexAttention with qkv's BlockMask",
     "decode": "the split-key decode kernel in PyTorch ops",
     "native_decode": f"the {native_decode.KERNEL_NAME} (C++, split keys, softcap, ALiBi, paged pools, built for this CPU's tier)",
-    "interval_bf16": f"the {interval_bf16.KERNEL_NAME} (C++, AMX micro-kernels)",
+    "interval_bf16": f"the {interval_bf16.KERNEL_NAME} (C++, built for this CPU's tier: products on AMX tiles or AVX-512 BF16)",
     "cpu_flash_tiles": "PyTorch's CPU flash kernel per tile",
     # the block engine with score terms: a bias alone on PyTorch's CPU flash kernel with a bias
     # tile (qkv's tile kernel for rows whose bias offset is huge); softcap or score_mod on qkv's tile kernel
@@ -86,7 +86,7 @@ BACKWARD_KERNELS: dict[str, str] = {
     "math": "autograd through the explicit formula",
     "flex": "FlexAttention's backward",
     "decode": "autograd through the decode kernel's ops",
-    "interval_bf16_backward": f"the {interval_bf16_backward.KERNEL_NAME} (C++, AMX micro-kernels)",
+    "interval_bf16_backward": f"the {interval_bf16_backward.KERNEL_NAME} (C++, built for this CPU's tier: products on AMX tiles or AVX-512 BF16)",
     "engine_per_call": "the engine's backward per call: bf16 products or PyTorch's flash backward on float32 copies",
     "scored_per_call": "the engine's backward per call, with the score terms recomputed under autograd",
 }
@@ -100,7 +100,10 @@ COMPILED_KERNELS: dict[str, Any] = {
     "native_decode": native_decode,
 }
 # the compiled kernel that a portable one stands in for (`Plan.forward_absent` says why)
-_STANDS_IN_FOR = {"decode": "native_decode", "sdpa": "short_bf16", "cpu_flash_tiles": "interval_bf16", "engine_per_call": "interval_bf16_backward"}
+_STANDS_IN_FOR = {
+    "decode": "native_decode", "sdpa": "short_bf16", "short_wide": "short_bf16", "cpu_flash_tiles": "interval_bf16",
+    "engine_per_call": "interval_bf16_backward",
+}  # fmt: skip
 
 
 def kernel_words(name: str, absent: str | None = None) -> str:
@@ -109,7 +112,7 @@ def kernel_words(name: str, absent: str | None = None) -> str:
     words = FORWARD_KERNELS.get(name) or BACKWARD_KERNELS[name]
     module = COMPILED_KERNELS.get(name)
     if module is not None:  # a kernel built per tier says its own note
-        words += module.first_use_note() if hasattr(module, "first_use_note") else compiled.first_use_note(module._built)
+        words += module.first_use_note() if hasattr(module, "first_use_note") else compiled.first_use_note(module.build_state())
     if absent is not None:
         words += f" (the {COMPILED_KERNELS[_STANDS_IN_FOR[name]].KERNEL_NAME} does not run: {absent})"
     return words

@@ -45,6 +45,16 @@ NATIVE = compiled.NativeKernel("add_norm_bf16", Path(__file__).with_name("add_no
 _built: dict = {}
 
 
+def native() -> compiled.NativeKernel:
+    """The kernel's build (one, for the ``amx`` tier)."""
+    return NATIVE
+
+
+def build_state() -> dict:
+    """This process's build attempt (`qkv.native.build.built_once`'s cache)."""
+    return _built
+
+
 def unavailable_reason(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> str | None:
     """Why `add_norm` runs the eager ops for these arguments, or None when it runs the kernel
     (possibly after building it on first use). Never builds.

@@ -60,6 +60,7 @@ __all__ = [
     "AMX_FLAGS",
     "CFLAGS",
     "HEAD_MULTIPLE",
+    "INTERVAL_TIERS",
     "REQUIRED_TIER",
     "TIER_CFLAGS",
     "NativeKernel",
@@ -74,6 +75,8 @@ __all__ = [
     "direct_call",
     "first_use_note",
     "function",
+    "interval_builds",
+    "interval_tier",
     "loaded_or_raise",
     "local_headers",
     "onednn_packing_reason",
@@ -85,6 +88,9 @@ __all__ = [
 
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
 REQUIRED_TIER = "amx"
+# the fused interval kernels have a second build, for AVX-512 BF16 without AMX (AMD Zen 4 and
+# 5, Intel Cooper Lake): their products on vdpbf16ps (products_bf16.h, `interval_builds`)
+INTERVAL_TIERS = ("avx512", "amx")
 # -ffp-contract=off: a product and a difference written apart stay apart (GCC would fuse them
 # into one FMA, whose unrounded product makes a softmax's max score differ from itself).
 # -fopenmp: the kernels split their work over OpenMP threads, as many as torch.get_num_threads()
@@ -138,11 +144,35 @@ def onednn_packing_reason(library: ctypes.CDLL, prefix: str) -> str | None:
     return None
 
 
-def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool = False) -> str | None:
+def interval_tier() -> str | None:
+    """The tier whose build of the fused interval kernels runs now (`INTERVAL_TIERS`), or None:
+    ``amx``, or ``avx512`` where the tier qkv uses has AVX-512 BF16."""
+    features = cpu_features()
+    return features.tier if features.tier in INTERVAL_TIERS and features.avx512_bf16 else None
+
+
+def interval_builds(stem: str, source: Path, name: str) -> dict[str, NativeKernel]:
+    """The two builds of a fused interval kernel, by tier: ``amx`` (oneDNN's micro-kernel, the
+    build keyed by the tier qkv uses, as before there were two) and ``avx512`` (the kernel's
+    own vdpbf16ps micro-kernel: ``QKV_DPBF16_PRODUCTS``, products_bf16.h)."""
+    return {
+        "amx": NativeKernel(stem, source, name, torch_headers=True, links_torch=True),
+        "avx512": NativeKernel(
+            f"{stem}_avx512", source, name, cflags=(*CFLAGS, "-DQKV_DPBF16_PRODUCTS"), torch_headers=True,
+            links_torch=True, tier="avx512",
+        ),
+    }  # fmt: skip
+
+
+def static_reason(
+    dtype: torch.dtype, device: torch.device, needs_onednn: bool = False, tiers: tuple[str, ...] = (REQUIRED_TIER,)
+) -> str | None:
     """Why no compiled bf16 kernel of qkv can run for these inputs, from facts that need no
-    build (dtype, device, the CPU tier, the switch, the compiler), or None. ``needs_onednn``:
-    the kernel calls oneDNN's micro-kernels (``cpublas::brgemm``), which refuse to run while
-    ``torch.backends.mkldnn`` is switched off; that is checked on every call.
+    build (dtype, device, the CPU tier, the switch, the compiler), or None. ``tiers``: the
+    tiers the kernel has a build for (each needs AVX-512 BF16; `INTERVAL_TIERS` for the fused
+    interval kernels). ``needs_onednn``: the ``amx`` build calls oneDNN's micro-kernels
+    (``cpublas::brgemm``), which refuse to run while ``torch.backends.mkldnn`` is switched off;
+    that is checked on every call.
 
     >>> static_reason(torch.float32, torch.device("cpu"))
     'it runs bfloat16 only (inputs are float32)'
@@ -154,9 +184,11 @@ def static_reason(dtype: torch.dtype, device: torch.device, needs_onednn: bool =
     if os.environ.get("QKV_NO_COMPILED_KERNELS", "") not in ("", "0"):
         return "QKV_NO_COMPILED_KERNELS is set"  # the user's own choice comes first, on any machine
     features = cpu_features()
-    if features.tier != REQUIRED_TIER or not features.avx512_bf16:
-        return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
-    if needs_onednn and not torch.backends.mkldnn.enabled:
+    if features.tier not in tiers or not features.avx512_bf16:
+        if tiers == (REQUIRED_TIER,):
+            return f"this CPU's tier is {features.describe()}; qkv's compiled kernels need {REQUIRED_TIER} (AVX-512 BF16 and AMX tiles)"
+        return f"this CPU's tier is {features.describe()}; the kernel needs AVX-512 BF16 (tier {' or '.join(tiers)})"
+    if needs_onednn and features.tier == REQUIRED_TIER and not torch.backends.mkldnn.enabled:
         return "PyTorch's oneDNN is switched off (torch.backends.mkldnn.enabled is False)"
     return _toolchain_reason(_compiler_name())
 

@@ -4,8 +4,9 @@
 //
 // Per (batch row, head, block of kBlockQ = 64 queries), over that block's keys only, in the
 // transposed layout (keys as rows, the block's 64 queries as columns):
-//   S^T = K Q^T          one AMX micro-kernel call per chunk of keys (cpublas::brgemm, float32
-//                        out): A is K itself, B the block's queries packed once (VNNI)
+//   S^T = K Q^T          one micro-kernel call per chunk of keys (float32 out; products_bf16.h:
+//                        AMX through cpublas::brgemm, or AVX-512 BF16 by build): A is K itself,
+//                        B the block's queries packed once (VNNI)
 //   softmax              float32, 16 queries per AVX-512 vector, so a row's max and sum live
 //                        in lanes (no horizontal reductions); each lane keeps only its own keys
 //   O^T += V^T P^T       P rounded to bfloat16 and written straight into the VNNI layout of
@@ -42,6 +43,8 @@
 // entry points are extern "C" on raw pointers; Python allocates, checks and dispatches.
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+
+#include "products_bf16.h"
 
 #include <omp.h>
 
@@ -379,8 +382,7 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
       for (int64_t c0 = k0; c0 < k1; c0 += step) {
         const int64_t width = std::min(step, k1 - c0);
         // S^T = K Q^T for the chunk's existing keys (rows past S stay unread: no lane sees them)
-        cpublas::brgemm(std::min(width, S - c0), kBlockQ, E, ks[2], kBlockQ, kBlockQ, false,
-                        k_head + c0 * ks[2], qt.data(), s_t.data());
+        qkv_products::products(std::min(width, S - c0), E, ks[2], kBlockQ, false, k_head + c0 * ks[2], qt.data(), s_t.data());
         for (int64_t g = 0; g < kBlockQ / 16; ++g) {
           const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
           const __m512 alpha = (c < 0 ? group_step<true> : group_step<false>)(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);
@@ -391,7 +393,7 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
             }
         }
         // O^T (+)= V^T P^T: Ev x 64, K = the chunk's keys
-        cpublas::brgemm(Ev, kBlockQ, width, S_pad, kBlockQ, kBlockQ, c0 != k0, vt.data() + c0, p_t.data(), acc_t.data());
+        qkv_products::products(Ev, width, S_pad, kBlockQ, c0 != k0, vt.data() + c0, p_t.data(), acc_t.data());
       }
       // out = O / l, lse = m ln 2 + log l; empty rows 0 and -inf
       for (int64_t g = 0; g < kBlockQ / 16 && 16 * g < rows; ++g) {
@@ -417,7 +419,7 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
         }
       }
     }
-    cpublas::brgemm_release();
+    qkv_products::release();
   } catch (...) {  // nothing may leave an OpenMP region or an extern "C" function
     failed = true;
   }

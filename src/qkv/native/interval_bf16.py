@@ -6,11 +6,13 @@ corners of a band that no row sees. This kernel (``interval_bf16.cpp``) takes th
 key interval lo..hi per query row (`Mask.row_intervals`, kept by the plan as
 ``BlockPlan.intervals``) and, per block of 64 queries, computes only the keys that its rows'
 intervals touch, in a transposed layout (keys as rows, the block's queries as columns):
-S^T = K Q^T on the AMX units with a float32 result (``at::native::cpublas::brgemm``), a
-softmax in float32 with 16 queries per vector that keeps each row's own keys (one exact
-step for a span of up to 1,024 keys, online in chunks of 512 beyond), P in bfloat16, and
-O^T = V^T P^T on the AMX units (FlashAttention-2, algorithm 1). Python cannot
-reach that micro-kernel: PyTorch has no bf16 x bf16 -> float32 product on CPU
+S^T = K Q^T with a float32 result, a softmax in float32 with 16 queries per vector that
+keeps each row's own keys (one exact step for a span of up to 1,024 keys, online in chunks
+of 512 beyond), P in bfloat16, and O^T = V^T P^T (FlashAttention-2, algorithm 1). The
+products run on the AMX units through oneDNN's micro-kernel (``at::native::cpublas::brgemm``)
+on the ``amx`` tier, and on the kernel's own AVX-512 BF16 micro-kernel (``products_bf16.h``)
+on the ``avx512`` tier with AVX-512 BF16, where oneDNN has none: two builds of one source
+(`BUILDS`). Python cannot reach either: PyTorch has no bf16 x bf16 -> float32 product on CPU
 (``mm(out_dtype=)`` is not implemented there), so the source is compiled by
 `qkv.native.build` the first time it is needed (seconds, one note on the ``qkv`` logger)
 and cached in a folder named by the hash of the source, compiler, flags and torch build.
@@ -19,7 +21,7 @@ The kernel is the PyTorch operator ``torch.ops.qkv.interval_bf16_forward`` with 
 implementation (output shapes for tracing) and an autograd formula: its backward is the
 operator ``qkv::interval_bf16_backward`` (`qkv.native.interval_bf16_backward`), so
 gradients flow through the pair. `unavailable_reason` says why it cannot run (not bf16, no
-AMX, no compiler, the build or its self-check failed) without building anything; `forward`
+AVX-512 BF16, no compiler, the build or its self-check failed) without building anything; `forward`
 builds on first use. The engine falls back to its per-tile path whenever the kernel is
 unavailable, and calls the backward operator itself (its own autograd.Function picks the
 backward that can run).
@@ -45,10 +47,9 @@ __all__ = ["KERNEL_NAME", "forward", "unavailable_reason"]
 # per-tile path so); the environment variable QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval kernel"
-# the kernel's source and build (`qkv.native.build`)
-NATIVE = compiled.NativeKernel(
-    "interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME, torch_headers=True, links_torch=True
-)
+# the kernel's builds by tier (`qkv.native.build.interval_builds`): AMX micro-kernels, or its
+# own AVX-512 BF16 micro-kernel where the CPU has no AMX
+BUILDS = compiled.interval_builds("interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME)
 # Causal squares run it too. PyTorch's flash kernel computes a causal square in one call that
 # skips the blocks above the diagonal; the first version of this kernel (scores per query row,
 # one product per 64 keys) lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16
@@ -57,13 +58,25 @@ NATIVE = compiled.NativeKernel(
 # load 6; kernel / per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents
 # 303 / 408, one causal square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438.
 
-# the outcome of the one build attempt of this process: the loaded library, or why there is none
-_built: dict = {}
+# the outcome of this process's one build attempt per tier: the loaded library, or why there is none
+_builds: dict[str, dict] = {tier: {} for tier in BUILDS}
+
+
+def native() -> compiled.NativeKernel:
+    """The build the tier qkv uses now runs (the ``amx`` one where neither runs)."""
+    return BUILDS[compiled.interval_tier() or "amx"]
+
+
+def build_state() -> dict:
+    """This process's build attempt of `native` (`qkv.native.build.built_once`'s cache)."""
+    return _builds[compiled.interval_tier() or "amx"]
 
 
 def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel cannot run for these inputs, from facts that need no build."""
-    return switches.off_reason("interval_bf16") or compiled.static_reason(dtype, device, needs_onednn=True)
+    return switches.off_reason("interval_bf16") or compiled.static_reason(
+        dtype, device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS
+    )
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -77,18 +90,25 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     reason = _static_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    return reason or compiled.build_failure(_built)
+    return reason or compiled.build_failure(build_state())
 
 
+def first_use_note() -> str:
+    """What `qkv.explain` adds to the kernel's name before its first build in this process."""
+    return compiled.first_use_note(build_state())
 
 
 def _build() -> ctypes.CDLL | str:
-    """Compile (or load the cached build of) the kernel and check it: the library, or why not."""
-    return compiled.build(NATIVE, _check)
+    """Compile (or load the cached build of) the kernel of this tier and check it: the library, or why not."""
+    kernel = native()
+    return compiled.build(kernel, functools.partial(_check, kernel))
 
 
-def _check(library: ctypes.CDLL) -> str | None:
-    return compiled.onednn_packing_reason(library, "qkv_interval_bf16") or _self_check(functools.partial(_run, library))
+def _check(kernel: compiled.NativeKernel, library: ctypes.CDLL) -> str | None:
+    # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512 build
+    # packs for its own micro-kernel, which its self-check runs
+    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16") if kernel.tier is None else None
+    return packing or _self_check(functools.partial(_run, library))
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -134,7 +154,7 @@ def _check_one(
 
 
 def _module() -> ctypes.CDLL | str:
-    return compiled.built_once(_built, _build)
+    return compiled.built_once(build_state(), _build)
 
 
 @functools.cache
@@ -208,7 +228,7 @@ def _forward_op(
     """out (N, H, L, Ev) float32 (bfloat16 when ``rounded``) and lse (N, H, L) float32 of
     interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
-    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
+    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
     library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, q, k, v, lo, hi, scale, rounded)
 

@@ -7,8 +7,8 @@
 // dV and dK, come out of the element-wise pass in the row-major layout the micro-kernel reads:
 //   D_i = rowsum(dO_i * O_i) - dlse_i            float32, once per row
 //   per 64-key block j, for each 64-query block i whose rows' intervals touch it:
-//     S^T  = K_j Q_i^T                           AMX (cpublas::brgemm), float32 out
-//     dP^T = V_j dO_i^T                          AMX
+//     S^T  = K_j Q_i^T                           bf16 micro-kernel (products_bf16.h: AMX or
+//     dP^T = V_j dO_i^T                          AVX-512 BF16 by build), float32 out
 //     P^T  = exp(scale * S^T - lse), 0 outside each query's own interval
 //     dS^T = scale * P^T * (dP^T - D)
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         float32 accumulators of the key block
@@ -28,6 +28,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+
+#include "products_bf16.h"
 
 #include <omp.h>
 
@@ -284,24 +286,23 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
           touched = true;
           const int64_t r0 = qb0 * kBlock, width = blocks * kBlock;
           for (int64_t b = 0; b < blocks; ++b) {
-            cpublas::brgemm(keys, kBlock, E, k_ld, kBlock, width, false, k_h + key0 * k_ld,
-                            q_t.data() + (qb0 + b) * E * kBlock, st.data() + b * kBlock);
-            cpublas::brgemm(keys, kBlock, Ev, v_ld, kBlock, width, false, v_h + key0 * v_ld,
-                            g_t.data() + (qb0 + b) * Ev * kBlock, dpt.data() + b * kBlock);
+            qkv_products::products(keys, E, k_ld, width, false, k_h + key0 * k_ld, q_t.data() + (qb0 + b) * E * kBlock,
+                                   st.data() + b * kBlock);
+            qkv_products::products(keys, Ev, v_ld, width, false, v_h + key0 * v_ld, g_t.data() + (qb0 + b) * Ev * kBlock,
+                                   dpt.data() + b * kBlock);
           }
           gradient_of_scores(st.data(), dpt.data(), keys, key0, width, row_lo.data() + r0, row_hi.data() + r0,
                              row_lse.data() + r0, delta.data() + r0, scale, pt.data(), dst.data(), dsv.data());
           for (int64_t c = 0; c < Ev64 / kBlock; ++c)
-            cpublas::brgemm(keys, kBlock, width, width, kBlock, Ev64, true, pt.data(),
-                            g_rows.data() + c * L_pad * kBlock + r0 * kBlock, dv_acc.data() + c * kBlock);
+            qkv_products::products(keys, width, width, Ev64, true, pt.data(), g_rows.data() + c * L_pad * kBlock + r0 * kBlock,
+                                   dv_acc.data() + c * kBlock);
           for (int64_t c = 0; c < E64 / kBlock; ++c)
-            cpublas::brgemm(keys, kBlock, width, width, kBlock, E64, true, dst.data(),
-                            q_rows.data() + c * L_pad * kBlock + r0 * kBlock, dk_acc.data() + c * kBlock);
+            qkv_products::products(keys, width, width, E64, true, dst.data(), q_rows.data() + c * L_pad * kBlock + r0 * kBlock,
+                                   dk_acc.data() + c * kBlock);
           for (int64_t b = 0; b < blocks; ++b)
             for (int64_t e0 = 0; e0 < E; e0 += kBlock)
-              cpublas::brgemm(std::min(kBlock, E - e0), kBlock, kBlock, S_pad, kBlock, L_pad, true,
-                              k_t.data() + e0 * S_pad + key0, dsv.data() + b * kBlock * kBlock,
-                              dq_t.data() + e0 * L_pad + r0 + b * kBlock);
+              qkv_products::products(std::min(kBlock, E - e0), kBlock, S_pad, L_pad, true, k_t.data() + e0 * S_pad + key0,
+                                     dsv.data() + b * kBlock * kBlock, dq_t.data() + e0 * L_pad + r0 + b * kBlock);
           qb0 += blocks - 1;
         }
         BFloat16* dk_h = dk_p + (nh * S + key0) * E;
@@ -321,7 +322,7 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
         for (int64_t i = i0; i < std::min(L, i0 + kBlock); ++i)
           for (int64_t e = 0; e < E; ++e) dq_h[i * E + e] = BFloat16(dq_t[e * L_pad + i]);
     }
-    cpublas::brgemm_release();
+    qkv_products::release();
   });
   return done ? 0 : 1;
 }

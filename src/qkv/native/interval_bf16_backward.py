@@ -6,8 +6,9 @@ PyTorch's flash backward on float32 copies) take about five times the fused forw
 as the same one key interval lo..hi per query row (``BlockPlan.intervals``) and runs
 FlashAttention-2's backward (algorithm 2) from the forward's float32 output and lse: per
 64-key block and each 64-query block whose rows' intervals touch it, the five products
-(S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T) on the AMX units
-(``at::native::cpublas::brgemm``, bf16 x bf16 -> float32), P and dS in float32 on each row's
+(S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T), bf16 x bf16 ->
+float32, on the AMX units (``at::native::cpublas::brgemm``) or, on the ``avx512`` tier with
+AVX-512 BF16, the kernel's own micro-kernel (``products_bf16.h``), P and dS in float32 on each row's
 own keys only, float32 accumulators rounded to bfloat16 once. One task per (batch row, head):
 each gradient element is written by one thread in a fixed order, so two runs are bitwise equal.
 
@@ -43,13 +44,23 @@ __all__ = ["KERNEL_NAME", "backward", "gradients", "unavailable_reason"]
 # times the engine's other backwards so); QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
-# the kernel's source and build (`qkv.native.build`)
-NATIVE = compiled.NativeKernel(
-    "interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME,
-    torch_headers=True, links_torch=True,
-)  # fmt: skip
-# the outcome of the one build attempt of this process: the loaded library, or why there is none
-_built: dict = {}
+# the kernel's builds by tier (`qkv.native.build.interval_builds`): AMX micro-kernels, or its
+# own AVX-512 BF16 micro-kernel where the CPU has no AMX
+BUILDS = compiled.interval_builds(
+    "interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME
+)
+# the outcome of this process's one build attempt per tier: the loaded library, or why there is none
+_builds: dict[str, dict] = {tier: {} for tier in BUILDS}
+
+
+def native() -> compiled.NativeKernel:
+    """The build the tier qkv uses now runs (the ``amx`` one where neither runs)."""
+    return BUILDS[compiled.interval_tier() or "amx"]
+
+
+def build_state() -> dict:
+    """This process's build attempt of `native` (`qkv.native.build.built_once`'s cache)."""
+    return _builds[compiled.interval_tier() or "amx"]
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -62,23 +73,28 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     """
     reason = switches.off_reason("interval_bf16_backward")
     if reason is None:
-        reason = compiled.static_reason(dtype, device, needs_onednn=True)
+        reason = compiled.static_reason(dtype, device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    return reason or compiled.build_failure(_built)
+    return reason or compiled.build_failure(build_state())
 
 
+def first_use_note() -> str:
+    """What `qkv.explain` adds to the kernel's name before its first build in this process."""
+    return compiled.first_use_note(build_state())
 
 
 def _build() -> ctypes.CDLL | str:
-    """Compile (or load the cached build of) the kernel and check it: the library, or why not."""
-    return compiled.build(NATIVE, _check)
+    """Compile (or load the cached build of) the kernel of this tier and check it: the library, or why not."""
+    kernel = native()
+    return compiled.build(kernel, functools.partial(_check, kernel))
 
 
-def _check(library: ctypes.CDLL) -> str | None:
-    return compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") or _self_check(
-        functools.partial(_run, library)
-    )
+def _check(kernel: compiled.NativeKernel, library: ctypes.CDLL) -> str | None:
+    # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512 build
+    # packs for its own micro-kernel, which its self-check runs
+    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") if kernel.tier is None else None
+    return packing or _self_check(functools.partial(_run, library))
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -116,7 +132,7 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
 
 
 def _module() -> ctypes.CDLL | str:
-    return compiled.built_once(_built, _build)
+    return compiled.built_once(build_state(), _build)
 
 
 @functools.cache
@@ -202,7 +218,7 @@ def _backward_op(
     """dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16 of interval attention (E, Ev
     multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
     use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
-    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True)
+    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
     library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
 

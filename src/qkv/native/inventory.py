@@ -33,12 +33,14 @@ from qkv.native import build as compiled
 
 __all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 
-# the kernel modules, each with NATIVE (its source and flags), _built and _build
+# the kernel modules, each with native() (the build the machine runs: source and flags),
+# build_state() (this process's attempt) and _build
 _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)
 # the kernels built per tier (`compiled.TieredKernel`: name, machine build, build now, reason)
 _TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED, short_wide._TIERED)
-# the kernels that call oneDNN's micro-kernels (they need torch.backends.mkldnn switched on)
-_NEEDS_ONEDNN = (interval_bf16, interval_bf16_backward)
+# the fused interval kernels: built for amx (oneDNN's micro-kernels: they need
+# torch.backends.mkldnn switched on) and for avx512 with AVX-512 BF16 (`compiled.interval_builds`)
+_INTERVAL = (interval_bf16, interval_bf16_backward)
 # each kernel's operator, by its stem: torch.ops.qkv.<name>
 OPERATORS: dict[str, str] = {
     "interval_bf16": "interval_bf16_forward",
@@ -61,13 +63,14 @@ class KernelStatus:
 
 
 def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
-    native: compiled.NativeKernel = module.NATIVE
-    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"), needs_onednn=module in _NEEDS_ONEDNN)
-    outcome = module._built.get("module")
+    native: compiled.NativeKernel = module.native()
+    tiers = compiled.INTERVAL_TIERS if module in _INTERVAL else (compiled.REQUIRED_TIER,)
+    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"), needs_onednn=module in _INTERVAL, tiers=tiers)
+    outcome = module.build_state().get("module")
     if reason is None and isinstance(outcome, str):
         reason = outcome  # its build or self-check failed in this process
     return KernelStatus(
-        name=native.name, stem=native.stem, reason=reason, built=native.is_built(), folder=str(native.folder()),
+        name=native.name if native.tier is None else f"{native.name} ({native.tier} build)", stem=native.stem, reason=reason, built=native.is_built(), folder=str(native.folder()),
         seconds=seconds,
     )  # fmt: skip
 
@@ -88,7 +91,7 @@ def kernel_statuses() -> list[KernelStatus]:
     """Each compiled kernel: may it run here, and is its build cached. Builds nothing.
 
     >>> sorted(s.stem for s in kernel_statuses())[:3]  # doctest: +ELLIPSIS
-    ['add_norm_bf16', 'decode_...', 'interval_bf16']
+    ['add_norm_bf16', 'decode_...', 'interval_bf16...']
     """
     return [*(_status(module) for module in _MODULES), *(_tiered_status(tiered) for tiered in _TIERED)]
 
@@ -102,7 +105,7 @@ def build_all() -> list[KernelStatus]:
         if _status(module).reason is not None:
             return _status(module)
         started = time.perf_counter()
-        compiled.built_once(module._built, module._build)
+        compiled.built_once(module.build_state(), module._build)
         return _status(module, time.perf_counter() - started)
 
     def attempt_tiered(tiered: compiled.TieredKernel) -> KernelStatus:

@@ -56,6 +56,16 @@ NATIVE = compiled.NativeKernel(
 _built: dict = {}
 
 
+def native() -> compiled.NativeKernel:
+    """The kernel's build (one, for the ``amx`` tier)."""
+    return NATIVE
+
+
+def build_state() -> dict:
+    """This process's build attempt (`qkv.native.build.built_once`'s cache)."""
+    return _built
+
+
 def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel will not run for inputs of this dtype and device, or None if it will
     (possibly after building it on first use). Never builds.
