@@ -23,7 +23,7 @@ from qkv import _log
 from qkv.attention.dispatch import short_widens_itself
 from qkv.native import build as compiled
 from qkv.native import short_wide
-from qkv.native.machine import TIERS, cpu_features
+from qkv.native.machine import TIERS, compute_dtype, cpu_features
 from tests.kernels._compiler import REASON as FAILED_BUILD
 from tests.kernels._compiler import use_failing_compiler
 from tests.kernels._spy import CallSpy
@@ -274,6 +274,29 @@ def test_switched_off_the_call_is_widened_and_gives_the_same_answer(emulated: No
     assert not said.forward_kernel.startswith(f"the {short_wide.KERNEL_NAME}")
     for out in (fast, widened):
         assert _within_half_an_ulp(out, want)
+
+
+def test_native_bf16_without_amx_runs_it_and_explain_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where bf16 is native but there is no AMX (tier avx512 with AVX-512 BF16; forced on an AMX
+    machine), the short calls stay in bf16 and take this kernel too; switched off, SDPA runs
+    and explain says that this kernel, not the AMX one, does not run."""
+    monkeypatch.setenv("QKV_CPU_TIER", "avx512")
+    monkeypatch.delenv("QKV_KEEP_EMULATED_DTYPES", raising=False)
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
+    q, k, v = (x.to(DTYPE) for x in _problem(2, 4, 4, 30, 30, 32, 32, seed=8)[:3])
+    said = qkv.explain(q, k, v)
+    if compute_dtype(DTYPE, CPU) != DTYPE:
+        return  # an AVX2 machine (the forced tier is ignored): the emulated tier's tests above cover it
+    assert said.kernels == ("short_wide", "none")
+    assert "the short-sequence bf16 kernel does not run: this CPU's tier is avx512" in said.forward_kernel
+    spy = _spy(monkeypatch)
+    out = qkv.attention(q, k, v)
+    assert spy.calls == 1 and out.dtype == DTYPE
+    assert _within_half_an_ulp(out, _reference(q, k, v, None, 32**-0.5))
+    with qkv.backends.disabled("short_wide"):
+        said = qkv.explain(q, k, v)
+    assert said.kernels == ("sdpa", "sdpa")
+    assert f"(the {short_wide.KERNEL_NAME} does not run: it is switched off" in said.forward_kernel
 
 
 def test_no_compiled_kernels_switch(emulated: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -178,6 +178,10 @@ class Plan:
     # terms (the interval kernels); None where it runs or does not apply. `qkv.explain` prints it.
     forward_absent: str | None = None
     backward_absent: str | None = None
+    # the compiled kernel ``forward_absent`` speaks of, where it is not the one the forward
+    # kernel usually stands in for (`qkv.backends.protocol.kernel_words`): SDPA in place of
+    # short_wide on a CPU without AMX
+    forward_absent_kernel: str | None = None
 
     def __post_init__(self) -> None:
         if self.forward_kernel not in FORWARD_KERNELS or self.backward_kernel not in BACKWARD_KERNELS:
@@ -505,6 +509,7 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
             short_reason if short_reason is not None or short == "short_bf16"
             else short_bf16.unavailable_reason(q.dtype, q.device)
         ) if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
+        forward_absent_kernel=short if short_reason is not None and short != "short_bf16" else None,
     )  # fmt: skip
 
 

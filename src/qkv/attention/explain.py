@@ -175,7 +175,7 @@ def explanation(
     # says why one does not run
     forward_kernel = backward_kernel = ""
     if plan.forward_kernel in COMPILED_KERNELS or plan.forward_absent is not None:
-        forward_kernel = kernel_words(plan.forward_kernel, plan.forward_absent)
+        forward_kernel = kernel_words(plan.forward_kernel, plan.forward_absent, plan.forward_absent_kernel)
     if plan.backward_kernel in COMPILED_KERNELS or plan.backward_absent is not None or plan.backward_kernel == "sdpa_wide":
         backward_kernel = kernel_words(plan.backward_kernel, plan.backward_absent)
     rates: tuple[tuple[str, float], ...] = ()

@@ -106,15 +106,16 @@ _STANDS_IN_FOR = {
 }  # fmt: skip
 
 
-def kernel_words(name: str, absent: str | None = None) -> str:
+def kernel_words(name: str, absent: str | None = None, absent_kernel: str | None = None) -> str:
     """Kernel ``name`` in words (`qkv.explain`'s kernel lines); ``absent``: the Plan's reason
-    why the compiled kernel that ``name`` stands in for does not run."""
+    why the compiled kernel that ``name`` stands in for (``absent_kernel``, else the usual
+    one) does not run."""
     words = FORWARD_KERNELS.get(name) or BACKWARD_KERNELS[name]
     module = COMPILED_KERNELS.get(name)
     if module is not None:  # a kernel built per tier says its own note
         words += module.first_use_note() if hasattr(module, "first_use_note") else compiled.first_use_note(module.build_state())
     if absent is not None:
-        words += f" (the {COMPILED_KERNELS[_STANDS_IN_FOR[name]].KERNEL_NAME} does not run: {absent})"
+        words += f" (the {COMPILED_KERNELS[absent_kernel or _STANDS_IN_FOR[name]].KERNEL_NAME} does not run: {absent})"
     return words
 
 
