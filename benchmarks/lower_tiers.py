@@ -1,4 +1,4 @@
-"""bfloat16 against float32 where qkv's compiled bf16 kernels do not run: the fallback's proof.
+"""bfloat16 against float32 where qkv's AMX kernels do not run: the lower tiers' kernels and fallbacks.
 
 qkv's compiled bf16 kernels (the fused interval forward and backward, `qkv.native.interval_bf16`
 and `interval_bf16_backward`, and the short-sequence kernel, `qkv.native.short_bf16`) are

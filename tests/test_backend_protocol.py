@@ -135,7 +135,7 @@ CASES: dict[str, tuple[tuple[int, ...], Any, dict[str, Any], torch.dtype, bool]]
     "math": ((1, 2, 2, 64, 64, 16), M.causal(), {"backend": "math"}, torch.float32, True),
 }
 # the kernels each case must plan, independently of the Plan; where the compiled kernels cannot
-# run (no AMX, QKV_CPU_TIER below amx, QKV_NO_COMPILED_KERNELS) those of `PORTABLE`
+# run (no AMX, or for the interval pair no AVX-512 BF16; QKV_NO_COMPILED_KERNELS) those of `PORTABLE`
 PORTABLE = {"bf16 block engine": ("cpu_flash_tiles", "engine_per_call"), "short bf16": ("sdpa", "sdpa")}
 EXPECTED = {
     "no mask": ("sdpa", "sdpa"),

@@ -4,7 +4,7 @@ Its forward goes through the whole engine (`qkv.attention(..., backend="blocks")
 backward (the engine's own, from the kernel's output and lse) is checked too, against the
 float64 reference by docs/design.md's tolerance rule (`assert_by_the_rule`). A spy counts the
 kernel's calls, so a test fails if the kernel silently stops running on a machine that can
-run it. On a machine that cannot (no AMX, no compiler), the same tests check the fallback
+run it. On a machine that cannot (no AVX-512 BF16, no compiler), the same tests check the fallback
 (the per-tile flash path) and that a reason is given.
 
 The first test to need the kernel builds it (seconds, once per source version; the build
@@ -13,6 +13,7 @@ folder is named by the source's hash, so no earlier build of another source is u
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import qkv
 from qkv import masks as M
 from qkv.native import build as compiled
 from qkv.native import interval_bf16
+from qkv.native.machine import cpu_features
 from tests.kernels._compiler import REASON as FAILED_BUILD
 from tests.kernels._compiler import use_failing_compiler
 from tests.kernels._spy import CallSpy
@@ -289,8 +291,31 @@ def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.Monk
     assert not interval_bf16.native().is_built()
 
 
+@pytest.mark.parametrize("tier", ["amx", "avx512"])
+def test_each_tier_loads_its_own_build(monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    """The build that runs is the tier's: oneDNN's AMX micro-kernel on ``amx``, the kernel's own
+    AVX-512 BF16 one on ``avx512`` (forced on an AMX machine), and the two are told apart by
+    their libraries; both agree with float64 math."""
+    monkeypatch.setenv("QKV_CPU_TIER", tier)
+    monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
+    if cpu_features().tier != tier or interval_bf16._static_reason(DTYPE, CPU) is not None:
+        assert compiled.interval_tier() in (None, cpu_features().tier)  # a lower machine: not this build
+        return
+    assert compiled.interval_tier() == tier and interval_bf16.native() is interval_bf16.BUILDS[tier]
+    q, k, v, d_out = _problem(1, 2, 2, 150, 150, 64, 64, seed=21)
+    mask = M.sliding_window(40, 20)
+    trace, _ = _reference(q, k, v, mask, d_out, 0.125)
+    spy = _spy(monkeypatch)
+    with torch.no_grad():
+        out = qkv.attention(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask, backend="blocks", scale=0.125)
+    assert spy.calls == 1 and _err(out, trace.output) < 2e-2
+    library = interval_bf16.build_state()["module"]
+    assert isinstance(library, ctypes.CDLL)
+    assert Path(library._name).parent == interval_bf16.BUILDS[tier].folder()
+
+
 def test_the_kernel_builds_where_nothing_is_missing() -> None:
-    # on a machine with AMX, AVX-512 and a compiler the kernel must build and pass its
+    # on a machine with AVX-512 BF16 (tier avx512 or amx) and a compiler the kernel must build and pass its
     # self-check (a float64 comparison): otherwise every test above would quietly test the fallback
     if interval_bf16._static_reason(DTYPE, CPU) is not None:
         assert interval_bf16.unavailable_reason(DTYPE, CPU) == interval_bf16._static_reason(DTYPE, CPU)

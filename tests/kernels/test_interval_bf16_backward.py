@@ -4,7 +4,7 @@ Every gradient goes through the whole engine (`qkv.attention(..., backend="block
 autograd), against the float64 reference by docs/design.md's tolerance rule (`assert_by_the_rule`:
 within 3x the error of a naive bf16 implementation). A spy counts the kernel's calls, so a
 test fails if the kernel silently stops running on a machine that can run it; on a machine
-that cannot (no AMX, no compiler), the same tests check the engine's other backward and
+that cannot (no AVX-512 BF16, no compiler), the same tests check the engine's other backward and
 that a reason is given.
 """
 
@@ -136,7 +136,7 @@ def test_empty_rows_and_unseen_keys_get_zero_gradients() -> None:
 def test_two_runs_are_bitwise_equal() -> None:
     # the compiled kernel: one task per (batch row, head), each gradient element written by one
     # thread in a fixed order, so the same inputs give the same bits whatever the thread count.
-    # Without it (no AMX, or switched off) the fallback promises the same bits at the same
+    # Without it (no AVX-512 BF16, or switched off) the fallback promises the same bits at the same
     # thread count only: PyTorch's flash backward and matrix products split work by threads.
     q, k, v, d_out = _problem(2, 4, 2, 333, 400, 64, 64, seed=12)
     mask = M.sliding_window(100, 50)

@@ -52,8 +52,8 @@ def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = N
     if plan.forward_kernel == "short_wide":
         out = short_wide.forward(q, k, v, key_padding(problem), scale)  # (N, H, L, Ev)
         if out is None:
-            # its build or self-check failed just now: SDPA on float32 copies (this CPU emulates
-            # bf16 products), rounded once; later calls are widened before they are planned
+            # its build or self-check failed just now: SDPA on float32 copies (faster than bf16
+            # SDPA wherever this kernel is chosen), rounded once; later calls plan without it
             wide = fused_attention(
                 q.float(), k.float(), v.float(), None if mask is None else compact(mask), scale, is_causal=False,
                 dropout=0.0, need_lse=False,

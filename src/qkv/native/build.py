@@ -24,7 +24,9 @@ a kernel that cannot be built is one sentence saying why (the compiler is missin
 compiler's first error line), and its caller falls back to a path that needs no compiler.
 Each build is noted on the ``qkv`` logger: ``building <stem> ... done in X s``.
 
-Tiers. The AMX kernels are written for `REQUIRED_TIER` only (`static_reason`). A kernel written
+Tiers. The AMX kernels are written for `REQUIRED_TIER` only (`static_reason`); the fused
+interval pair has a second build for ``avx512`` with AVX-512 BF16, on its own micro-kernel
+(`interval_builds`, `interval_tier`: the same flags plus ``QKV_DPBF16_PRODUCTS``). A kernel written
 for several tiers (the decode kernel, `qkv.native.decode`) is built once per tier it runs at,
 with that tier's flags only (`TIER_CFLAGS`), as its own library (``NativeKernel.tier``, in the
 cache key): `build_tier` picks the highest tier it supports at or below the one qkv uses now

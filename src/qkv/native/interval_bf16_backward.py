@@ -93,7 +93,7 @@ def _build() -> ctypes.CDLL | str:
 def _check(kernel: compiled.NativeKernel, library: ctypes.CDLL) -> str | None:
     # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512 build
     # packs for its own micro-kernel, which its self-check runs
-    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") if kernel.tier is None else None
+    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") if kernel is BUILDS["amx"] else None
     return packing or _self_check(functools.partial(_run, library))
 
 

@@ -6,7 +6,8 @@ qkv sorts x86-64 CPUs into the tiers its code paths differ by, lowest first:
 - ``avx2``: AVX2 + FMA (AMD EPYC / Ryzen, Intel laptops and older Xeons);
 - ``avx512``: AVX-512 (F, BW, VL, DQ), with or without the bf16 instructions;
 - ``amx``: AVX-512 with AMX tiles (Intel Xeon Sapphire Rapids and newer): the tier qkv's
-  compiled bf16 kernels are written for.
+  AMX kernels are written for (the fused interval pair also has a build for ``avx512`` with
+  the bf16 instructions; the decode kernel, the magnitude scan and short_wide run from ``avx2``).
 
 The features come from ``torch.backends.cpu.get_cpu_capability()`` and the ``torch.cpu``
 queries (``_is_avx512_bf16_supported``, ``_is_amx_tile_supported`` ...), never from

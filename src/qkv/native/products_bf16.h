@@ -8,8 +8,10 @@
 // - avx512 (QKV_DPBF16_PRODUCTS): our own micro-kernel on AVX-512 BF16's vdpbf16ps, for CPUs
 //   with AVX-512 BF16 but no AMX (AMD Zen 4 and 5, Intel Cooper Lake), where PyTorch's oneDNN
 //   offers no bf16 micro-kernel (cpublas::could_pack is false) and its flash kernel reaches a
-//   fifth of the bf16 matrix-multiply rate. Both round the same way: every bf16 x bf16 product
-//   is exact in float32, sums are float32, denormal inputs and results are flushed to zero.
+//   fifth of the bf16 matrix-multiply rate. Both compute every bf16 x bf16 product exactly in
+//   float32 and sum in float32 with denormal inputs and results flushed to zero; the two
+//   products of a pair may be added in another order, so the builds agree to float32
+//   rounding, not bit for bit (each is deterministic).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -19,7 +21,9 @@
 #include <cstdint>
 #include <cstring>
 
+// an anonymous namespace inside: each library keeps its own copy (the two builds differ)
 namespace qkv_products {
+namespace {
 
 using at::BFloat16;
 
@@ -75,4 +79,5 @@ inline void release() { at::native::cpublas::brgemm_release(); }
 
 #endif
 
+}  // namespace
 }  // namespace qkv_products

@@ -1,9 +1,10 @@
-"""The short-sequence bf16 kernel for CPUs that only emulate bf16 products, compiled per tier.
+"""The short-sequence bf16 kernel for CPUs without AMX, compiled per tier.
 
-On AVX2 + FMA machines (AMD EPYC, most laptops) and AVX-512 ones without AMX, PyTorch's bf16
-products are emulated, and qkv computes a bf16 request in float32 (`qkv.native.machine.
-compute_dtype`). For the calls the AMX kernel `qkv.native.short_bf16` takes on ``amx``
-machines (a sentence encoder's many short rows: bf16 on CPU, at most `MAX_KEYS` keys, no mask
+On AVX2 + FMA machines (AMD EPYC, most laptops) and AVX-512 ones without the bf16
+instructions, PyTorch's bf16 products are emulated, and qkv computes a bf16 request in float32
+(`qkv.native.machine.compute_dtype`); on AVX-512 BF16 without AMX (AMD Zen 4 and 5) they are
+native, but PyTorch's bf16 SDPA is slower than its float32 one at these sizes. For the calls
+the AMX kernel `qkv.native.short_bf16` takes on ``amx`` machines (a sentence encoder's many short rows: bf16 on CPU, at most `MAX_KEYS` keys, no mask
 or key padding, no score terms, dropout, gradient, weights or lse), this kernel
 (``short_wide.cpp``) reads the bf16 q, k and v directly, widens them in registers, computes
 in float32 (products, exact softmax, sums) and rounds the output to bf16 once, where the
