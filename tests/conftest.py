@@ -11,12 +11,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Inductor's on-disk cache keys leave out two things these tests change: whether
-# ATEN_CPU_CAPABILITY holds ATen to a lower tier (.ci/run's forced-AVX2 run; code built under
+# Inductor's on-disk cache keys leave out three things these tests change: whether
+# ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA holds ATen or oneDNN to a lower tier (.ci/run's
+# forced-AVX2 and forced-AVX-512 runs; code built under
 # one setting and loaded under the other returned NaN or aborted in malloc, torch 2.15 on an
 # AMX Xeon, 2026-12-05), and the fake implementations of qkv's own operators (code traced
-# against an older one failed its stride assertions). So each ATen capability and each state
-# of qkv's source gets its own cache folder, unless the caller chose one.
+# against an older one failed its stride assertions). So each ATen capability, oneDNN ISA
+# limit and state of qkv's source gets its own cache folder, unless the caller chose one.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _source = hashlib.sha256()
     for _path in sorted((Path(__file__).parents[1] / "src" / "qkv").rglob("*.py")):
@@ -24,7 +25,8 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _uid = os.getuid() if hasattr(os, "getuid") else "user"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"qkv-tests-inductor-{_uid}",
-        f"{torch.backends.cpu.get_cpu_capability().lower()}-{torch.__version__}-{_source.hexdigest()[:16]}",
+        f"{torch.backends.cpu.get_cpu_capability().lower()}-{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all').lower()}"
+        f"-{torch.__version__}-{_source.hexdigest()[:16]}",
     )  # fmt: skip
 
 settings.register_profile(
