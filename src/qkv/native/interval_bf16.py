@@ -131,6 +131,10 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
     return None
 
 
+# query rows per block of the self-check's float64 reference
+_CHECK_ROWS = 128
+
+
 def _check_one(
     run, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool  # type: ignore[no-untyped-def]
 ) -> str | None:
@@ -141,10 +145,16 @@ def _check_one(
     if out.dtype != (torch.bfloat16 if rounded else torch.float32):
         return f"its self-check failed (the output came in {out.dtype})"
     keys = torch.arange(S).view(1, S)
-    visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
-    s = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
-    want_lse = torch.logsumexp(s, dim=-1)  # (N, H, L)
-    want = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v.double()  # (N, H, L, Ev)
+    k64, v64 = k.double(), v.double()
+    want, want_lse = torch.empty(N, H, L, Ev, dtype=torch.float64), torch.empty(N, H, L, dtype=torch.float64)
+    # float64 math by blocks of rows: the whole score matrix of the causal case was 36 MiB per
+    # copy, and this check runs inside a user's first call
+    for r0 in range(0, L, _CHECK_ROWS):
+        rows = slice(r0, r0 + _CHECK_ROWS)
+        visible = (keys >= lo[0, rows].view(-1, 1)) & (keys <= hi[0, rows].view(-1, 1))  # (rows, S)
+        s = (q[:, :, rows].double() @ k64.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (N, H, rows, S)
+        want_lse[:, :, rows] = torch.logsumexp(s, dim=-1)
+        want[:, :, rows] = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v64
     out_err = (out.double() - want).abs().max().item()
     finite = torch.isfinite(want_lse)
     lse_err = (lse.double()[finite] - want_lse[finite]).abs().max().item()
