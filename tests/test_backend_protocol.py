@@ -38,7 +38,7 @@ def _amx_kernels() -> bool:
 
 def _interval_kernels() -> bool:
     """Whether the fused interval kernels can run here (AVX-512 BF16: their amx or avx512 build, a compiler)."""
-    return compiled.static_reason(BF16, torch.device("cpu"), needs_onednn=True, tiers=compiled.INTERVAL_TIERS) is None
+    return compiled.interval_reason(BF16, torch.device("cpu")) is None
 
 
 class Recorder:

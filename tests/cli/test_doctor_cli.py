@@ -79,14 +79,14 @@ def _bf16_static_reason(stem: str) -> str | None:
     """Why a bf16 kernel (``stem`` as doctor lists it) cannot run here, from facts that need no build."""
     base = stem.removesuffix("_avx512")
     if base in INTERVAL_MODULES:
-        return compiled.static_reason(torch.bfloat16, CPU, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+        return compiled.interval_reason(torch.bfloat16, CPU)
     return compiled.static_reason(torch.bfloat16, CPU)
 
 
 def _forget_builds(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
     """Empty a kernel module's build attempts for one test (the interval pair keeps one per tier)."""
     if hasattr(module, "BUILDS"):
-        monkeypatch.setattr(module, "_builds", {tier: {} for tier in module.BUILDS})
+        monkeypatch.setattr(module._KERNEL, "attempts", {tier: {} for tier in module.BUILDS})
     else:
         monkeypatch.setattr(module, "_built", {})
 

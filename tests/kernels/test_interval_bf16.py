@@ -270,7 +270,7 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16, "_builds", {tier: {} for tier in interval_bf16.BUILDS})
+    monkeypatch.setattr(interval_bf16._KERNEL, "attempts", {tier: {} for tier in interval_bf16.BUILDS})
     monkeypatch.setattr(interval_bf16, "_static_reason", lambda dtype, device: None)  # as on a machine that could run it
     q, k, v, d_out = _problem(1, 2, 2, 300, 300, 64, 64, seed=4)
     mask = M.sliding_window(64, 64)
@@ -284,7 +284,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16, "_builds", {tier: {} for tier in interval_bf16.BUILDS})
+    monkeypatch.setattr(interval_bf16._KERNEL, "attempts", {tier: {} for tier in interval_bf16.BUILDS})
     assert interval_bf16._build() == FAILED_BUILD
     folder = interval_bf16.native().folder()
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("qkv_interval_bf16_")

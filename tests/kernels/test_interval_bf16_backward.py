@@ -211,7 +211,7 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16_backward, "_builds", {tier: {} for tier in interval_bf16_backward.BUILDS})
+    monkeypatch.setattr(interval_bf16_backward._KERNEL, "attempts", {tier: {} for tier in interval_bf16_backward.BUILDS})
     monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)  # as on a machine that could run it
     L = S = 300
     q, k, v, d_out = _problem(1, 2, 2, L, S, 64, 64, seed=4)
@@ -230,7 +230,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 def test_the_kernel_builds_where_nothing_is_missing() -> None:
     # on a machine with AVX-512 BF16 (tier avx512 or amx) and a compiler the kernel must build and
     # pass its self-check (float64 autograd): otherwise every test above would quietly test the fallback
-    static = compiled.static_reason(DTYPE, CPU, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+    static = compiled.interval_reason(DTYPE, CPU)
     if static is not None:
         assert interval_bf16_backward.unavailable_reason(DTYPE, CPU) == static
         return

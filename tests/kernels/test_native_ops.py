@@ -111,7 +111,7 @@ def _static_reason(stem: str) -> str | None:
     if stem == "short_wide":  # bf16, from AVX2 up
         return compiled.tier_reason(short_wide.TIERS, BF16, CPU, short_wide.DTYPES)
     if stem in ("interval_bf16", "interval_bf16_backward"):  # bf16, amx or avx512 with AVX-512 BF16
-        return compiled.static_reason(BF16, CPU, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+        return compiled.interval_reason(BF16, CPU)
     return compiled.static_reason(BF16, CPU)
 
 

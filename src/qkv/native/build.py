@@ -26,7 +26,7 @@ Each build is noted on the ``qkv`` logger: ``building <stem> ... done in X s``.
 
 Tiers. The AMX kernels are written for `REQUIRED_TIER` only (`static_reason`); the fused
 interval pair has a second build for ``avx512`` with AVX-512 BF16, on its own micro-kernel
-(`interval_builds`, `interval_tier`: the same flags plus ``QKV_DPBF16_PRODUCTS``). A kernel written
+(`IntervalKernel`, `interval_tier`: the same flags plus ``QKV_DPBF16_PRODUCTS``). A kernel written
 for several tiers (the decode kernel, `qkv.native.decode`) is built once per tier it runs at,
 with that tier's flags only (`TIER_CFLAGS`), as its own library (``NativeKernel.tier``, in the
 cache key): `build_tier` picks the highest tier it supports at or below the one qkv uses now
@@ -65,6 +65,7 @@ __all__ = [
     "INTERVAL_TIERS",
     "REQUIRED_TIER",
     "TIER_CFLAGS",
+    "IntervalKernel",
     "NativeKernel",
     "TieredKernel",
     "build",
@@ -77,7 +78,7 @@ __all__ = [
     "direct_call",
     "first_use_note",
     "function",
-    "interval_builds",
+    "interval_reason",
     "interval_tier",
     "loaded_or_raise",
     "local_headers",
@@ -91,7 +92,7 @@ __all__ = [
 # what the compiled code executes: AVX-512 (at::vec, bf16 conversions), AMX for the products
 REQUIRED_TIER = "amx"
 # the fused interval kernels have a second build, for AVX-512 BF16 without AMX (AMD Zen 4 and
-# 5, Intel Cooper Lake): their products on vdpbf16ps (products_bf16.h, `interval_builds`)
+# 5, Intel Cooper Lake): their products on vdpbf16ps (products_bf16.h, `IntervalKernel`)
 INTERVAL_TIERS = ("avx512", "amx")
 # -ffp-contract=off: a product and a difference written apart stay apart (GCC would fuse them
 # into one FMA, whose unrounded product makes a softmax's max score differ from itself).
@@ -153,17 +154,10 @@ def interval_tier() -> str | None:
     return features.tier if features.tier in INTERVAL_TIERS and features.avx512_bf16 else None
 
 
-def interval_builds(stem: str, source: Path, name: str) -> dict[str, NativeKernel]:
-    """The two builds of a fused interval kernel, by tier: ``amx`` (oneDNN's micro-kernel, the
-    build keyed by the tier qkv uses, as before there were two) and ``avx512`` (the kernel's
-    own vdpbf16ps micro-kernel: ``QKV_DPBF16_PRODUCTS``, products_bf16.h)."""
-    return {
-        "amx": NativeKernel(stem, source, name, torch_headers=True, links_torch=True),
-        "avx512": NativeKernel(
-            f"{stem}_avx512", source, name, cflags=(*CFLAGS, "-DQKV_DPBF16_PRODUCTS"), torch_headers=True,
-            links_torch=True, tier="avx512",
-        ),
-    }  # fmt: skip
+def interval_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """`static_reason` for the fused interval kernels: bf16, a tier of `INTERVAL_TIERS`, and
+    oneDNN switched on where their ``amx`` build runs."""
+    return static_reason(dtype, device, needs_onednn=True, tiers=INTERVAL_TIERS)
 
 
 def static_reason(
@@ -318,9 +312,10 @@ class NativeKernel:
     # and whether it calls into libtorch_cpu (then linked with it and c10)
     torch_headers: bool = False
     links_torch: bool = False
-    # the tier this build is for, when the kernel is written for several (`build_tier`; its
-    # flags are then ``TIER_CFLAGS[tier]``); None: a kernel for `REQUIRED_TIER` only, with the
-    # flags given, keyed by the tier qkv uses now
+    # the tier this build is for, in its cache key: a kernel written for several tiers
+    # (`build_tier`; its flags are then ``TIER_CFLAGS[tier]``) or an interval kernel's avx512
+    # build (`IntervalKernel`); None: a kernel for `REQUIRED_TIER` only, with the flags given,
+    # keyed by the tier qkv uses now
     tier: str | None = None
 
     def folder(self) -> Path:
@@ -405,6 +400,57 @@ class TieredKernel:
         # any dtype it runs: a build serves them all
         if tier is not None and tier_reason(self.tiers, self.dtypes[0], torch.device("cpu"), self.dtypes) is None:
             self.module(tier)
+
+
+@dataclass(eq=False)
+class IntervalKernel:
+    """One fused interval kernel (the forward or the backward) with its two builds of one
+    source, by tier (``builds``): ``amx``, whose products are oneDNN's micro-kernel on the AMX
+    tiles (keyed by the tier qkv uses, as before there were two), and ``avx512``, whose products
+    are the kernel's own on vdpbf16ps (``-DQKV_DPBF16_PRODUCTS``, products_bf16.h); and this
+    process's one attempt at each (``attempts``: tier -> `built_once`'s cache). A fresh library
+    passes ``self_check`` (against float64 math), the amx one `onednn_packing_reason` first."""
+
+    stem: str
+    source: Path
+    name: str
+    self_check: Callable[[ctypes.CDLL], str | None]
+    builds: dict[str, NativeKernel] = field(init=False)
+    attempts: dict[str, dict] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.builds = {
+            "amx": NativeKernel(self.stem, self.source, self.name, torch_headers=True, links_torch=True),
+            "avx512": NativeKernel(
+                f"{self.stem}_avx512", self.source, self.name, cflags=(*CFLAGS, "-DQKV_DPBF16_PRODUCTS"),
+                torch_headers=True, links_torch=True, tier="avx512",
+            ),
+        }  # fmt: skip
+        self.attempts = {tier: {} for tier in self.builds}
+
+    def native(self) -> NativeKernel:
+        """The build the tier qkv uses now runs (the ``amx`` one where neither runs)."""
+        return self.builds[interval_tier() or "amx"]
+
+    def build_state(self) -> dict:
+        """This process's attempt at `native` (`built_once`'s cache)."""
+        return self.attempts[interval_tier() or "amx"]
+
+    def build(self) -> Outcome:
+        """Compile (or load the cached build of) `native` and check it: the library, or why not."""
+        kernel = self.native()
+
+        def check(library: ctypes.CDLL) -> str | None:
+            # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512
+            # build packs for its own micro-kernel, which the self-check runs
+            packing = onednn_packing_reason(library, f"qkv_{self.stem}") if kernel is self.builds["amx"] else None
+            return packing or self.self_check(library)
+
+        return build(kernel, check)
+
+    def module(self) -> Outcome:
+        """The loaded library of `native` (built and checked on first use), or why there is none."""
+        return built_once(self.build_state(), self.build)
 
 
 def _torch_folders() -> tuple[str, str]:

@@ -47,36 +47,22 @@ __all__ = ["KERNEL_NAME", "forward", "unavailable_reason"]
 # per-tile path so); the environment variable QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval kernel"
-# the kernel's builds by tier (`qkv.native.build.interval_builds`): AMX micro-kernels, or its
-# own AVX-512 BF16 micro-kernel where the CPU has no AMX
-BUILDS = compiled.interval_builds("interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME)
-# Causal squares run it too. PyTorch's flash kernel computes a causal square in one call that
-# skips the blocks above the diagonal; the first version of this kernel (scores per query row,
-# one product per 64 keys) lost to it there (varlen causal of 64 documents 87 vs 74 ms, of 16
-# documents 198 vs 124, quiet, 2 threads, n = 16,384), and such plans kept the per-tile path.
-# The transposed kernel wins on them (n = 16,384, H = 8, E = 64, one thread, interleaved,
-# load 6; kernel / per-tile ms): varlen causal of 64 documents 138 / 247, of 16 documents
-# 303 / 408, one causal square 2,060 / 2,044 (a tie); sliding_window(256, 256) 169 / 438.
-
-# the outcome of this process's one build attempt per tier: the loaded library, or why there is none
-_builds: dict[str, dict] = {tier: {} for tier in BUILDS}
-
-
-def native() -> compiled.NativeKernel:
-    """The build the tier qkv uses now runs (the ``amx`` one where neither runs)."""
-    return BUILDS[compiled.interval_tier() or "amx"]
-
-
-def build_state() -> dict:
-    """This process's build attempt of `native` (`qkv.native.build.built_once`'s cache)."""
-    return _builds[compiled.interval_tier() or "amx"]
+# the kernel's two builds by tier (AMX micro-kernels, or its own AVX-512 BF16 one where the
+# CPU has no AMX) and this process's attempt at each (`qkv.native.build.IntervalKernel`)
+_KERNEL = compiled.IntervalKernel(
+    "interval_bf16", Path(__file__).with_name("interval_bf16.cpp"), KERNEL_NAME,
+    lambda library: _self_check(functools.partial(_run, library)),
+)  # fmt: skip
+BUILDS = _KERNEL.builds
+native = _KERNEL.native
+build_state = _KERNEL.build_state
+_build = _KERNEL.build
+_module = _KERNEL.module
 
 
 def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernel cannot run for these inputs, from facts that need no build."""
-    return switches.off_reason("interval_bf16") or compiled.static_reason(
-        dtype, device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS
-    )
+    return switches.off_reason("interval_bf16") or compiled.interval_reason(dtype, device)
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -96,19 +82,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
 def first_use_note() -> str:
     """What `qkv.explain` adds to the kernel's name before its first build in this process."""
     return compiled.first_use_note(build_state())
-
-
-def _build() -> ctypes.CDLL | str:
-    """Compile (or load the cached build of) the kernel of this tier and check it: the library, or why not."""
-    kernel = native()
-    return compiled.build(kernel, functools.partial(_check, kernel))
-
-
-def _check(kernel: compiled.NativeKernel, library: ctypes.CDLL) -> str | None:
-    # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512 build
-    # packs for its own micro-kernel, which its self-check runs
-    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16") if kernel is BUILDS["amx"] else None
-    return packing or _self_check(functools.partial(_run, library))
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -161,10 +134,6 @@ def _check_one(
     if not (out_err < 3e-2 and lse_err < 1e-3 and bool((lse[~finite] == float("-inf")).all())):
         return f"its self-check failed (output error {out_err:.3g}, lse error {lse_err:.3g})"
     return None
-
-
-def _module() -> ctypes.CDLL | str:
-    return compiled.built_once(build_state(), _build)
 
 
 @functools.cache
@@ -238,7 +207,7 @@ def _forward_op(
     """out (N, H, L, Ev) float32 (bfloat16 when ``rounded``) and lse (N, H, L) float32 of
     interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
-    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+    reason = compiled.interval_reason(q.dtype, q.device)
     library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, q, k, v, lo, hi, scale, rounded)
 

@@ -44,23 +44,17 @@ __all__ = ["KERNEL_NAME", "backward", "gradients", "unavailable_reason"]
 # times the engine's other backwards so); QKV_NO_COMPILED_KERNELS=1 too, without a build.
 
 KERNEL_NAME = "fused bf16 interval backward kernel"
-# the kernel's builds by tier (`qkv.native.build.interval_builds`): AMX micro-kernels, or its
-# own AVX-512 BF16 micro-kernel where the CPU has no AMX
-BUILDS = compiled.interval_builds(
-    "interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME
-)
-# the outcome of this process's one build attempt per tier: the loaded library, or why there is none
-_builds: dict[str, dict] = {tier: {} for tier in BUILDS}
-
-
-def native() -> compiled.NativeKernel:
-    """The build the tier qkv uses now runs (the ``amx`` one where neither runs)."""
-    return BUILDS[compiled.interval_tier() or "amx"]
-
-
-def build_state() -> dict:
-    """This process's build attempt of `native` (`qkv.native.build.built_once`'s cache)."""
-    return _builds[compiled.interval_tier() or "amx"]
+# the kernel's two builds by tier (AMX micro-kernels, or its own AVX-512 BF16 one where the
+# CPU has no AMX) and this process's attempt at each (`qkv.native.build.IntervalKernel`)
+_KERNEL = compiled.IntervalKernel(
+    "interval_bf16_backward", Path(__file__).with_name("interval_bf16_backward.cpp"), KERNEL_NAME,
+    lambda library: _self_check(functools.partial(_run, library)),
+)  # fmt: skip
+BUILDS = _KERNEL.builds
+native = _KERNEL.native
+build_state = _KERNEL.build_state
+_build = _KERNEL.build
+_module = _KERNEL.module
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -73,7 +67,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     """
     reason = switches.off_reason("interval_bf16_backward")
     if reason is None:
-        reason = compiled.static_reason(dtype, device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+        reason = compiled.interval_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
     return reason or compiled.build_failure(build_state())
@@ -82,19 +76,6 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
 def first_use_note() -> str:
     """What `qkv.explain` adds to the kernel's name before its first build in this process."""
     return compiled.first_use_note(build_state())
-
-
-def _build() -> ctypes.CDLL | str:
-    """Compile (or load the cached build of) the kernel of this tier and check it: the library, or why not."""
-    kernel = native()
-    return compiled.build(kernel, functools.partial(_check, kernel))
-
-
-def _check(kernel: compiled.NativeKernel, library: ctypes.CDLL) -> str | None:
-    # the amx build feeds oneDNN's micro-kernel panels of its own packing; the avx512 build
-    # packs for its own micro-kernel, which its self-check runs
-    packing = compiled.onednn_packing_reason(library, "qkv_interval_bf16_backward") if kernel is BUILDS["amx"] else None
-    return packing or _self_check(functools.partial(_run, library))
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -129,10 +110,6 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
     if not (max(errors) < 2e-2 and bool((got[0][:, :, 3] == 0).all())):
         return f"its self-check failed (relative errors of dq, dk, dv {', '.join(f'{e:.3g}' for e in errors)})"
     return None
-
-
-def _module() -> ctypes.CDLL | str:
-    return compiled.built_once(build_state(), _build)
 
 
 @functools.cache
@@ -218,7 +195,7 @@ def _backward_op(
     """dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16 of interval attention (E, Ev
     multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
     use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
-    reason = compiled.static_reason(q.dtype, q.device, needs_onednn=True, tiers=compiled.INTERVAL_TIERS)
+    reason = compiled.interval_reason(q.dtype, q.device)
     library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
     return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
 

@@ -39,7 +39,7 @@ _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short
 # the kernels built per tier (`compiled.TieredKernel`: name, machine build, build now, reason)
 _TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED, short_wide._TIERED)
 # the fused interval kernels: built for amx (oneDNN's micro-kernels: they need
-# torch.backends.mkldnn switched on) and for avx512 with AVX-512 BF16 (`compiled.interval_builds`)
+# torch.backends.mkldnn switched on) and for avx512 with AVX-512 BF16 (`compiled.IntervalKernel`)
 _INTERVAL = (interval_bf16, interval_bf16_backward)
 # each kernel's operator, by its stem: torch.ops.qkv.<name>
 OPERATORS: dict[str, str] = {
@@ -64,15 +64,15 @@ class KernelStatus:
 
 def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
     native: compiled.NativeKernel = module.native()
-    tiers = compiled.INTERVAL_TIERS if module in _INTERVAL else (compiled.REQUIRED_TIER,)
-    reason = compiled.static_reason(torch.bfloat16, torch.device("cpu"), needs_onednn=module in _INTERVAL, tiers=tiers)
+    cpu = torch.device("cpu")
+    reason = compiled.interval_reason(torch.bfloat16, cpu) if module in _INTERVAL else compiled.static_reason(torch.bfloat16, cpu)
     outcome = module.build_state().get("module")
     if reason is None and isinstance(outcome, str):
         reason = outcome  # its build or self-check failed in this process
+    name = native.name if native.tier is None else f"{native.name} ({native.tier} build)"
     return KernelStatus(
-        name=native.name if native.tier is None else f"{native.name} ({native.tier} build)", stem=native.stem, reason=reason, built=native.is_built(), folder=str(native.folder()),
-        seconds=seconds,
-    )  # fmt: skip
+        name=name, stem=native.stem, reason=reason, built=native.is_built(), folder=str(native.folder()), seconds=seconds
+    )
 
 
 def _tiered_status(tiered: compiled.TieredKernel, seconds: float | None = None) -> KernelStatus:
