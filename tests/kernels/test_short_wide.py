@@ -1,5 +1,5 @@
 """The short-sequence bf16 kernel with float32 products (`qkv.native.short_wide`), its dispatch
-on CPUs that emulate bf16 products and its fallback.
+on CPUs without AMX (bf16 emulated, or native without AMX) and its fallback.
 
 Each tier's build (AVX2, AVX-512) runs on any machine at or above that tier, so both are
 checked on an AMX machine too; `qkv.attention` is checked on the avx2 tier forced with

@@ -472,14 +472,17 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
     short = short_kernel(q)
     if short_reason is None:
         what = "no mask" if route == "none" else "a key-padding mask"
+        if short == "short_bf16":
+            why = "SDPA's CPU kernel spends most of such a call on per-head set-up"
+        elif compute_dtype(q.dtype, q.device) != q.dtype:
+            why = ("this CPU only emulates bf16 products, and the kernel reads the bf16 inputs themselves where the "
+                   "portable route copies them to float32 for SDPA")  # fmt: skip
+        else:
+            why = "this CPU has no AMX, and the kernel's float32 products beat SDPA's in bf16 and in float32"
         reason = (
             f"the {_SHORT_KERNELS[short].KERNEL_NAME} applies: bf16 on CPU, {S} keys (at most {short_bf16.MAX_KEYS}), "
-            f"{what}, no gradient; "
-            + ("SDPA's CPU kernel spends most of such a call on per-head set-up" if short == "short_bf16" else
-               "this CPU only emulates bf16 products, and the kernel reads the bf16 inputs themselves where the "
-               "portable route copies them to float32 for SDPA" if compute_dtype(q.dtype, q.device) != q.dtype else
-               "this CPU has no AMX, and the kernel's float32 products beat SDPA's in bf16 and in float32")
-        )  # fmt: skip
+            f"{what}, no gradient; {why}"
+        )
     lse: Source = "none"
     if return_weights or return_lse:
         # the weights are recomputed by the dense formula, and the lse with them; alone, the lse
@@ -494,6 +497,7 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
             f"; its backward runs on float32 copies: PyTorch's bf16 CPU flash backward is slower at head dims up to "
             f"{WIDE_BACKWARD_MAX_HEAD_DIM} on this CPU"
         )
+    absent, absent_kernel = _short_absence(q, short, short_reason)
     return Plan(
         "fused",
         reason,
@@ -504,13 +508,23 @@ def _fused_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         causal_offset=0 if route == "is_causal" else None,
         forward_kernel=short if short_reason is None else "sdpa",
         backward_kernel=backward,
-        # said for bf16 on CPU, where that kernel is a candidate; short_wide says why the AMX one does not run
-        forward_absent=(
-            short_reason if short_reason is not None or short == "short_bf16"
-            else short_bf16.unavailable_reason(q.dtype, q.device)
-        ) if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None,
-        forward_absent_kernel=short if short_reason is not None and short != "short_bf16" else None,
-    )  # fmt: skip
+        forward_absent=absent,
+        forward_absent_kernel=absent_kernel,
+    )
+
+
+def _short_absence(q: torch.Tensor, short: str, short_reason: str | None) -> tuple[str | None, str | None]:
+    """What a fused plan's kernel line says of the short-sequence kernels, for bf16 on CPU (where
+    they are candidates): (``Plan.forward_absent``, ``Plan.forward_absent_kernel``). Why the
+    candidate ``short`` does not run where SDPA stands in for it (named where it is not the AMX
+    one), or, where short_wide runs, why the AMX one does not."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return None, None
+    if short_reason is not None:
+        return short_reason, None if short == "short_bf16" else short
+    if short == "short_wide":
+        return short_bf16.unavailable_reason(q.dtype, q.device), None
+    return None, None
 
 
 def _wide_backward(problem: AttentionProblem) -> bool:

@@ -320,17 +320,12 @@ def fused_attention(
             # built once, in the accumulation dtype the kernel takes (no second copy below)
             hidden = torch.zeros(mask.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
             mask = hidden.masked_fill(~mask, _NEG_INF)
-        Ev = v.shape[-1]
-        if need_lse:
-            out, lse = _FlashWithLse.apply(
-                *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward
-            )  # (N, H, L, Ep), (N, H, L)
-            out, lse = out[..., :Ev], lse.to(accumulation_dtype(q.dtype))
-        else:
-            out = _FlashWithLse.apply(
-                *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward, False
-            )[..., :Ev]  # (N, H, L, Ev)
-            lse = None
+        result = _FlashWithLse.apply(
+            *kernel_inputs(q, k, v), _additive_mask(mask, q), is_causal, scale, wide_backward, need_lse
+        )  # (N, H, L, Ep) and, with need_lse, (N, H, L)
+        out, lse = result if need_lse else (result, None)
+        out = out[..., : v.shape[-1]]  # (N, H, L, Ev)
+        lse = None if lse is None else lse.to(accumulation_dtype(q.dtype))
     else:
         mask = _additive_mask(mask, q)
         # a Python bool where a tracer makes shapes tensors (ONNX) or symbols (dynamic shapes): the

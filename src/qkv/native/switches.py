@@ -23,7 +23,7 @@ NAMES: dict[str, str] = {
     "interval_bf16": "the block engine's fused bf16 forward kernel; the engine runs PyTorch's CPU flash kernel per tile",
     "interval_bf16_backward": "the block engine's fused bf16 backward kernel; the engine's backward runs per call",
     "short_bf16": "the short-sequence bf16 kernel of the fused path; PyTorch's SDPA runs",
-    "short_wide": "the short-sequence bf16 kernel with float32 products (CPUs that emulate bf16); SDPA runs on float32 copies",
+    "short_wide": "the short-sequence bf16 kernel with float32 products (CPUs without AMX); SDPA runs (on float32 copies where bf16 is emulated)",
     "sdpa_wide": "the fused path's backward on float32 copies for bf16 inputs with small heads; SDPA's bf16 backward runs",
     "add_norm_bf16": "the residual add + LayerNorm kernel of qkv.models; the eager ops run",
     "magnitude": "the compiled largest-magnitude scan of the input checks (float32, bf16, fp16); torch.aminmax runs",
