@@ -413,20 +413,23 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
     q = problem.q
     if q.dtype != torch.bfloat16 or problem.dropout > 0.0 or return_weights or problem.terms.active:
         return None
-    if not flash_kernel_available() or switches.is_off("blocks") or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
-        return None
+    # the shape's rules first (cheap), then whether the kernels can run
     amx, trains = cpu_features().amx, needs_grad(problem)
-    if trains and (amx or interval_bf16_backward.unavailable_reason(q.dtype, q.device) is not None):
+    if trains and amx:
         return None  # on AMX, SDPA's flash backward is faster than the engine's
-    traced = _traced(problem)
-    if traced and _traced_engine_refusal(problem, return_weights) is not None:
-        return None
     max_dim = _DENSE_BF16_KERNEL_MAX_HEAD_DIM if amx else _DENSE_BF16_DOT_MAX_HEAD_DIM
     min_queries = _DENSE_BF16_KERNEL_MIN_QUERIES if amx else _DENSE_BF16_DOT_MIN_QUERIES
     if max(problem.E, problem.Ev) > max_dim or min_queries > problem.L:
         return None
     if amx and problem.mask is None and problem.S <= short_bf16.MAX_KEYS:
         return None  # the short-sequence kernel's problems (`short_kernel_reason`)
+    if not flash_kernel_available() or switches.is_off("blocks") or interval_bf16.unavailable_reason(q.dtype, q.device) is not None:
+        return None
+    if trains and interval_bf16_backward.unavailable_reason(q.dtype, q.device) is not None:
+        return None
+    traced = _traced(problem)
+    if traced and _traced_engine_refusal(problem, return_weights) is not None:
+        return None
     what = "no mask" if problem.mask is None else "causal (L == S)"
     gradient = "with or without a gradient" if not amx else "no gradient"
     reason = (
