@@ -299,7 +299,8 @@ def test_each_tier_loads_its_own_build(monkeypatch: pytest.MonkeyPatch, tier: st
     monkeypatch.setenv("QKV_CPU_TIER", tier)
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)
     if cpu_features().tier != tier or interval_bf16._static_reason(DTYPE, CPU) is not None:
-        assert compiled.interval_tier() in (None, cpu_features().tier)  # a lower machine: not this build
+        # a machine below this tier (the forced tier is ignored) or without a compiler: the
+        # build never runs here; `test_the_kernel_builds_where_nothing_is_missing` covers why
         return
     assert compiled.interval_tier() == tier and interval_bf16.native() is interval_bf16.BUILDS[tier]
     q, k, v, d_out = _problem(1, 2, 2, 150, 150, 64, 64, seed=21)
