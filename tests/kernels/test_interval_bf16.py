@@ -285,10 +285,10 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.setattr(interval_bf16._KERNEL, "attempts", {tier: {} for tier in interval_bf16.BUILDS})
-    assert interval_bf16._build() == FAILED_BUILD
-    folder = interval_bf16.native().folder()
+    assert interval_bf16._KERNEL.build() == FAILED_BUILD
+    folder = interval_bf16._KERNEL.native().folder()
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("qkv_interval_bf16_")
-    assert not interval_bf16.native().is_built()
+    assert not interval_bf16._KERNEL.native().is_built()
 
 
 @pytest.mark.parametrize("tier", ["amx", "avx512"])
@@ -302,7 +302,7 @@ def test_each_tier_loads_its_own_build(monkeypatch: pytest.MonkeyPatch, tier: st
         # a machine below this tier (the forced tier is ignored) or without a compiler: the
         # build never runs here; `test_the_kernel_builds_where_nothing_is_missing` covers why
         return
-    assert compiled.interval_tier() == tier and interval_bf16.native() is interval_bf16.BUILDS[tier]
+    assert compiled.interval_tier() == tier and interval_bf16._KERNEL.native() is interval_bf16.BUILDS[tier]
     q, k, v, d_out = _problem(1, 2, 2, 150, 150, 64, 64, seed=21)
     mask = M.sliding_window(40, 20)
     trace, _ = _reference(q, k, v, mask, d_out, 0.125)
@@ -310,7 +310,7 @@ def test_each_tier_loads_its_own_build(monkeypatch: pytest.MonkeyPatch, tier: st
     with torch.no_grad():
         out = qkv.attention(q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), mask, backend="blocks", scale=0.125)
     assert spy.calls == 1 and _err(out, trace.output) < 2e-2
-    library = interval_bf16.build_state()["module"]
+    library = interval_bf16._KERNEL.build_state()["module"]
     assert isinstance(library, ctypes.CDLL)
     assert Path(library._name).parent == interval_bf16.BUILDS[tier].folder()
 

@@ -54,10 +54,6 @@ _KERNEL = compiled.IntervalKernel(
     lambda library: _self_check(functools.partial(_run, library)),
 )  # fmt: skip
 BUILDS = _KERNEL.builds
-native = _KERNEL.native
-build_state = _KERNEL.build_state
-_build = _KERNEL.build
-_module = _KERNEL.module
 
 
 def _static_reason(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -76,12 +72,12 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
     reason = _static_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    return reason or compiled.build_failure(build_state())
+    return reason or compiled.build_failure(_KERNEL.build_state())
 
 
 def first_use_note() -> str:
     """What `qkv.explain` adds to the kernel's name before its first build in this process."""
-    return compiled.first_use_note(build_state())
+    return compiled.first_use_note(_KERNEL.build_state())
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -208,7 +204,7 @@ def _forward_op(
     interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
     reason = compiled.interval_reason(q.dtype, q.device)
-    library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
+    library = compiled.loaded_or_raise(reason or _KERNEL.module(), KERNEL_NAME)
     return _run(library, q, k, v, lo, hi, scale, rounded)
 
 
@@ -256,7 +252,7 @@ def forward(
     is unavailable (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    library = _module()
+    library = _KERNEL.module()
     if isinstance(library, str):
         return None
     q, k = compiled.padded_heads(q), compiled.padded_heads(k)  # (N, H, *, E rounded up to 32)

@@ -51,10 +51,6 @@ _KERNEL = compiled.IntervalKernel(
     lambda library: _self_check(functools.partial(_run, library)),
 )  # fmt: skip
 BUILDS = _KERNEL.builds
-native = _KERNEL.native
-build_state = _KERNEL.build_state
-_build = _KERNEL.build
-_module = _KERNEL.module
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: bool = True) -> str | None:
@@ -70,12 +66,12 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device, has_intervals: 
         reason = compiled.interval_reason(dtype, device)
     if reason is None and not has_intervals:
         reason = "the mask does not give one key interval per query (Mask.row_intervals)"
-    return reason or compiled.build_failure(build_state())
+    return reason or compiled.build_failure(_KERNEL.build_state())
 
 
 def first_use_note() -> str:
     """What `qkv.explain` adds to the kernel's name before its first build in this process."""
-    return compiled.first_use_note(build_state())
+    return compiled.first_use_note(_KERNEL.build_state())
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
@@ -196,7 +192,7 @@ def _backward_op(
     multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
     use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
     reason = compiled.interval_reason(q.dtype, q.device)
-    library = compiled.loaded_or_raise(reason or _module(), KERNEL_NAME)
+    library = compiled.loaded_or_raise(reason or _KERNEL.module(), KERNEL_NAME)
     return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
 
 
@@ -219,7 +215,7 @@ def gradients(
     g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
     d_lse = None if grad_lse is None else grad_lse.to(torch.float32)
     args = (g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long))
-    library = _module() if compiled.direct_call(*(a for a in args if a is not None)) else None
+    library = _KERNEL.module() if compiled.direct_call(*(a for a in args if a is not None)) else None
     with torch.no_grad():
         if isinstance(library, ctypes.CDLL):
             dq, dk, dv = _run(library, *args, float(scale))  # (N, H, *, padded)
@@ -248,6 +244,6 @@ def backward(
     (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
-    if isinstance(_module(), str):
+    if isinstance(_KERNEL.module(), str):
         return None
     return gradients(grad_out, q, k, v, out, lse, lo, hi, scale, grad_lse)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,8 +34,9 @@ from qkv.native import build as compiled
 
 __all__ = ["OPERATORS", "KernelStatus", "build_all", "kernel_statuses"]
 
-# the kernel modules, each with native() (the build the machine runs: source and flags),
-# build_state() (this process's attempt) and _build
+# the kernel modules: short_bf16 and add_norm_bf16 with native() (the build the machine runs:
+# source and flags), build_state() (this process's attempt) and _build; the interval pair with
+# the same in its `compiled.IntervalKernel` (`_kernel`)
 _MODULES: tuple[ModuleType, ...] = (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16)
 # the kernels built per tier (`compiled.TieredKernel`: name, machine build, build now, reason)
 _TIERED: tuple[compiled.TieredKernel, ...] = (decode._TIERED, magnitude._TIERED, short_wide._TIERED)
@@ -62,11 +64,19 @@ class KernelStatus:
     seconds: float | None = None  # how long `build_all` took to build or load it
 
 
+def _kernel(module: ModuleType) -> tuple[compiled.NativeKernel, dict, Callable[[], compiled.Outcome]]:
+    """A bf16 kernel module's build for this machine, this process's attempt at it, and how to build it."""
+    if module in _INTERVAL:
+        kernel: compiled.IntervalKernel = module._KERNEL
+        return kernel.native(), kernel.build_state(), kernel.build
+    return module.native(), module.build_state(), module._build
+
+
 def _status(module: ModuleType, seconds: float | None = None) -> KernelStatus:
-    native: compiled.NativeKernel = module.native()
+    native, attempt, _ = _kernel(module)
     cpu = torch.device("cpu")
     reason = compiled.interval_reason(torch.bfloat16, cpu) if module in _INTERVAL else compiled.static_reason(torch.bfloat16, cpu)
-    outcome = module.build_state().get("module")
+    outcome = attempt.get("module")
     if reason is None and isinstance(outcome, str):
         reason = outcome  # its build or self-check failed in this process
     name = native.name if native.tier is None else f"{native.name} ({native.tier} build)"
@@ -105,7 +115,8 @@ def build_all() -> list[KernelStatus]:
         if _status(module).reason is not None:
             return _status(module)
         started = time.perf_counter()
-        compiled.built_once(module.build_state(), module._build)
+        _, attempt, make = _kernel(module)
+        compiled.built_once(attempt, make)
         return _status(module, time.perf_counter() - started)
 
     def attempt_tiered(tiered: compiled.TieredKernel) -> KernelStatus:
