@@ -132,7 +132,9 @@ def test_the_two_builds_of_an_interval_kernel_are_cached_apart(monkeypatch: pyte
     here = avx512.folder()
     monkeypatch.setenv("QKV_CPU_TIER", "avx2")
     assert avx512.folder() == here and "tier avx512" in compiled.cache_key(avx512)
-    assert compiled.local_headers(avx512.source) == [avx512.source.with_name("products_bf16.h")]
+    headers = [avx512.source.with_name(name) for name in ("products_bf16.h", "score_terms_bf16.h")]
+    assert compiled.local_headers(avx512.source) == headers
+    assert all(header.read_text(encoding="utf-8") in compiled.cache_key(avx512) for header in headers)
 
 
 def test_the_cache_key_names_the_compiler_version_and_the_torch_build() -> None:

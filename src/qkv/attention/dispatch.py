@@ -34,6 +34,7 @@ from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
 from qkv.backends.blocks import crossover
+from qkv.backends.blocks.diagonals import DiagonalTable, diagonal_table, fused_terms_reason
 from qkv.backends.blocks.ops import encodable, kept_layout, kept_plan, planned_share
 from qkv.backends.blocks.planner import (
     BlockConfig,
@@ -87,9 +88,9 @@ Path = Literal["fused", "math", "blocks", "flex", "decode"]
 # key positions, chunk by chunk.
 MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles", "chunks"]
 # How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
-# mask; the explicit formula applies them; the block engine applies them tile by tile;
-# FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
-ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "score_mod", "chunks"]
+# mask; the explicit formula applies them; the block engine applies them tile by tile; the
+# fused bf16 interval kernel applies them (a softcap, a bias by diagonal) inside its own pass; FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
+ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "kernel", "score_mod", "chunks"]
 # Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
 # formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
 Source = Literal["none", "kernel", "dense", "tiles"]
@@ -163,6 +164,10 @@ class Plan:
     causal_offset: int | None = None
     layout: BlockLayout | None = None  # blocks / flex: the mask's tiles
     tiles: BlockPlan | None = None  # blocks: the engine's calls; flex: the calls that recompute lse / weights
+    # blocks with score terms on the fused interval kernels (``scores="kernel"``): the bias as
+    # the table of diagonals they read, built here once (None: no bias, or a traced plan, whose
+    # table is built when the graph runs)
+    diagonals: DiagonalTable | None = None
     # blocks / flex: layout and tiles are found when attention runs (`complete`: a predicate too
     # large to evaluate for a decision or an explanation); layout and tiles are None until then
     deferred: bool = False
@@ -880,19 +885,33 @@ def _sparse_plan(
 
 def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
     """A blocks plan with its forward and backward kernels: with score terms the engine's
-    scored kernels; without, the fused bf16 interval kernels where they can run (the plan
-    knows one key interval per query: a deferred plan's tiles are not known, so it does not),
-    else PyTorch's CPU flash kernel per tile and the engine's backward per call."""
+    scored kernels; without, the fused bf16 interval kernels where they can run (the
+    plan knows one key interval per query: a deferred plan's tiles are not known, so it does
+    not), else PyTorch's CPU flash kernel per tile and the engine's backward per call. Score
+    terms that the interval kernels apply themselves (a softcap, a bias by diagonal without a
+    gradient of its own: `diagonals.fused_terms_reason`) go there where both (the forward alone
+    without gradients) can run, else to the scored kernels."""
     terms = problem.terms
-    if terms.active:
-        scored = terms.softcap is not None or terms.score_mod is not None
-        return replace(plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call")
     q = problem.q
     # while tracing the plan is made when the graph runs: the interval kernels are named, and
     # the operator falls back to the portable ones if the mask's data gives no intervals
     has_intervals = plan.tiles.intervals is not None if plan.tiles is not None else _compile_tracing(problem)
     forward = interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals)
     backward = interval_bf16_backward.unavailable_reason(q.dtype, q.device, has_intervals)
+    if terms.active:
+        trains = needs_grad(problem)
+        if fused_terms_reason(terms, trains) is None and forward is None and (backward is None or not trains):
+            # bf16 products and the terms in one pass, where the tile kernels compute in float32
+            diagonals = None
+            if terms.bias is not None and plan.tiles is not None:
+                diagonals = diagonal_table(terms, problem.H, problem.N)
+            if terms.bias is None or plan.tiles is None or diagonals is not None:
+                return replace(
+                    plan, scores="kernel", diagonals=diagonals, forward_kernel="interval_bf16",
+                    backward_kernel="interval_bf16_backward" if backward is None else "scored_per_call",
+                )  # fmt: skip
+        scored = terms.softcap is not None or terms.score_mod is not None
+        return replace(plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call")
     low = q.dtype in (torch.bfloat16, torch.float16)  # where the kernels are candidates, said
     return replace(
         plan,

@@ -179,11 +179,12 @@ def _run_tiles(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | N
     lse: torch.Tensor | None  # None where compiled FlexAttention gives none (qkv.backends.flex)
     if plan.path == "blocks":
         assert plan.tiles is not None
-        if plan.scores == "tiles":
+        if plan.forward_kernel in ("bias_tiles", "score_tiles"):
             out, lse = scored_block_attention(q, k, v, mask, plan.tiles, scale, terms, sinks, plan.forward_kernel)
-        else:
+        else:  # no score terms, or terms that the fused bf16 interval kernels apply
             out, lse = block_attention(
                 q, k, v, mask, plan.tiles, scale, sinks, plan.forward_kernel, plan.backward_kernel, out_dtype=out_dtype,
+                terms=terms if plan.scores == "kernel" else None, diagonals=plan.diagonals,
             )  # fmt: skip
     else:
         assert plan.layout is not None

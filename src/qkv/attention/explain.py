@@ -111,6 +111,7 @@ _SCORE_ROUTES = {
     "dense_mask": "the bias joins SDPA's float mask",
     "formula": "the score terms are applied by the formula",
     "tiles": "the score terms are applied tile by tile",
+    "kernel": "the score terms are applied inside the fused kernel",
     "score_mod": "the score terms are FlexAttention's score_mod",
     "chunks": "the score terms (softcap, then bias) are applied to each key chunk",
 }
@@ -248,7 +249,7 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
         q.dtype, N=N, H=H, G=problem.G, L=L, S=S, E=problem.E, Ev=problem.Ev,
         plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else BLOCKS.call_bytes,
         n_tiles=n_tiles, mask_heads=mask_heads(problem),
-        reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant, score_terms=plan.scores != "none",
+        reuses_tiles=isinstance(mask, Mask) and mask.shift_invariant, score_terms=plan.scores not in ("none", "kernel"),
         interval_kernel=plan.forward_kernel == "interval_bf16",
     )
 

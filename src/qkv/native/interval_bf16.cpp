@@ -33,8 +33,13 @@
 // shared counter instead of two fixed halves: 2 threads at load 4-4.5, 1.12x (window) and
 // 1.07x (varlen causal, 64 documents).
 //
+// Score terms (score_terms_bf16.h): with a softcap (softcap_ > 0) or a bias by diagonal
+// (diag_p) each chunk's scores become, in place, s * scale, capped, plus the bias, before its
+// softmax step, which then takes them as scaled (c = log2 e).
+//
 // Shapes: q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) bfloat16 with a contiguous last
-// dim and E a multiple of 32; lo, hi (N | 1, L) int64; out (N, H, L, Ev) float32 (bfloat16
+// dim and E a multiple of 32; lo, hi (N | 1, L) int64; a bias by diagonal (diag_heads | 1,
+// diag_length) float32 with query positions (pos_rows = N | 1, L) int64; out (N, H, L, Ev) float32 (bfloat16
 // with bf16_out) and lse (N, H, L) float32. A row with no visible key gets out = 0 and
 // lse = -inf.
 
@@ -45,6 +50,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include "products_bf16.h"
+#include "score_terms_bf16.h"
 
 #include <omp.h>
 
@@ -107,6 +113,22 @@ inline __m512 exp2_ps(__m512 y) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038349883887e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025933565264f));
   return _mm512_scalef_ps(p, y);
+}
+
+// The score terms on the scores of one chunk (keys c0..c0+keys-1 as rows of 64 queries), in
+// place: s * scale, the softcap where `cap`, the bias of `bias_row` (one head's diagonals, or
+// null) for queries at positions p (consecutive[g]: group g's 16 positions are consecutive).
+void apply_terms(float* s_t, int64_t c0, int64_t keys, float scale, const qkv_terms::Cap* cap, const float* bias_row,
+                 int64_t offset, const int32_t* p, const bool* consecutive) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = c0; t < c0 + keys; ++t)
+    for (int64_t g = 0; g < kBlockQ / 16; ++g) {
+      float* x = s_t + (t - c0) * kBlockQ + 16 * g;
+      __m512 u, tanh_unused;
+      u = cap != nullptr ? cap->apply(_mm512_loadu_ps(x), tanh_unused) : _mm512_mul_ps(_mm512_loadu_ps(x), vscale);
+      if (bias_row != nullptr) u = _mm512_add_ps(u, qkv_terms::Diagonals::load(bias_row, p + 16 * g, consecutive[g], t - offset));
+      _mm512_storeu_ps(x, u);
+    }
 }
 
 // Values of one head (S, Ev), row stride ld, transposed: keys key0..key0+63 (those below S)
@@ -296,9 +318,15 @@ void advise_huge_pages(void* data, int64_t bytes) {
 extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs, const BFloat16* k_p, const int64_t* ks,
                                          const BFloat16* v_p, const int64_t* vs, const int64_t* lo_p, const int64_t* hi_p,
                                          int64_t lo_rows, int64_t N, int64_t H, int64_t L, int64_t E, int64_t S, int64_t Ev,
-                                         double scale_, int bf16_out, void* out, float* lse_p, int64_t num_threads) {
+                                         double scale_, double softcap_, const float* diag_p, int64_t diag_heads,
+                                         int64_t diag_length, int64_t diag_offset, const int64_t* pos_p, int64_t pos_rows,
+                                         int bf16_out, void* out, float* lse_p, int64_t num_threads) {
   const bool per_batch = lo_rows > 1;
-  const float c = static_cast<float>(scale_) * static_cast<float>(M_LOG2E);  // base 2: p = 2^(s c - m)
+  // base 2: p = 2^(s c - m); with score terms the chunk's scores are scaled (and more) first
+  const bool capped = softcap_ > 0.0, biased = diag_p != nullptr, with_terms = capped || biased;
+  const float c = with_terms ? static_cast<float>(M_LOG2E) : static_cast<float>(scale_) * static_cast<float>(M_LOG2E);
+  const qkv_terms::Cap softcap(static_cast<float>(scale_), capped ? scale_ / softcap_ : 0.0, static_cast<float>(softcap_));
+  const qkv_terms::Diagonals diagonals{diag_p, diag_heads, diag_length, diag_offset};
   const int64_t out_item = bf16_out ? 2 : 4;  // bytes per output value
   advise_huge_pages(out, N * H * L * Ev * out_item);
   if (N * H * L == 0) return 0;
@@ -330,7 +358,8 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
       std::fill(vt.data() + e * S_pad + S, vt.data() + (e + 1) * S_pad, BFloat16(0.0f));
     std::vector<uint8_t> packed(panels);
     int64_t packed_head = -1;
-    alignas(64) int32_t a_[kBlockQ], b_[kBlockQ];
+    alignas(64) int32_t a_[kBlockQ], b_[kBlockQ], p_[kBlockQ];  // each row's keys a..b, its position p
+    bool consecutive[kBlockQ / 16];
     for (int64_t end = 0, task = queue.take(end); task < tasks; task = task + 1 < end ? task + 1 : queue.take(end)) {
       const int64_t nh = task / q_blocks, n = nh / H, h = nh % H, r0 = (task % q_blocks) * kBlockQ;
       const int64_t rows = std::min(kBlockQ, L - r0);
@@ -352,6 +381,12 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
         std::memset(dst_out, 0, rows * Ev * out_item);  // 0.0 in float32 and bfloat16
         std::fill(dst_lse, dst_lse + rows, kNegInf);
         continue;
+      }
+      if (biased) {  // the rows' positions; padded rows continue the last one's (the table's margins hold them)
+        const int64_t* row_pos = pos_p + (pos_rows > 1 ? n * L : 0) + r0;
+        for (int64_t r = 0; r < kBlockQ; ++r)
+          p_[r] = static_cast<int32_t>(r < rows ? row_pos[r] : row_pos[rows - 1] + (r - rows + 1));
+        for (int64_t g = 0; g < kBlockQ / 16; ++g) consecutive[g] = qkv_terms::consecutive16(p_ + 16 * g);
       }
       if (nh != packed_head) {
         std::fill(packed.begin(), packed.end(), 0);
@@ -383,6 +418,9 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
         const int64_t width = std::min(step, k1 - c0);
         // S^T = K Q^T for the chunk's existing keys (rows past S stay unread: no lane sees them)
         qkv_products::products(std::min(width, S - c0), E, ks[2], kBlockQ, false, k_head + c0 * ks[2], qt.data(), s_t.data());
+        if (with_terms)
+          apply_terms(s_t.data(), c0, std::min(width, S - c0), static_cast<float>(scale_), capped ? &softcap : nullptr,
+                      biased ? diagonals.head(h) : nullptr, diag_offset, p_, consecutive);
         for (int64_t g = 0; g < kBlockQ / 16; ++g) {
           const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
           const __m512 alpha = (c < 0 ? group_step<true> : group_step<false>)(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);

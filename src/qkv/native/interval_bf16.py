@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
-from qkv.native import interval_bf16_backward, switches
+from qkv.native import interval_bf16_backward, interval_terms, switches
 
 __all__ = ["KERNEL_NAME", "forward", "unavailable_reason"]
 
@@ -86,15 +86,26 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
     wrong numbers, never an error; this turns it into a reason to fall back."""
     gen = torch.Generator().manual_seed(0)
     # a window with a row that sees nothing and a tail block (one softmax step per block), with
-    # a negative scale (the max pass then takes the lowest score) and the output in bf16; then
-    # a causal square of 1,500 keys (diagonals, and spans past 1,024 keys: online steps)
+    # a negative scale (the max pass then takes the lowest score) and the output in bf16; the
+    # same with score terms: a softcap that bends its scores (about +-3 against a cap of 1.5)
+    # and a bias by diagonal, its first 32 positions apart by 2 (gathered) and the rest
+    # consecutive (loaded); then a causal square of 1,500 keys (diagonals, and spans past
+    # 1,024 keys: online steps)
     rows = torch.arange(70)
     window = ((rows - 50).clamp(min=0).view(1, 70), (rows + 60).view(1, 70))  # (1, L) each
     window[1][0, 3] = -1
+    positions = torch.where(rows < 32, 2 * rows, rows + 40).view(1, 70)  # (1, L)
+    offset = 150 - 1 + 32  # positions from 0, 150 keys, the front margin
+    table = torch.randn(2, 109 + 150 + 96, generator=gen)  # (H, D): positions 0..109 and the margins
+    terms = interval_terms.IntervalTerms(1.5, table, positions, offset)
     rows = torch.arange(1500)
     causal = (torch.zeros(1, 1500, dtype=torch.long), rows.view(1, 1500))
-    for (lo, hi), S, Ev, scale, rounded in ((window, 150, 40, -0.125, True), (causal, 1500, 64, 0.125, False)):
-        reason = _check_one(run, gen, lo, hi, S, Ev, scale, rounded)
+    cases = (
+        (window, 150, 40, -0.125, True, interval_terms.NO_TERMS), (window, 150, 40, -0.125, False, terms),
+        (causal, 1500, 64, 0.125, False, interval_terms.NO_TERMS),
+    )  # fmt: skip
+    for (lo, hi), S, Ev, scale, rounded, case_terms in cases:
+        reason = _check_one(run, gen, lo, hi, S, Ev, scale, rounded, case_terms)
         if reason is not None:
             return reason
     return None
@@ -105,12 +116,13 @@ _CHECK_ROWS = 128
 
 
 def _check_one(
-    run, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool  # type: ignore[no-untyped-def]
-) -> str | None:
+    run, gen: torch.Generator, lo: torch.Tensor, hi: torch.Tensor, S: int, Ev: int, scale: float, rounded: bool,  # type: ignore[no-untyped-def]
+    terms: interval_terms.IntervalTerms,
+) -> str | None:  # fmt: skip
     N, H, L, E = 1, 2, lo.shape[1], 64
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
     v = torch.randn(N, H, S, Ev, generator=gen).to(torch.bfloat16)
-    out, lse = run(q, k, v, lo, hi, scale, rounded)
+    out, lse = run(q, k, v, lo, hi, scale, rounded, terms)
     if out.dtype != (torch.bfloat16 if rounded else torch.float32):
         return f"its self-check failed (the output came in {out.dtype})"
     keys = torch.arange(S).view(1, S)
@@ -119,16 +131,18 @@ def _check_one(
     # float64 math by blocks of rows: the whole score matrix of the causal case was 36 MiB per
     # copy, and this check runs inside a user's first call
     for r0 in range(0, L, _CHECK_ROWS):
-        rows = slice(r0, r0 + _CHECK_ROWS)
+        rows = torch.arange(r0, min(L, r0 + _CHECK_ROWS))
         visible = (keys >= lo[0, rows].view(-1, 1)) & (keys <= hi[0, rows].view(-1, 1))  # (rows, S)
-        s = (q[:, :, rows].double() @ k64.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (N, H, rows, S)
-        want_lse[:, :, rows] = torch.logsumexp(s, dim=-1)
-        want[:, :, rows] = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v64
+        raw = q[0, :, rows].double() @ k64[0].transpose(-1, -2)  # (H, rows, S)
+        s = terms.applied(raw, scale, torch.arange(H), rows).masked_fill(~visible, float("-inf"))
+        want_lse[0, :, rows] = torch.logsumexp(s, dim=-1)
+        want[0, :, rows] = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v64[0]
     out_err = (out.double() - want).abs().max().item()
     finite = torch.isfinite(want_lse)
     lse_err = (lse.double()[finite] - want_lse[finite]).abs().max().item()
     if not (out_err < 3e-2 and lse_err < 1e-3 and bool((lse[~finite] == float("-inf")).all())):
-        return f"its self-check failed (output error {out_err:.3g}, lse error {lse_err:.3g})"
+        with_terms = " with score terms" if terms.active else ""
+        return f"its self-check failed{with_terms} (output error {out_err:.3g}, lse error {lse_err:.3g})"
     return None
 
 
@@ -141,7 +155,8 @@ def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
         p, p, p, p, p, p,  # q, k, v and their strides
         p, p, i64,  # lo, hi, their rows
         i64, i64, i64, i64, i64, i64,  # N, H, L, E, S, Ev
-        ctypes.c_double, ctypes.c_int, p, p, i64,  # scale, bf16 output, out, lse, threads
+        ctypes.c_double, *interval_terms.ARGUMENT_TYPES,  # scale, the score terms (`IntervalTerms.arguments`)
+        ctypes.c_int, p, p, i64,  # bf16 output, out, lse, threads
     )  # fmt: skip
 
 
@@ -173,11 +188,13 @@ def _argument_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: tor
 
 def _run(
     library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-    scale: float, rounded: bool,
+    scale: float, rounded: bool, terms: interval_terms.IntervalTerms = interval_terms.NO_TERMS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The kernel on checked arguments: out (N, H, L, Ev) float32 (bfloat16 when rounded) and
-    lse (N, H, L) float32."""
+    lse (N, H, L) float32, with the score ``terms`` applied."""
     problem = _argument_problem(q, k, v, lo, hi)
+    if problem is None:
+        problem = terms.problem(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if problem is not None:
         raise ValueError(f"qkv::interval_bf16_forward: {problem}")
     N, H, L, E = q.shape
@@ -187,7 +204,7 @@ def _run(
     lse = torch.empty(N, H, L, dtype=torch.float32)
     status = _entry(library)(
         q.data_ptr(), compiled.strides(q), k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
-        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, float(scale), int(bool(rounded)),
+        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, float(scale), *terms.arguments(), int(bool(rounded)),
         out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
@@ -196,20 +213,24 @@ def _run(
 
 
 # the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
-@torch.library.custom_op("qkv::interval_bf16_forward", mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, bool rounded) -> (Tensor, Tensor)")
+@torch.library.custom_op("qkv::interval_bf16_forward", mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, bool rounded, float softcap=0.0, Tensor? diag_table=None, Tensor? positions=None, int diag_offset=0) -> (Tensor, Tensor)")
 def _forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float, rounded: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float, rounded: bool,
+    softcap: float = 0.0, diag_table: torch.Tensor | None = None, positions: torch.Tensor | None = None, diag_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """out (N, H, L, Ev) float32 (bfloat16 when ``rounded``) and lse (N, H, L) float32 of
-    interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k).
+    interval attention (E a multiple of 32, contiguous last dims; `forward` pads q and k), with
+    the score terms of `qkv.native.interval_terms` (a softcap when positive, a bias by diagonal
+    when ``diag_table`` is given).
     Builds the kernel on first use; raises RuntimeError when it cannot run here."""
     reason = compiled.interval_reason(q.dtype, q.device)
     library = compiled.loaded_or_raise(reason or _KERNEL.module(), KERNEL_NAME)
-    return _run(library, q, k, v, lo, hi, scale, rounded)
+    terms = interval_terms.IntervalTerms(softcap, diag_table, positions, diag_offset)
+    return _run(library, q, k, v, lo, hi, scale, rounded, terms)
 
 
 @_forward_op.register_fake
-def _(q, k, v, lo, hi, scale, rounded):  # type: ignore[no-untyped-def]
+def _(q, k, v, lo, hi, scale, rounded, softcap=0.0, diag_table=None, positions=None, diag_offset=0):  # type: ignore[no-untyped-def]
     problem = _argument_problem(q, k, v, lo, hi)
     if problem is not None:
         raise ValueError(f"qkv::interval_bf16_forward: {problem}")
@@ -219,10 +240,11 @@ def _(q, k, v, lo, hi, scale, rounded):  # type: ignore[no-untyped-def]
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, lo, hi, scale, rounded = inputs
+    q, k, v, lo, hi, scale, rounded, *given = inputs  # the score terms: absent where the caller left the defaults
+    softcap, table, positions, offset = (*given, *(0.0, None, None, 0)[len(given) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, lo, hi, out, lse)
-    ctx.scale, ctx.rounded = scale, rounded
+    ctx.save_for_backward(q, k, v, lo, hi, out, lse, table, positions)
+    ctx.scale, ctx.rounded, ctx.softcap, ctx.offset = scale, rounded, softcap, offset
 
 
 def _backward(ctx, grad_out, grad_lse):  # type: ignore[no-untyped-def]
@@ -230,11 +252,12 @@ def _backward(ctx, grad_out, grad_lse):  # type: ignore[no-untyped-def]
     float32 output and lse; the lse's gradient enters its row term)."""
     if ctx.rounded:
         raise RuntimeError("qkv::interval_bf16_forward with rounded=True keeps no float32 output to differentiate; call it with rounded=False")
-    q, k, v, lo, hi, out, lse = ctx.saved_tensors
+    q, k, v, lo, hi, out, lse, table, positions = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = interval_bf16_backward.gradients(grad_out, q, k, v, out, lse, lo, hi, ctx.scale, grad_lse)
-    return dq, dk, dv, None, None, None, None
+    terms = interval_terms.IntervalTerms(ctx.softcap, table, positions, ctx.offset)
+    dq, dk, dv = interval_bf16_backward.gradients(grad_out, q, k, v, out, lse, lo, hi, ctx.scale, grad_lse, terms)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -243,13 +266,15 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
     rounded: bool = False,
+    terms: interval_terms.IntervalTerms = interval_terms.NO_TERMS,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Output (N, H, L, Ev) and lse (N, H, L), float32, of q (N, H, L, E), k (N, H, S, E),
     v (N, H, S, Ev) bfloat16, where query i of batch row n sees keys lo[n, i]..hi[n, i]
     (lo, hi (N | 1, L) int64; an empty interval gives output 0 and lse -inf). With ``rounded``
     the output is bfloat16 (each value the float32 one rounded to nearest even), for callers
-    that run no backward: half the bytes to write and no copy to round. None when the kernel
-    is unavailable (`unavailable_reason`): the caller falls back."""
+    that run no backward: half the bytes to write and no copy to round. ``terms``: a softcap
+    and a bias by diagonal (`qkv.native.interval_terms`), applied after the scale. None when
+    the kernel is unavailable (`unavailable_reason`): the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
     library = _KERNEL.module()
@@ -260,6 +285,8 @@ def forward(
     lo, hi = lo.to(torch.long), hi.to(torch.long)
     with torch.no_grad():
         if compiled.direct_call(q, k, v, lo, hi):
-            return _run(library, q, k, v, lo, hi, float(scale), bool(rounded))
-        out, lse = torch.ops.qkv.interval_bf16_forward(q, k, v, lo, hi, float(scale), bool(rounded))
+            return _run(library, q, k, v, lo, hi, float(scale), bool(rounded), terms)
+        out, lse = torch.ops.qkv.interval_bf16_forward(
+            q, k, v, lo, hi, float(scale), bool(rounded), terms.softcap, terms.table, terms.positions, terms.offset
+        )
     return out, lse

@@ -11,6 +11,8 @@
 //     dP^T = V_j dO_i^T                          AVX-512 BF16 by build), float32 out
 //     P^T  = exp(scale * S^T - lse), 0 outside each query's own interval
 //     dS^T = scale * P^T * (dP^T - D)
+//   with a softcap c: P^T = exp(c tanh(scale S^T / c) - lse), dS^T times 1 - tanh^2 (the cap's slope);
+//   a bias by diagonal joins the exponent (score_terms_bf16.h)
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         float32 accumulators of the key block
 //     dQ_i^T += K_j^T dS^T                        float32 accumulator of the head (E x L)
 // dK_j, dV_j are rounded to bfloat16 when their key block is done, dQ when the head is done.
@@ -30,6 +32,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include "products_bf16.h"
+#include "score_terms_bf16.h"
 
 #include <omp.h>
 
@@ -146,9 +149,10 @@ float row_dot(const BFloat16* g, const float* o, int64_t D) {
 // sees key `key0 + c` when lo[r] <= key0 + c <= hi[r] (int32; padded rows see nothing).
 void gradient_of_scores(const float* st, const float* dpt, int64_t keys, int64_t key0, int64_t width,
                         const int32_t* lo, const int32_t* hi, const float* lse, const float* delta, float scale,
-                        BFloat16* pt, BFloat16* dst, BFloat16* dsv) {
+                        const qkv_terms::Cap* cap, const float* bias_row, int64_t offset, const int32_t* pos,
+                        const uint8_t* consecutive, BFloat16* pt, BFloat16* dst, BFloat16* dsv) {
   constexpr int64_t V = 16;  // floats per AVX-512 vector
-  const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
   // interleaves two rows of 16 bf16 (low and high halves of a vector) into VNNI pairs
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -168,10 +172,22 @@ void gradient_of_scores(const float* st, const float* dpt, int64_t keys, int64_t
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_out), _mm256_setzero_si256());
           continue;
         }
-        const Vec x(_mm512_fmsub_ps(_mm512_loadu_ps(st + row * width + r), vscale, _mm512_loadu_ps(lse + r)));
-        const __m512 p = _mm512_maskz_mov_ps(seen, x.exp_u20());
+        const __m512 s = _mm512_loadu_ps(st + row * width + r), row_lse = _mm512_loadu_ps(lse + r);
+        // the score's derivative in the raw product: scale, times 1 - tanh^2 under a softcap
+        __m512 x, slope = vscale;
+        if (cap != nullptr) {
+          __m512 t;
+          x = cap->apply(s, t);
+          slope = _mm512_mul_ps(vscale, _mm512_fnmadd_ps(t, t, one));
+        } else {
+          x = _mm512_mul_ps(s, vscale);
+        }
+        if (bias_row != nullptr)  // the bias's own gradient is not asked for (Python checks)
+          x = _mm512_add_ps(x, qkv_terms::Diagonals::load(bias_row, pos + r, consecutive[r / V] != 0, key0 + row - offset));
+        x = _mm512_sub_ps(x, row_lse);
+        const __m512 p = _mm512_maskz_mov_ps(seen, Vec(x).exp_u20());
         const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(dpt + row * width + r), _mm512_loadu_ps(delta + r));
-        ds[u] = _mm512_mul_ps(_mm512_mul_ps(p, dp), vscale);
+        ds[u] = _mm512_mul_ps(_mm512_mul_ps(p, dp), slope);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_out), (__m256i)_mm512_cvtneps_pbh(p));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_out), (__m256i)_mm512_cvtneps_pbh(ds[u]));
       }
@@ -211,7 +227,8 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
                                           const float* o_p, const int64_t* os, const float* lse_p, const float* dlse_p,
                                           const int64_t* lo_p, const int64_t* hi_p, int64_t lo_rows, int64_t N, int64_t H,
                                           int64_t L, int64_t E, int64_t S, int64_t Ev, int64_t Eo, double scale_,
-                                          BFloat16* dq_p, BFloat16* dk_p, BFloat16* dv_p, int64_t num_threads) {
+                                          double softcap_, const float* diag_p, int64_t diag_heads, int64_t diag_length,
+                                          int64_t diag_offset, const int64_t* pos_p, int64_t pos_rows, BFloat16* dq_p, BFloat16* dk_p, BFloat16* dv_p, int64_t num_threads) {
   if (N * H == 0 || S == 0 || L == 0) {
     std::fill(dq_p, dq_p + N * H * L * E, BFloat16(0.0f));
     std::fill(dk_p, dk_p + N * H * S * E, BFloat16(0.0f));
@@ -220,6 +237,9 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
   }
   const bool per_batch = lo_rows > 1;
   const float scale = static_cast<float>(scale_);
+  const qkv_terms::Cap softcap(scale, softcap_ > 0.0 ? scale_ / softcap_ : 0.0, static_cast<float>(softcap_));
+  const qkv_terms::Cap* cap = softcap_ > 0.0 ? &softcap : nullptr;
+  const qkv_terms::Diagonals diagonals{diag_p, diag_heads, diag_length, diag_offset};
 
   const int64_t L_pad = round_up(L, kBlock), S_pad = round_up(S, kBlock);
   const int64_t E64 = round_up(E, kBlock), Ev64 = round_up(Ev, kBlock);
@@ -231,7 +251,8 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
     std::vector<float> dq_t(E * L_pad), row_lse(L_pad), delta(L_pad), st(kBlock * kRun), dpt(kBlock * kRun);
     std::vector<float> dk_acc(kBlock * E64), dv_acc(kBlock * Ev64);
     std::vector<BFloat16> pt(kBlock * kRun), dst(kBlock * kRun), dsv(kBlock * kRun);
-    std::vector<int32_t> row_lo(L_pad), row_hi(L_pad), block_first(q_blocks), block_last(q_blocks);
+    std::vector<int32_t> row_lo(L_pad), row_hi(L_pad), block_first(q_blocks), block_last(q_blocks), row_pos(L_pad);
+    std::vector<uint8_t> consecutive_(L_pad / 16);  // whether each 16 rows' positions are consecutive
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / H, h = nh % H;
       const BFloat16* q_h = q_p + n * qs[0] + h * qs[1];
@@ -255,6 +276,11 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
           block_first[i / kBlock] = std::min<int32_t>(block_first[i / kBlock], static_cast<int32_t>(a));
           block_last[i / kBlock] = std::max<int32_t>(block_last[i / kBlock], static_cast<int32_t>(b));
         }
+      }
+      if (diag_p != nullptr) {  // the rows' positions; padded rows continue the last one's
+        const int64_t* pos_n = pos_p + (pos_rows > 1 ? n * L : 0);
+        for (int64_t i = 0; i < L_pad; ++i) row_pos[i] = static_cast<int32_t>(i < L ? pos_n[i] : pos_n[L - 1] + (i - L + 1));
+        for (int64_t g = 0; g < L_pad / 16; ++g) consecutive_[g] = qkv_terms::consecutive16(row_pos.data() + 16 * g);
       }
       // lse (+inf where a row sees no key: exp gives 0) and D = rowsum(dO * O) - dlse
       const float* lse_h = lse_p + nh * L;
@@ -292,7 +318,9 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
                                    dpt.data() + b * kBlock);
           }
           gradient_of_scores(st.data(), dpt.data(), keys, key0, width, row_lo.data() + r0, row_hi.data() + r0,
-                             row_lse.data() + r0, delta.data() + r0, scale, pt.data(), dst.data(), dsv.data());
+                             row_lse.data() + r0, delta.data() + r0, scale, cap,
+                             diag_p != nullptr ? diagonals.head(h) : nullptr, diag_offset, row_pos.data() + r0,
+                             consecutive_.data() + r0 / 16, pt.data(), dst.data(), dsv.data());
           for (int64_t c = 0; c < Ev64 / kBlock; ++c)
             qkv_products::products(keys, width, width, Ev64, true, pt.data(), g_rows.data() + c * L_pad * kBlock + r0 * kBlock,
                                    dv_acc.data() + c * kBlock);

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from qkv.native import build as compiled
-from qkv.native import switches
+from qkv.native import interval_terms, switches
 
 __all__ = ["KERNEL_NAME", "backward", "gradients", "unavailable_reason"]
 
@@ -75,10 +75,21 @@ def first_use_note() -> str:
 
 
 def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
-    """Run the kernel (``run``: `_run` on the loaded library) once on a small problem (L != S,
-    a row with no key, an lse gradient) against float64 autograd: None, or what went wrong.
-    A wrong packed layout on some CPU would give wrong numbers, never an error; this turns
-    it into a reason to fall back."""
+    """Run the kernel (``run``: `_run` on the loaded library) on a small problem (L != S, a
+    row with no key, an lse gradient), without and with score terms, against float64 math: None,
+    or what went wrong. A wrong packed layout on some CPU would give wrong numbers, never an
+    error; this turns it into a reason to fall back."""
+    for with_terms in (False, True):
+        reason = _check_one(run, with_terms)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _check_one(run, with_terms: bool) -> str | None:  # type: ignore[no-untyped-def]
+    """The self-check's problem, ``with_terms``: a softcap that bends its scores (about +-3
+    against a cap of 1.5) and a bias by diagonal, its first 32 positions apart by 2 (gathered)
+    and the rest consecutive (loaded)."""
     gen = torch.Generator().manual_seed(0)
     N, H, L, S, E, Ev = 1, 2, 70, 150, 64, 32
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
@@ -90,21 +101,31 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
     hi[0, 3] = -1  # one row that sees nothing
     keys = torch.arange(S).view(1, S)
     visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
+    terms = interval_terms.NO_TERMS
+    if with_terms:
+        positions = torch.where(rows < 32, 2 * rows, rows + 40).view(1, L)  # (1, L)
+        table = torch.randn(H, 109 + S + 96, generator=gen)  # (H, D): positions 0..109 and the margins
+        terms = interval_terms.IntervalTerms(1.5, table, positions, S - 1 + 32)
     # the float64 gradients written out (no autograd: a first build may run inside an
     # operator, below autograd's dispatch): P the probabilities, dS = P (dP - rowsum(dO O) + dlse)
     q64, k64, v64, g64 = (x.double() for x in (q, k, v, d_out))
-    s = (q64 @ k64.transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))  # (N, H, L, S)
+    raw = q64 @ k64.transpose(-1, -2)  # (N, H, L, S)
+    s = terms.applied(raw[0], 0.125, torch.arange(H), rows).unsqueeze(0)  # (N, H, L, S)
+    # the softcap's slope 1 - tanh^2 multiplies dS; the bias's does not enter
+    slope = 1.0 - torch.tanh(raw * 0.125 / terms.softcap) ** 2 if terms.softcap > 0.0 else torch.ones_like(s)
+    s = s.masked_fill(~visible, float("-inf"))
     lse64 = torch.logsumexp(s, dim=-1)  # (N, H, L)
     p = torch.nan_to_num(torch.softmax(s, dim=-1))  # (N, H, L, S), rows that see nothing: 0
     out64 = p @ v64  # (N, H, L, Ev)
     d_lse64 = torch.where(torch.isfinite(lse64), d_lse.double(), 0.0)  # (N, H, L)
     row = (g64 * out64).sum(-1, keepdim=True) - d_lse64.unsqueeze(-1)  # (N, H, L, 1)
-    d_s = p * (g64 @ v64.transpose(-1, -2) - row) * 0.125  # (N, H, L, S)
+    d_s = p * (g64 @ v64.transpose(-1, -2) - row) * slope * 0.125  # (N, H, L, S)
     want = (d_s @ k64, d_s.transpose(-1, -2) @ q64, p.transpose(-1, -2) @ g64)  # dq, dk, dv
-    got = run(d_out, q, k, v, out64.detach().float(), lse64.detach().float(), d_lse, lo, hi, 0.125)  # dq, dk, dv bf16
+    got = run(d_out, q, k, v, out64.detach().float(), lse64.detach().float(), d_lse, lo, hi, 0.125, terms)  # dq, dk, dv bf16
     errors = [(g.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30) for g, w in zip(got, want, strict=True)]
     if not (max(errors) < 2e-2 and bool((got[0][:, :, 3] == 0).all())):
-        return f"its self-check failed (relative errors of dq, dk, dv {', '.join(f'{e:.3g}' for e in errors)})"
+        described = " with score terms" if with_terms else ""
+        return f"its self-check failed{described} (relative errors of dq, dk, dv {', '.join(f'{e:.3g}' for e in errors)})"
     return None
 
 
@@ -118,7 +139,8 @@ def _entry(library: ctypes.CDLL):  # type: ignore[no-untyped-def]
         p, p, p, p,  # out and its strides, lse, grad_lse (or null)
         p, p, i64,  # lo, hi, their rows
         i64, i64, i64, i64, i64, i64, i64,  # N, H, L, E, S, Ev, Eo
-        ctypes.c_double, p, p, p, i64,  # scale, dq, dk, dv, threads
+        ctypes.c_double, *interval_terms.ARGUMENT_TYPES,  # scale, the score terms (`IntervalTerms.arguments`)
+        p, p, p, i64,  # dq, dk, dv, threads
     )  # fmt: skip
 
 
@@ -158,13 +180,18 @@ def _argument_problem(
 def _run(
     library: ctypes.CDLL, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+    terms: interval_terms.IntervalTerms = interval_terms.NO_TERMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The kernel on checked arguments: dq, dk, dv (N, H, *, E | Ev) bfloat16."""
+    """The kernel on checked arguments: dq, dk, dv (N, H, *, E | Ev) bfloat16, for a forward
+    with the score ``terms``."""
     problem = _argument_problem(grad_out, q, k, v, out, lse, grad_lse, lo, hi)
     if problem is not None:
         raise ValueError(f"qkv::interval_bf16_backward: {problem}")
     N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
+    problem = terms.problem(N, H, L, S)
+    if problem is not None:
+        raise ValueError(f"qkv::interval_bf16_backward: {problem}")
     lse, lo, hi = lse.contiguous(), lo.contiguous(), hi.contiguous()
     d_lse = None if grad_lse is None or grad_lse.numel() == 0 else grad_lse.contiguous()
     dq = torch.empty(N, H, L, E, dtype=torch.bfloat16)
@@ -174,7 +201,7 @@ def _run(
         grad_out.data_ptr(), compiled.strides(grad_out), q.data_ptr(), compiled.strides(q),
         k.data_ptr(), compiled.strides(k), v.data_ptr(), compiled.strides(v),
         out.data_ptr(), compiled.strides(out), lse.data_ptr(), None if d_lse is None else d_lse.data_ptr(),
-        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, out.shape[3], float(scale),
+        lo.data_ptr(), hi.data_ptr(), lo.shape[0], N, H, L, E, S, Ev, out.shape[3], float(scale), *terms.arguments(),
         dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
@@ -183,21 +210,23 @@ def _run(
 
 
 # the schema is written out: torch 2.5 infers none from `list[...]` or `X | None` annotations
-@torch.library.custom_op("qkv::interval_bf16_backward", mutates_args=(), schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale) -> (Tensor, Tensor, Tensor)")
+@torch.library.custom_op("qkv::interval_bf16_backward", mutates_args=(), schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, float softcap=0.0, Tensor? diag_table=None, Tensor? positions=None, int diag_offset=0) -> (Tensor, Tensor, Tensor)")
 def _backward_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+    grad_lse: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor, scale: float, softcap: float = 0.0,
+    diag_table: torch.Tensor | None = None, positions: torch.Tensor | None = None, diag_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16 of interval attention (E, Ev
     multiples of 32, contiguous last dims; `backward` pads them). Builds the kernel on first
     use; raises RuntimeError when it cannot run here (`unavailable_reason`)."""
     reason = compiled.interval_reason(q.dtype, q.device)
     library = compiled.loaded_or_raise(reason or _KERNEL.module(), KERNEL_NAME)
-    return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale)
+    terms = interval_terms.IntervalTerms(softcap, diag_table, positions, diag_offset)
+    return _run(library, grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale, terms)
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale):  # type: ignore[no-untyped-def]
+def _(grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale, softcap=0.0, diag_table=None, positions=None, diag_offset=0):  # type: ignore[no-untyped-def]
     problem = _argument_problem(grad_out, q, k, v, out, lse, grad_lse, lo, hi)
     if problem is not None:
         raise ValueError(f"qkv::interval_bf16_backward: {problem}")
@@ -207,6 +236,7 @@ def _(grad_out, q, k, v, out, lse, grad_lse, lo, hi, scale):  # type: ignore[no-
 def gradients(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     lo: torch.Tensor, hi: torch.Tensor, scale: float, grad_lse: torch.Tensor | None = None,
+    terms: interval_terms.IntervalTerms = interval_terms.NO_TERMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The operator on inputs of any head dims: q, k, v and grad_out padded to multiples of 32
     (zero columns change no gradient of the others), the gradients cut back to E and Ev."""
@@ -218,9 +248,11 @@ def gradients(
     library = _KERNEL.module() if compiled.direct_call(*(a for a in args if a is not None)) else None
     with torch.no_grad():
         if isinstance(library, ctypes.CDLL):
-            dq, dk, dv = _run(library, *args, float(scale))  # (N, H, *, padded)
+            dq, dk, dv = _run(library, *args, float(scale), terms)  # (N, H, *, padded)
         else:  # traced, or its build failed (the operator then says why)
-            dq, dk, dv = torch.ops.qkv.interval_bf16_backward(*args, float(scale))  # (N, H, *, padded)
+            dq, dk, dv = torch.ops.qkv.interval_bf16_backward(
+                *args, float(scale), terms.softcap, terms.table, terms.positions, terms.offset
+            )  # (N, H, *, padded)
     return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
@@ -235,15 +267,17 @@ def backward(
     hi: torch.Tensor,
     scale: float,
     grad_lse: torch.Tensor | None = None,
+    terms: interval_terms.IntervalTerms = interval_terms.NO_TERMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """dq (N, H, L, E), dk (N, H, S, E), dv (N, H, S, Ev) bfloat16 of attention over q
     (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) bfloat16 where query i of batch row n sees
     keys lo[n, i]..hi[n, i] (lo, hi (N | 1, L) int64), from the output's gradient grad_out
     (N, H, L, Ev), the forward's float32 output out (N, H, L, Ev) and lse (N, H, L), and the
-    lse's gradient grad_lse (N, H, L) if any. None when the kernel is unavailable
-    (`unavailable_reason`): the caller falls back."""
+    lse's gradient grad_lse (N, H, L) if any; ``terms``: the forward's score terms (a
+    softcap, a bias by diagonal: `qkv.native.interval_terms`). None when the kernel is unavailable (`unavailable_reason`):
+    the caller falls back."""
     if unavailable_reason(q.dtype, q.device) is not None:
         return None
     if isinstance(_KERNEL.module(), str):
         return None
-    return gradients(grad_out, q, k, v, out, lse, lo, hi, scale, grad_lse)
+    return gradients(grad_out, q, k, v, out, lse, lo, hi, scale, grad_lse, terms)

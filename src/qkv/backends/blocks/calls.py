@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from qkv.backends.blocks.diagonals import DiagonalTable
 from qkv.backends.blocks.planner import BlockPlan, Call, TileStore
 from qkv.backends.heads import expand_kv_heads
 from qkv.backends.merge import merge_partial, merge_split
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Mask
+from qkv.scores import ScoreTerms
 
 __all__ = [
     "BlockRun",
@@ -62,6 +64,12 @@ class BlockRun:
     plan: BlockPlan
     mask: Mask | None
     scale: float
+    # score terms that only the fused bf16 interval kernels apply among the plain engine's
+    # kernels, a softcap and a bias by diagonal (`diagonals.fused_terms_reason`): the engine
+    # hands a call they cannot take to the scored engine (`engine._forward`)
+    terms: ScoreTerms | None = None
+    # that bias as the kernels read it: given by the plan, or built at the first call
+    diagonals: DiagonalTable | None = None
     store: TileStore = field(init=False)
 
     def __post_init__(self) -> None:

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from qkv._private import torch as private_torch
+from qkv.backends.blocks import scored
 from qkv.backends.blocks.calls import (
     BlockRun,
     CallResult,
@@ -54,6 +55,7 @@ from qkv.backends.blocks.calls import (
     row_view,
     run_calls,
 )
+from qkv.backends.blocks.diagonals import DiagonalTable, diagonal_table
 from qkv.backends.blocks.matmul_backward import call_gradients, suits
 from qkv.backends.blocks.planner import BlockPlan, Call, Piece
 from qkv.backends.lse_grad import with_lse_gradient
@@ -62,6 +64,7 @@ from qkv.backends.sinks import sink_gradient
 from qkv.backends.softmax import accumulation_dtype, causal_kernel_scale
 from qkv.masks import Mask
 from qkv.native import interval_bf16, interval_bf16_backward
+from qkv.native.interval_terms import NO_TERMS, IntervalTerms
 from qkv.scores import ScoreTerms
 
 __all__ = ["block_attention", "block_lse", "block_weights", "engine_extra_bytes"]
@@ -77,13 +80,17 @@ def _forward(
     the fused bf16 kernel (`qkv.native.interval_bf16`) when the plan's ``kernel`` names it
     ("interval_bf16") and it builds, else the flash kernel per call. With ``rounded`` (no
     backward will read it) the output may come in q's dtype instead, or in ``out_dtype``
-    (the flash path: `calls.run_calls`)."""
+    (the flash path: `calls.run_calls`). Score terms (``run.terms``) only the fused kernel
+    applies: without it, the scored engine's tile kernel takes the call."""
     intervals = run.plan.intervals
-    if kernel == "interval_bf16":
-        assert intervals is not None  # dispatch names it for plans with intervals only
-        fused = interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded)
+    if kernel == "interval_bf16" and intervals is not None:  # traced plans may come without (`ops._with_intervals`)
+        terms = _kernel_terms(run, q.shape[0], q.shape[1])
+        fused = None if terms is None else interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded, terms=terms)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
+    if run.terms is not None:
+        out, shift, rest = scored._forward(q, k, v, _scored_run(run, q.dtype))
+        return out, shift + rest
     flash = private_torch.cpu_flash_attention
 
     def compute(call: Call) -> CallResult:
@@ -126,11 +133,14 @@ def _backward(
     benchmarks/sparse.py); the gradients are rounded to the input dtype at the end.
     """
     intervals = run.plan.intervals
-    if kernel == "interval_bf16_backward":
-        assert intervals is not None  # dispatch names it for plans with intervals only
-        fused = interval_bf16_backward.backward(grad_out, q, k, v, out, lse, *intervals, run.scale, grad_lse)
+    if kernel == "interval_bf16_backward" and intervals is not None:
+        terms = _kernel_terms(run, q.shape[0], q.shape[1])
+        fused = None if terms is None else interval_bf16_backward.backward(grad_out, q, k, v, out, lse, *intervals, run.scale, grad_lse, terms)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
+    if run.terms is not None:  # the scored engine's backward, from the lse as one part
+        grads = scored._backward(grad_out, grad_lse, q, k, v, out, lse, torch.zeros_like(lse), _scored_run(run, q.dtype), (), False)
+        return grads[0], grads[1], grads[2]  # type: ignore[return-value]  # dq, dk, dv are never None
     dtypes = q.dtype, k.dtype, v.dtype
     Ep = q.shape[3]
     if grad_lse is not None:
@@ -173,6 +183,29 @@ def _backward(
     del dq, dk, dv
     return rounded_in_turn(accumulators, Ep, dtypes)  # type: ignore[return-value]
 
+
+
+def _kernel_terms(run: BlockRun, N: int, H: int) -> IntervalTerms | None:
+    """``run.terms`` as the fused interval kernels take them, or None when they cannot (a bias
+    with no table: `diagonals.diagonal_table`). The table is built once per run."""
+    terms = run.terms
+    if terms is None:
+        return NO_TERMS
+    softcap = terms.softcap or 0.0
+    if terms.bias is None:
+        return IntervalTerms(softcap)
+    if run.diagonals is None:
+        run.diagonals = diagonal_table(terms, H, N)
+        if run.diagonals is None:
+            return None
+    table = run.diagonals
+    return IntervalTerms(softcap, table.table, table.positions, table.offset)
+
+
+def _scored_run(run: BlockRun, dtype: torch.dtype) -> scored._ScoredRun:
+    """The scored engine's run of a plain run with score terms: its tile kernel applies them."""
+    assert run.terms is not None
+    return scored._ScoredRun(run, run.terms, scored._tile_bias(run.terms.bias, accumulation_dtype(dtype)))
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -219,6 +252,8 @@ def block_attention(
     forward_kernel: str = "cpu_flash_tiles",
     backward_kernel: str = "engine_per_call",
     out_dtype: torch.dtype | None = None,
+    terms: ScoreTerms | None = None,
+    diagonals: DiagonalTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the tiles of ``plan``: (output (N, H, L, Ev) in q's dtype, lse (N, H, L)).
 
@@ -229,11 +264,14 @@ def block_attention(
     `qkv.attention.dispatch` chose (`Plan.forward_kernel`); by default the portable ones, which
     take every plan. ``out_dtype``: the output's dtype instead of q's where no backward is
     recorded (an emulated bf16 call computed in float32: rounded as it is placed, no float32
-    output in between); where one is, the output stays in q's dtype.
+    output in between); where one is, the output stays in q's dtype. ``terms``: score terms that the
+    fused bf16 interval kernels apply (a softcap, a bias by diagonal, whose table ``diagonals``
+    the plan may hold: `qkv.backends.blocks.diagonals`), or the scored engine where they cannot
+    run.
     """
     # causal squares run on the kernel's is_causal, which needs a positive scale
     kernel_q, kernel_scale = causal_kernel_scale(q, scale)
-    inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale)
+    inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale, terms, diagonals)
     grads = (q, k, v) if sinks is None else (q, k, v, sinks)
     if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
         out, lse = _BlockAttention.apply(*inputs, run, (forward_kernel, backward_kernel), sinks)

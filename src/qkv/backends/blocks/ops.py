@@ -416,6 +416,13 @@ def _bad_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | No
     return rows | (sees & bad_keys[:, :, cols][:, :, None, :]).any(dim=-1)
 
 
+def _plain(has_bias: bool, softcap: float | None, forward_kernel: str) -> bool:
+    """Whether the plain engine runs the call (`engine._forward`, no shift and rest of the lse):
+    no score terms, or terms that the fused bf16 interval kernels apply (dispatch names them
+    then; the engine hands the call to the scored one where they cannot run)."""
+    return forward_kernel == "interval_bf16" or (not has_bias and softcap is None)
+
+
 def _with_intervals(kernel: str, plan: BlockPlan) -> str:
     """The interval kernels need one key interval per query; a plan without falls back to the portable kernels
     (dispatch names them while tracing when the mask's data decides)."""
@@ -452,9 +459,11 @@ def _forward_op(
     acc = accumulation_dtype(q.dtype)
     plan = _plan(mask, mask_spec, mask_tensors, q, S, bias, softcap, need_grad)
     p_sink = _empty(q, acc)
-    run = BlockRun(plan, mask, scale)
+    plain = _plain(bias is not None, softcap, forward_kernel)
+    fused_terms = _terms(mask, bias, softcap, L, S, q.device) if plain and (bias is not None or softcap is not None) else None
+    run = BlockRun(plan, mask, scale, fused_terms)
     run_s: scored._ScoredRun | None
-    if bias is None and softcap is None:
+    if plain:
         out, lse = engine._forward(q, k, v, run, rounded=not need_grad and sinks is None, kernel=_with_intervals(forward_kernel, plan))
         if sinks is not None:
             out, lse, p_sink = sink_fold(out, lse, sinks)
@@ -490,7 +499,7 @@ def _forward_op(
 def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad):  # type: ignore[no-untyped-def]
     N, H, L, Ep = q.shape
     acc = accumulation_dtype(q.dtype)
-    with_terms = bias_spec != "None" or softcap is not None
+    with_terms = not _plain(bias_spec != "None", softcap, forward_kernel)
 
     head_major = _head_major(forward_kernel)
 
@@ -539,9 +548,12 @@ def _backward_op(
     # float32 accumulators stay float32; the scored backward differentiates each tile with
     # autograd, which the plain one does not need (every op would pass the autograd keys: its
     # Python overhead was about 1.5x eager's, 0.3 ms a call at n = 256)
-    plain = bias is None and softcap is None
-    with torch.autocast(q.device.type, enabled=False), contextlib.nullcontext() if plain else private_torch.autograd_inside_operator():
-        run = kept_run if kept_run is not None else BlockRun(plan, mask, scale)
+    plain = _plain(bias is not None, softcap, forward_kernel)
+    fused_terms = _terms(mask, bias, softcap, L, S, q.device) if plain and (bias is not None or softcap is not None) else None
+    # (the plain engine with score terms may hand them to the scored backward: `engine._backward`)
+    plain_only = plain and fused_terms is None
+    with torch.autocast(q.device.type, enabled=False), contextlib.nullcontext() if plain_only else private_torch.autograd_inside_operator():
+        run = kept_run if kept_run is not None else BlockRun(plan, mask, scale, fused_terms)
         if plain:
             grads: tuple[torch.Tensor | None, ...] = engine._backward(
                 grad_out, q, k, v, out, lse, run, lse_grad, _with_intervals(backward_kernel, plan)

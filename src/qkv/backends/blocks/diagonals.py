@@ -1,0 +1,97 @@
+"""Score terms that the fused bf16 interval kernels apply themselves, and a bias as a table of diagonals.
+
+The kernels (`qkv.native.interval_bf16` and its backward) can apply, inside their own pass, a
+softcap and a bias that depends on the head and on the distance between query and key only
+(`Bias.shift_invariant`: ALiBi, T5's relative buckets, and sums of them), the same for every
+batch row. Such a bias has one value per head and diagonal: the pair (query i at key position
+p_i, key j) reads ``table[h, p_i - j + offset]``, so the kernels need its (H | 1, D) float32
+values, not an L x S tile.
+
+`fused_terms_reason` says why a problem's terms cannot go there (`qkv.attention.dispatch` then
+keeps the scored engine's kernels); `diagonal_table` builds the table when a call runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qkv.scores import ScoreTerms
+
+__all__ = ["DiagonalTable", "diagonal_table", "fused_terms_reason"]
+
+# A row offset of the bias at least this large is left to the scored engine, which keeps the
+# lse in two parts there (`scored._HUGE_OFFSET`); the kernels keep one float32 lse.
+LARGEST_FUSED_BIAS = 2.0**14
+# Entries of the table before the first and after the last diagonal a real pair reads: the
+# kernels also read, and then ignore, pairs of key chunks rounded out to 32 keys and of query
+# blocks padded to 64 rows.
+_FRONT, _BACK = 32, 64
+# positions are int32 inside the kernels
+_POSITION_LIMIT = 2**30
+
+
+@dataclass(frozen=True)
+class DiagonalTable:
+    """A shift-invariant bias by diagonal: ``table`` (H | 1, D) float32 contiguous, query
+    positions in key coordinates ``positions`` (N | 1, L) int64, and the entry of the pair
+    (query i of batch row n, key j) at ``positions[n, i] - j + offset``."""
+
+    table: torch.Tensor
+    positions: torch.Tensor
+    offset: int
+
+
+def fused_terms_reason(terms: ScoreTerms, needs_grad: bool) -> str | None:
+    """Why the fused bf16 interval kernels cannot apply these score terms, or None when they
+    can (plain Python on the bias's parameters: no tensor is read)."""
+    if terms.score_mod is not None:
+        return "they apply no score_mod"
+    bias = terms.bias
+    if bias is None:
+        return None
+    if not bias.shift_invariant:
+        return f"they apply a bias only when it depends on the distance to the key alone, not {bias.describe()}"
+    if bias.batch is not None:
+        return "they apply no bias that varies over batch rows"
+    if needs_grad and any(t.requires_grad for t in bias.tensors()):
+        return "they give the bias's tensors no gradient"
+    return None
+
+
+def diagonal_table(terms: ScoreTerms, H: int, N: int) -> DiagonalTable | None:
+    """The bias of ``terms`` (shift-invariant, bound to H heads) as a table of diagonals for N
+    batch rows, or None when it does not suit the kernels: an entry at least
+    `LARGEST_FUSED_BIAS` in size, positions beyond int32, or a table too long for their int32
+    indices. Evaluates the bias once per head and diagonal, in float64, rounded to float32
+    as the scored engine's tiles are."""
+    bias = terms.bias
+    assert bias is not None and bias.shift_invariant
+    L, S = terms.L, terms.S
+    rows = torch.arange(L)
+    positions = (rows + (S - L)).view(1, L) if terms.positions is None else terms.positions.to(torch.long)  # (N | 1, L)
+    if positions.numel() == 0:
+        return None
+    low, high = int(positions.min()), int(positions.max())
+    if max(abs(low), abs(high)) >= _POSITION_LIMIT:
+        return None
+    # distances p - j from low - (S - 1) to high, with the margins the kernels read past them
+    offset = S - 1 - low + _FRONT
+    length = high - low + S + _FRONT + _BACK
+    if length >= _POSITION_LIMIT:
+        return None
+    distance = torch.arange(length, dtype=torch.long) - offset  # (D,) p - j of each entry
+    # any key index with the query at key + distance: a shift-invariant bias sees the difference only
+    key = torch.full((1, 1, 1, 1), S + _BACK, dtype=torch.long)
+    heads = torch.arange(bias.heads or 1).view(1, -1, 1, 1)  # (1, H | 1, 1, 1)
+    q_pos = (key + distance).view(1, 1, 1, length)  # (1, 1, 1, D)
+    with torch.no_grad():
+        values = bias.terms(torch.zeros(1, 1, 1, 1, dtype=torch.long), heads, q_pos, key, q_pos)  # (1, H | 1, 1, D)
+        values = values.to(torch.float32).reshape(-1, length)  # (H | 1, D)
+    if values.shape[0] not in (1, H):
+        return None
+    if not bool(torch.isfinite(values).all()) or float(values.abs().max()) >= LARGEST_FUSED_BIAS:
+        return None
+    del N
+    return DiagonalTable(values.contiguous(), positions.contiguous(), offset)

@@ -1,0 +1,96 @@
+"""The score terms the fused interval kernels apply, as their C entry points take them.
+
+Both kernels (`qkv.native.interval_bf16` and `interval_bf16_backward`) apply, in qkv.scores'
+order after the scale, a softcap and a bias by diagonal (``score_terms_bf16.h``): the pair
+(query i of batch row n, key j) adds ``table[h, positions[n, i] - j + offset]``, the table
+(H | 1, D) float32 and the positions (N | 1, L) int64 built by
+`qkv.backends.blocks.diagonals`. This module checks them against the kernels' reads (the
+kernels read raw memory: a table too short must be refused before they run), packs them
+for ctypes and applies them in float64 for the self-checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NO_TERMS", "IntervalTerms"]
+
+# the kernels read the table for query rows padded to 64 (positions continued past the last
+# row) and keys from 0 to S - 1
+_PADDED_ROWS = 63
+# positions and table entries are int32 inside the kernels
+_INT32_LIMIT = 2**30
+
+
+@dataclass(frozen=True, eq=False)
+class IntervalTerms:
+    """A softcap (0: none) and a bias by diagonal (``table`` None: none)."""
+
+    softcap: float = 0.0
+    table: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    offset: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.softcap > 0.0 or self.table is not None
+
+    def problem(self, N: int, H: int, L: int, S: int) -> str | None:
+        """What is wrong with the terms for q (N, H, L, .) and S keys, or None."""
+        if not (self.softcap >= 0.0 and math.isfinite(self.softcap)):
+            return f"softcap must be 0 (none) or positive and finite, got {self.softcap!r}"
+        if self.table is None:
+            return None if self.positions is None else "positions come with a diagonal table only"
+        table, positions = self.table, self.positions
+        if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous() or table.shape[0] not in (1, H):
+            return f"the diagonal table must be a contiguous float32 (H | 1, D) = ({H} | 1, D) tensor, not {table.dtype} {tuple(table.shape)}"
+        if positions is None or positions.dtype != torch.long or positions.dim() != 2:
+            return "the query positions must be an int64 (N | 1, L) tensor"
+        if positions.shape[1] != L or positions.shape[0] not in (1, N):
+            return f"the query positions must be (N | 1, L) = ({N} | 1, {L}), not {tuple(positions.shape)}"
+        if L == 0 or S == 0:
+            return None
+        low, high = int(positions.min()), int(positions.max())
+        first, last = low - (S - 1) + self.offset, high + _PADDED_ROWS + self.offset
+        if max(abs(low), abs(high), table.shape[1]) >= _INT32_LIMIT or first < 0 or last >= table.shape[1]:
+            return (
+                f"the diagonal table ({table.shape[1]} entries, offset {self.offset}) does not hold entries "
+                f"{first}..{last} that positions {low}..{high} and {S} keys read"
+            )
+        return None
+
+    def arguments(self) -> tuple[object, ...]:
+        """The entry points' arguments: softcap, table, its heads, length and offset, positions and their rows."""
+        if self.table is None or self.positions is None:
+            return (float(self.softcap), None, 0, 0, 0, None, 0)
+        table, positions = self.table, self.positions.contiguous()
+        return (
+            float(self.softcap), table.data_ptr(), table.shape[0], table.shape[1], int(self.offset),
+            positions.data_ptr(), positions.shape[0],
+        )  # fmt: skip
+
+    def applied(self, s: torch.Tensor, scale: float, h: torch.Tensor, rows: torch.Tensor, n: int = 0) -> torch.Tensor:
+        """Raw scores s (H, r, S) float64 of batch row n, query rows ``rows``, scaled and with
+        the terms applied (the self-checks' reference)."""
+        s = s * scale
+        if self.softcap > 0.0:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        if self.table is not None and self.positions is not None:
+            S = s.shape[-1]
+            p = self.positions[n if self.positions.shape[0] > 1 else 0, rows].view(-1, 1)  # (r, 1)
+            entry = p - torch.arange(S).view(1, S) + self.offset  # (r, S)
+            table = self.table.double()[h if self.table.shape[0] > 1 else torch.zeros_like(h)]  # (H, D)
+            s = s + table[:, entry]  # (H, r, S)
+        return s
+
+
+NO_TERMS = IntervalTerms()
+
+# ctypes types of `IntervalTerms.arguments`, in order
+ARGUMENT_TYPES = (
+    ctypes.c_double, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+)
