@@ -6,7 +6,8 @@ Cases (B = 1, H = 8, E = 64), each timed against its peers in one run by `qkv.be
 - float32, sliding_window(256, 256) at n = 16,384: qkv against SDPA with the equivalent dense
   bool mask (goal >= 15x);
 - bfloat16 against float32 on the same problems through qkv.attention (goal >= 1.0x: where
-  bf16 products are emulated, qkv computes them in float32);
+  bf16 products are emulated, qkv computes them in float32), and on causal n = 4,096 with score
+  terms: a softcap of 30, ALiBi, and a window of 256 with a relative bias table (32 buckets);
 - the encoder (all-MiniLM-L6-v2, `load_encoder`): 256 sentences of 5-120 tokens, bf16 against
   float32 (goal >= 1.0x).
 
@@ -58,9 +59,9 @@ def _rate(dtype: torch.dtype) -> tuple[float, str]:
     return rate, ", ".join(f"{n}^2" for n in sides)
 
 
-def _flops(n: int, mask: object) -> int:
+def _flops(n: int, mask: object, **terms: object) -> int:
     q = torch.zeros(B, H, n, E)  # explain validates the values too
-    return qkv.explain(q, q, q, mask).flops
+    return qkv.explain(q, q, q, mask, **terms).flops  # type: ignore[arg-type]  # the terms' own keywords
 
 
 def versus_sdpa(n_dense: int, n_window: int, reps: int) -> None:
@@ -93,21 +94,26 @@ def versus_sdpa(n_dense: int, n_window: int, reps: int) -> None:
 
 def bf16_attention(n_dense: int, n_window: int, reps: int, rates: dict[torch.dtype, float]) -> None:
     """bfloat16 against float32 through qkv.attention on the same problems."""
-    cases = {
-        f"dense n={n_dense}": (n_dense, None),
-        f"causal n={n_dense}": (n_dense, qkv.masks.causal()),
-        f"sliding_window(256) n={n_window}": (n_window, qkv.masks.sliding_window(256, 256)),
+    causal, window = qkv.masks.causal(), qkv.masks.sliding_window(256, 256)
+    table = torch.randn(H, 32, generator=torch.Generator().manual_seed(0)) * 0.5  # (H, buckets)
+    cases: dict[str, tuple[int, object, dict[str, object]]] = {
+        f"dense n={n_dense}": (n_dense, None, {}),
+        f"causal n={n_dense}": (n_dense, causal, {}),
+        f"sliding_window(256) n={n_window}": (n_window, window, {}),
+        f"causal+softcap n={n_dense}": (n_dense, causal, {"softcap": 30.0}),
+        f"causal+alibi n={n_dense}": (n_dense, causal, {"bias": qkv.bias.alibi()}),
+        f"window+relative n={n_dense}": (n_dense, window, {"bias": qkv.bias.relative(table)}),
     }
     print(f"\nbfloat16 vs float32 through qkv.attention, B={B} H={H} E={E}\n{machine_line()}")
     print(f"{'case':<28}{'dtype':<10}{'ms':>9}{'GFLOP/s':>9}{'of mm':>8}{'bf16 speed-up':>15}")
-    for label, (n, mask) in cases.items():
+    for label, (n, mask, terms) in cases.items():
         inputs = {d: random_qkv(n, heads=H, head_dim=E, dtype=d) for d in DTYPES}
         with torch.inference_mode():
             times = fastest(
-                {_name(d): (lambda x=x, m=mask: qkv.attention(*x, m)) for d, x in inputs.items()},
+                {_name(d): (lambda x=x, m=mask, t=terms: qkv.attention(*x, m, **t)) for d, x in inputs.items()},  # type: ignore[arg-type]
                 reps, warmup=1, round_seconds=FORWARD_ROUND_SECONDS,
             )  # fmt: skip
-        flops = _flops(n, mask)
+        flops = _flops(n, mask, **terms)
         for dtype in DTYPES:
             seconds = times[_name(dtype)]
             gflops = flops / seconds / 1e9
