@@ -180,7 +180,8 @@ def test_the_diagonal_table_holds_the_bias_of_every_pair(positions: str) -> None
     bias = (qkv.bias.alibi() + qkv.bias.relative(torch.randn(H, 16), num_buckets=16, max_distance=20)).bind((2,), H, L, S)
     given = None if positions == "bottom-right" else torch.tensor([[*range(10, 30), *range(40, 65)], [*range(25, 70)]])
     terms = ScoreTerms(L, S, bias=bias, positions=given)
-    table = diagonal_table(terms, H, 2)
+    every_key = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1))  # (1, L) each
+    table = diagonal_table(terms, H, every_key)
     assert table is not None
     p = table.positions  # (N | 1, L)
     for n in range(p.shape[0]):
@@ -226,3 +227,89 @@ def test_two_runs_with_terms_are_bitwise_equal() -> None:
         out = qkv.attention(*leaves, mask=M.causal(), softcap=3.0, bias=qkv.bias.alibi(), backend="blocks")
         results.append((out, *torch.autograd.grad(out, leaves, d_out.to(DTYPE))))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_the_protocols_blocks_entry_runs_the_plans_kernels_with_terms() -> None:
+    # `qkv.backends.protocol`'s forward of "blocks" with the Plan's kernel names: the fused
+    # kernels where they were named (the table built on the way), the scored ones otherwise
+    from qkv.attention.dispatch import choose_path
+    from qkv.attention.problem import describe_problem
+    from qkv.backends.protocol import BACKENDS
+
+    q, k, v, _ = _problem(1, 4, 4, 600, 600, 64, 64, seed=11)
+    q, k, v = (t.to(DTYPE) for t in (q, k, v))
+    mask, bias = M.sliding_window(50), qkv.bias.alibi()
+    problem = describe_problem(q, k, v, mask, bias=bias, softcap=20.0)
+    plan = choose_path(problem, "blocks", False, True)
+    assert plan.tiles is not None
+    with torch.no_grad():
+        out, _ = BACKENDS["blocks"].forward(
+            q, k, v, mask, plan.tiles, problem.scale, problem.terms, plan.forward_kernel, plan.backward_kernel
+        )
+        expected = qkv.attention(q, k, v, mask, bias=bias, softcap=20.0, backend="blocks")
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_terms_give_eagers_gradients(backend: str) -> None:
+    # the block engine's operators with score terms the fused kernels apply: every bias tensor
+    # gets its (empty) gradient slot, and the gradients are eager's, bit for bit
+    q, k, v, d_out = _problem(2, 2, 2, 70, 80, 64, 64, seed=12)
+    mask = M.padded(torch.tensor([70, 20]), torch.tensor([80, 10]), causal=True)
+    bias = qkv.bias.alibi(torch.tensor([0.3, 0.05]))
+
+    def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(a, b, c, mask, bias=bias, softcap=2.0, backend="blocks")
+
+    results = []
+    for fn in (run, torch.compile(run, backend=backend, fullgraph=True)):
+        leaves = tuple(t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+        out = fn(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, d_out.to(DTYPE))))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_compiled_huge_bias_offsets_keep_the_lse_in_two_parts() -> None:
+    # traced, the fused kernels are named before the bias's values are known; a table of -1e9
+    # is then refused when the graph runs and the scored engine stands in, its lse in two parts
+    # (one float32 lse has no digits left for log(keys) at 1e9): gradients as good as eager's
+    H, L, E = 2, 64, 32
+    table = torch.full((H, 32), -1e9)
+    q, k, v, d_out = _problem(1, H, H, L, L, E, E, seed=13)
+
+    def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(a, b, c, bias=qkv.bias.relative(table), backend="blocks")
+
+    want = torch.autograd.grad(
+        qkv.attention(*(t.requires_grad_(True) for t in (q, k, v)), bias=qkv.bias.relative(table.double()), backend="math"),
+        (q, k, v), d_out,
+    )  # fmt: skip
+    errors = []
+    for fn in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
+        leaves = tuple(t.detach().to(DTYPE).requires_grad_(True) for t in (q, k, v))
+        grads = torch.autograd.grad(fn(*leaves), leaves, d_out.to(DTYPE))
+        errors.append(max(float((g.double() - w).abs().max()) for g, w in zip(grads, want, strict=True)))
+    eager, compiled = errors
+    assert compiled <= 1.5 * eager + 1e-2
+
+
+def test_explain_says_why_terms_stay_on_the_scored_kernels() -> None:
+    q = torch.randn(1, 4, 3000, 64).to(DTYPE).requires_grad_(True)
+    mask = M.sliding_window(100)
+    reasons = {
+        "it applies no score_mod": {"score_mod": lambda s, b, h, i, j: s * 0.5},
+        "it gives the bias's tensors no gradient": {"bias": qkv.bias.alibi(torch.ones(4, requires_grad=True))},
+        "it keeps one float32 lse": {"bias": qkv.bias.relative(torch.full((4, 32), -1e5))},
+    }
+    for reason, terms in reasons.items():
+        line = qkv.explain(q, q, q, mask, **terms).forward_kernel
+        if _can_run():
+            assert f"(the {interval_bf16.KERNEL_NAME} does not run: {reason}" in line, line
+        else:
+            assert f"(the {interval_bf16.KERNEL_NAME} does not run: " in line, line
+    # float32: the bf16 kernels are no candidates, nothing is said
+    assert qkv.explain(q.float(), q.float(), q.float(), mask, softcap=5.0).forward_kernel == ""
+    # a long window with the paper's slopes: the far keys' bias (-0.5 x 33,000) is never a row's offset
+    long = torch.zeros(1, 8, 33000, 64).to(DTYPE)
+    kernels = qkv.explain(long, long, long, M.sliding_window(128), bias=qkv.bias.alibi()).kernels
+    assert kernels == FUSED if _can_run() else _scored(kernels)

@@ -34,7 +34,12 @@ from qkv._private import torch as private_torch
 from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
 from qkv.backends.blocks import crossover
-from qkv.backends.blocks.diagonals import DiagonalTable, diagonal_table, fused_terms_reason
+from qkv.backends.blocks.diagonals import (
+    LARGEST_FUSED_BIAS,
+    DiagonalTable,
+    diagonal_table,
+    fused_terms_reason,
+)
 from qkv.backends.blocks.ops import encodable, kept_layout, kept_plan, planned_share
 from qkv.backends.blocks.planner import (
     BlockConfig,
@@ -89,7 +94,8 @@ Path = Literal["fused", "math", "blocks", "flex", "decode"]
 MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles", "chunks"]
 # How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
 # mask; the explicit formula applies them; the block engine applies them tile by tile; the
-# fused bf16 interval kernel applies them (a softcap, a bias by diagonal) inside its own pass; FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
+# fused bf16 interval kernels apply them (a softcap, a bias by diagonal) in their own pass;
+# FlexAttention applies them as its score_mod; the decode kernel adds the bias chunk by chunk.
 ScoreRoute = Literal["none", "dense_mask", "formula", "tiles", "kernel", "score_mod", "chunks"]
 # Where the weights or the lse come from: nowhere (not needed); the kernel itself; the dense
 # formula recomputing them (`kernels.dense`); the tiles recomputing them (`kernels.blocks`).
@@ -898,21 +904,28 @@ def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
     has_intervals = plan.tiles.intervals is not None if plan.tiles is not None else _compile_tracing(problem)
     forward = interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals)
     backward = interval_bf16_backward.unavailable_reason(q.dtype, q.device, has_intervals)
+    low = q.dtype in (torch.bfloat16, torch.float16)  # where the kernels are candidates, said
     if terms.active:
         trains = needs_grad(problem)
-        if fused_terms_reason(terms, trains) is None and forward is None and (backward is None or not trains):
-            # bf16 products and the terms in one pass, where the tile kernels compute in float32
-            diagonals = None
-            if terms.bias is not None and plan.tiles is not None:
-                diagonals = diagonal_table(terms, problem.H, problem.N)
-            if terms.bias is None or plan.tiles is None or diagonals is not None:
-                return replace(
-                    plan, scores="kernel", diagonals=diagonals, forward_kernel="interval_bf16",
-                    backward_kernel="interval_bf16_backward" if backward is None else "scored_per_call",
-                )  # fmt: skip
+        why = forward or fused_terms_reason(terms, trains) or (backward if trains else None)
+        diagonals = None
+        if why is None and terms.bias is not None and plan.tiles is not None and plan.tiles.intervals is not None:
+            diagonals = diagonal_table(terms, problem.H, plan.tiles.intervals)
+            if diagonals is None:
+                why = (
+                    f"it keeps one float32 lse, and this bias may move a row's scores by {LARGEST_FUSED_BIAS:g} or more "
+                    "or hide keys; the scored kernels keep the lse in two parts"
+                )
+        if why is None:  # bf16 products and the terms in one pass, where the tile kernels compute in float32
+            return replace(
+                plan, scores="kernel", diagonals=diagonals, forward_kernel="interval_bf16",
+                backward_kernel="interval_bf16_backward" if backward is None else "scored_per_call",
+            )  # fmt: skip
         scored = terms.softcap is not None or terms.score_mod is not None
-        return replace(plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call")
-    low = q.dtype in (torch.bfloat16, torch.float16)  # where the kernels are candidates, said
+        return replace(
+            plan, forward_kernel="score_tiles" if scored else "bias_tiles", backward_kernel="scored_per_call",
+            forward_absent=why if low else None, forward_absent_kernel="interval_bf16",
+        )  # fmt: skip
     return replace(
         plan,
         forward_kernel="interval_bf16" if forward is None else "cpu_flash_tiles",

@@ -272,12 +272,16 @@ def _blocks_entry(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, plan: BlockPlan, scale: float,
     terms: ScoreTerms | None = None, forward_kernel: str | None = None, backward_kernel: str = "engine_per_call",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine (`block_attention`), with score terms on their own kernels (`scored_block_attention`)."""
-    if terms is not None and terms.active:
+    """The engine (`block_attention`), with score terms on their own kernels (`scored_block_attention`)
+    unless the fused bf16 interval kernels apply them (``forward_kernel="interval_bf16"``)."""
+    active = terms is not None and terms.active
+    if active and forward_kernel != "interval_bf16":
+        assert terms is not None
         return scored_block_attention(q, k, v, mask, plan, scale, terms, forward_kernel=forward_kernel)
     return block_attention(
-        q, k, v, mask, plan, scale, forward_kernel=forward_kernel or "cpu_flash_tiles", backward_kernel=backward_kernel
-    )
+        q, k, v, mask, plan, scale, forward_kernel=forward_kernel or "cpu_flash_tiles", backward_kernel=backward_kernel,
+        terms=terms if active else None,
+    )  # fmt: skip
 
 
 # One per path of `qkv.attention.dispatch` ("fused" is PyTorch's SDPA, with the short-sequence

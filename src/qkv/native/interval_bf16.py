@@ -241,7 +241,8 @@ def _(q, k, v, lo, hi, scale, rounded, softcap=0.0, diag_table=None, positions=N
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, lo, hi, scale, rounded, *given = inputs  # the score terms: absent where the caller left the defaults
-    softcap, table, positions, offset = (*given, *(0.0, None, None, 0)[len(given) :])
+    defaults: tuple[object, ...] = (0.0, None, None, 0)
+    softcap, table, positions, offset = tuple(given) + defaults[len(given) :]
     out, lse = output
     ctx.save_for_backward(q, k, v, lo, hi, out, lse, table, positions)
     ctx.scale, ctx.rounded, ctx.softcap, ctx.offset = scale, rounded, softcap, offset

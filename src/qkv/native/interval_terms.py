@@ -48,8 +48,8 @@ class IntervalTerms:
         table, positions = self.table, self.positions
         if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous() or table.shape[0] not in (1, H):
             return f"the diagonal table must be a contiguous float32 (H | 1, D) = ({H} | 1, D) tensor, not {table.dtype} {tuple(table.shape)}"
-        if positions is None or positions.dtype != torch.long or positions.dim() != 2:
-            return "the query positions must be an int64 (N | 1, L) tensor"
+        if positions is None or positions.dtype != torch.long or positions.dim() != 2 or not positions.is_contiguous():
+            return "the query positions must be a contiguous int64 (N | 1, L) tensor"
         if positions.shape[1] != L or positions.shape[0] not in (1, N):
             return f"the query positions must be (N | 1, L) = ({N} | 1, {L}), not {tuple(positions.shape)}"
         if L == 0 or S == 0:
@@ -67,7 +67,7 @@ class IntervalTerms:
         """The entry points' arguments: softcap, table, its heads, length and offset, positions and their rows."""
         if self.table is None or self.positions is None:
             return (float(self.softcap), None, 0, 0, 0, None, 0)
-        table, positions = self.table, self.positions.contiguous()
+        table, positions = self.table, self.positions  # contiguous (`problem`): their own memory reaches the kernel
         return (
             float(self.softcap), table.data_ptr(), table.shape[0], table.shape[1], int(self.offset),
             positions.data_ptr(), positions.shape[0],

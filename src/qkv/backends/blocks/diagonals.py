@@ -21,8 +21,9 @@ from qkv.scores import ScoreTerms
 
 __all__ = ["DiagonalTable", "diagonal_table", "fused_terms_reason"]
 
-# A row offset of the bias at least this large is left to the scored engine, which keeps the
-# lse in two parts there (`scored._HUGE_OFFSET`); the kernels keep one float32 lse.
+# A bias whose largest entry, or whose entry at some row's nearest visible key, is at least
+# this large in size is left to the scored engine, which keeps the lse in two parts there
+# (`scored._HUGE_OFFSET`); the kernels keep one float32 lse, exact to about 2^-10 here.
 LARGEST_FUSED_BIAS = 2.0**14
 # Entries of the table before the first and after the last diagonal a real pair reads: the
 # kernels also read, and then ignore, pairs of key chunks rounded out to 32 keys and of query
@@ -47,25 +48,26 @@ def fused_terms_reason(terms: ScoreTerms, needs_grad: bool) -> str | None:
     """Why the fused bf16 interval kernels cannot apply these score terms, or None when they
     can (plain Python on the bias's parameters: no tensor is read)."""
     if terms.score_mod is not None:
-        return "they apply no score_mod"
+        return "it applies no score_mod"
     bias = terms.bias
     if bias is None:
         return None
     if not bias.shift_invariant:
-        return f"they apply a bias only when it depends on the distance to the key alone, not {bias.describe()}"
+        return f"it applies a bias only when it depends on the distance to the key alone, not {bias.describe()}"
     if bias.batch is not None:
-        return "they apply no bias that varies over batch rows"
+        return "it applies no bias that varies over batch rows"
     if needs_grad and any(t.requires_grad for t in bias.tensors()):
-        return "they give the bias's tensors no gradient"
+        return "it gives the bias's tensors no gradient"
     return None
 
 
-def diagonal_table(terms: ScoreTerms, H: int, N: int) -> DiagonalTable | None:
-    """The bias of ``terms`` (shift-invariant, bound to H heads) as a table of diagonals for N
-    batch rows, or None when it does not suit the kernels: an entry at least
-    `LARGEST_FUSED_BIAS` in size, positions beyond int32, or a table too long for their int32
-    indices. Evaluates the bias once per head and diagonal, in float64, rounded to float32
-    as the scored engine's tiles are."""
+def diagonal_table(terms: ScoreTerms, H: int, intervals: tuple[torch.Tensor, torch.Tensor]) -> DiagonalTable | None:
+    """The bias of ``terms`` (shift-invariant, bound to H heads) as a table of diagonals, for
+    the rows whose visible keys are ``intervals`` (lo, hi (N | 1, L) int64, `Mask.row_intervals`),
+    or None when it does not suit the kernels: a row offset that may reach
+    `LARGEST_FUSED_BIAS` (`_offsets_fit`), a non-finite entry, positions beyond int32, or a
+    table too long for their int32 indices. Evaluates the bias once per head and diagonal,
+    in the bias's own dtype, rounded to float32 as the scored engine's tiles are."""
     bias = terms.bias
     assert bias is not None and bias.shift_invariant
     L, S = terms.L, terms.S
@@ -91,7 +93,20 @@ def diagonal_table(terms: ScoreTerms, H: int, N: int) -> DiagonalTable | None:
         values = values.to(torch.float32).reshape(-1, length)  # (H | 1, D)
     if values.shape[0] not in (1, H):
         return None
-    if not bool(torch.isfinite(values).all()) or float(values.abs().max()) >= LARGEST_FUSED_BIAS:
-        return None
-    del N
-    return DiagonalTable(values.contiguous(), positions.contiguous(), offset)
+    table = DiagonalTable(values.contiguous(), positions.contiguous(), offset)
+    return table if bool(torch.isfinite(values).all()) and _offsets_fit(table, *intervals, S) else None
+
+
+def _offsets_fit(table: DiagonalTable, lo: torch.Tensor, hi: torch.Tensor, S: int) -> bool:
+    """Whether every row's largest bias over its visible keys (its offset) lies within
+    +-`LARGEST_FUSED_BIAS`: it lies between the row's entry at its visible key nearest to its own
+    position and the table's largest entry, so both are checked (exactly the row's largest for
+    ALiBi, whose bias falls with the distance). Rows without a visible key have no offset."""
+    if float(table.table.max()) >= LARGEST_FUSED_BIAS:
+        return False
+    first, last = lo.clamp(min=0), hi.clamp(max=S - 1)  # (N | 1, L) each
+    seen = first <= last
+    positions = table.positions.expand(max(lo.shape[0], table.positions.shape[0]), -1)  # (N | 1, L)
+    nearest = torch.minimum(torch.maximum(positions, first), last)  # (N | 1, L): the visible key nearest to p
+    entries = table.table[:, (positions - nearest + table.offset)[seen.expand_as(positions)]]  # (H | 1, rows seen)
+    return entries.numel() == 0 or float(entries.min()) > -LARGEST_FUSED_BIAS

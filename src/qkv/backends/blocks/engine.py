@@ -82,15 +82,15 @@ def _forward(
     backward will read it) the output may come in q's dtype instead, or in ``out_dtype``
     (the flash path: `calls.run_calls`). Score terms (``run.terms``) only the fused kernel
     applies: without it, the scored engine's tile kernel takes the call."""
+    if run.terms is not None:
+        out, shift, rest = forward_with_terms(q, k, v, run, rounded, kernel)
+        return out, shift if rest is None else shift + rest
     intervals = run.plan.intervals
-    if kernel == "interval_bf16" and intervals is not None:  # traced plans may come without (`ops._with_intervals`)
-        terms = _kernel_terms(run, q.shape[0], q.shape[1])
-        fused = None if terms is None else interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded, terms=terms)
+    if kernel == "interval_bf16":
+        assert intervals is not None  # dispatch names it for plans with intervals only
+        fused = interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
-    if run.terms is not None:
-        out, shift, rest = scored._forward(q, k, v, _scored_run(run, q.dtype))
-        return out, shift + rest
     flash = private_torch.cpu_flash_attention
 
     def compute(call: Call) -> CallResult:
@@ -107,6 +107,23 @@ def _forward(
     return run_calls(q, run.plan, compute, rounded=True, out_dtype=out_dtype if rounded else None)
 
 
+def forward_with_terms(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, rounded: bool = False, kernel: str = "interval_bf16"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(output, shift, rest) of a run with score terms (``run.terms``), lse = shift + rest: from the
+    fused bf16 kernel when ``kernel`` names it and it can take them, its lse whole (rest None);
+    else from the scored engine, which keeps the lse in two parts (a row offset near the
+    float32 limits leaves a single lse no digits for the rest: `scored._HUGE_OFFSET`)."""
+    intervals = run.plan.intervals
+    if kernel == "interval_bf16" and intervals is not None:  # traced plans may come without (`ops._with_intervals`)
+        terms = _kernel_terms(run, q.shape[1])
+        fused = None if terms is None else interval_bf16.forward(q, k, v, *intervals, run.scale, rounded=rounded, terms=terms)
+        if fused is not None:  # None: its build or self-check failed just now (explain says why)
+            return fused[0], fused[1], None
+    out, shift, rest = scored._forward(q, k, v, _scored_run(run, q.dtype))
+    return out, shift, rest
+
+
 def _backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -117,6 +134,7 @@ def _backward(
     run: BlockRun,
     grad_lse: torch.Tensor | None = None,
     kernel: str = "engine_per_call",
+    lse_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (N, H, *, Ep) from the final output and lse (FlashAttention-2 recomputation),
     with the gradient of lse (N, H, L) added when ``grad_lse`` is given.
@@ -134,12 +152,13 @@ def _backward(
     """
     intervals = run.plan.intervals
     if kernel == "interval_bf16_backward" and intervals is not None:
-        terms = _kernel_terms(run, q.shape[0], q.shape[1])
+        terms = _kernel_terms(run, q.shape[1])
         fused = None if terms is None else interval_bf16_backward.backward(grad_out, q, k, v, out, lse, *intervals, run.scale, grad_lse, terms)
         if fused is not None:  # None: its build or self-check failed just now (explain says why)
             return fused
-    if run.terms is not None:  # the scored engine's backward, from the lse as one part
-        grads = scored._backward(grad_out, grad_lse, q, k, v, out, lse, torch.zeros_like(lse), _scored_run(run, q.dtype), (), False)
+    if run.terms is not None:  # the scored engine's backward, from the lse in its parts where the forward kept them
+        shift, rest = lse_parts if lse_parts is not None else (lse, torch.zeros_like(lse))
+        grads = scored._backward(grad_out, grad_lse, q, k, v, out, shift, rest, _scored_run(run, q.dtype), (), False)
         return grads[0], grads[1], grads[2]  # type: ignore[return-value]  # dq, dk, dv are never None
     dtypes = q.dtype, k.dtype, v.dtype
     Ep = q.shape[3]
@@ -185,9 +204,10 @@ def _backward(
 
 
 
-def _kernel_terms(run: BlockRun, N: int, H: int) -> IntervalTerms | None:
+def _kernel_terms(run: BlockRun, H: int) -> IntervalTerms | None:
     """``run.terms`` as the fused interval kernels take them, or None when they cannot (a bias
-    with no table: `diagonals.diagonal_table`). The table is built once per run."""
+    with no table: `diagonals.diagonal_table`). The table is built once per run (dispatch builds
+    it for eager plans; a traced plan's is built here, when the graph runs)."""
     terms = run.terms
     if terms is None:
         return NO_TERMS
@@ -195,7 +215,8 @@ def _kernel_terms(run: BlockRun, N: int, H: int) -> IntervalTerms | None:
     if terms.bias is None:
         return IntervalTerms(softcap)
     if run.diagonals is None:
-        run.diagonals = diagonal_table(terms, H, N)
+        assert run.plan.intervals is not None  # the kernels run on plans with intervals only
+        run.diagonals = diagonal_table(terms, H, run.plan.intervals)
         if run.diagonals is None:
             return None
     table = run.diagonals

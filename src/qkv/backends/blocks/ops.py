@@ -440,7 +440,8 @@ def _forward_op(
     """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
     sinks and ``need_grad``, else empty). ``forward_kernel``: the plain engine's forward kernel,
-    or with score terms "bias_tiles" / "score_tiles"; ``backward_kernel`` is read by the backward only.
+    or with score terms "bias_tiles" / "score_tiles", or "interval_bf16" where the fused kernels
+    apply them; ``backward_kernel`` is read by the backward only.
     Then, with ``need_grad``, the rows (N, H, L) bool that the NaN rule makes NaN (else empty),
     and whether q, k or v holds a non-finite entry (0-d bool), for the backward: the engine runs
     on the inputs with their non-finite entries replaced by 0 and the operator sets those rows
@@ -463,7 +464,18 @@ def _forward_op(
     fused_terms = _terms(mask, bias, softcap, L, S, q.device) if plain and (bias is not None or softcap is not None) else None
     run = BlockRun(plan, mask, scale, fused_terms)
     run_s: scored._ScoredRun | None
-    if plain:
+    if fused_terms is not None:
+        # the fused kernels' lse comes whole (rest 0), the scored engine's, where it stands in, in
+        # its two parts, which the backward then reads (`engine.forward_with_terms`)
+        out, shift, maybe_rest = engine.forward_with_terms(q, k, v, run, not need_grad, _with_intervals(forward_kernel, plan))
+        rest = torch.zeros_like(shift) if maybe_rest is None else maybe_rest
+        if sinks is not None:
+            out, rest, p_sink = sink_fold(out, rest, sinks, shift)
+        lse = shift + rest
+        if not need_grad:
+            shift, rest = _empty(q, acc), _empty(q, acc)
+        run_s = None
+    elif plain:
         out, lse = engine._forward(q, k, v, run, rounded=not need_grad and sinks is None, kernel=_with_intervals(forward_kernel, plan))
         if sinks is not None:
             out, lse, p_sink = sink_fold(out, lse, sinks)
@@ -499,7 +511,7 @@ def _forward_op(
 def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad):  # type: ignore[no-untyped-def]
     N, H, L, Ep = q.shape
     acc = accumulation_dtype(q.dtype)
-    with_terms = not _plain(bias_spec != "None", softcap, forward_kernel)
+    with_terms = bias_spec != "None" or softcap is not None  # the lse in two parts, shift + rest
 
     head_major = _head_major(forward_kernel)
 
@@ -556,9 +568,10 @@ def _backward_op(
         run = kept_run if kept_run is not None else BlockRun(plan, mask, scale, fused_terms)
         if plain:
             grads: tuple[torch.Tensor | None, ...] = engine._backward(
-                grad_out, q, k, v, out, lse, run, lse_grad, _with_intervals(backward_kernel, plan)
+                grad_out, q, k, v, out, lse, run, lse_grad, _with_intervals(backward_kernel, plan),
+                lse_parts=None if fused_terms is None else (shift, rest),
             )
-            d_bias: list[torch.Tensor] = []
+            d_bias = [_empty(t, t.dtype) for t in bias_tensors]  # the fused kernels take no learning bias
         else:
             acc = accumulation_dtype(q.dtype)
             if kept_scored is not None:
