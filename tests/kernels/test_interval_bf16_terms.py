@@ -250,23 +250,29 @@ def test_the_protocols_blocks_entry_runs_the_plans_kernels_with_terms() -> None:
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_terms_give_eagers_gradients(backend: str) -> None:
+def test_compiled_terms_give_eagers_results(backend: str, sinks: bool) -> None:
     # the block engine's operators with score terms the fused kernels apply: every bias tensor
-    # gets its (empty) gradient slot, and the gradients are eager's, bit for bit
+    # gets its (empty) gradient slot, and outputs and gradients are eager's, bit for bit, with
+    # gradients and without (the inference output rounded once, after the sinks' fold)
     q, k, v, d_out = _problem(2, 2, 2, 70, 80, 64, 64, seed=12)
     mask = M.padded(torch.tensor([70, 20]), torch.tensor([80, 10]), causal=True)
     bias = qkv.bias.alibi(torch.tensor([0.3, 0.05]))
+    sink = torch.tensor([0.5, -1.0]) if sinks else None
 
     def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return qkv.attention(a, b, c, mask, bias=bias, softcap=2.0, backend="blocks")
+        return qkv.attention(a, b, c, mask, bias=bias, softcap=2.0, sinks=sink, backend="blocks")
 
-    results = []
+    results, inference = [], []
     for fn in (run, torch.compile(run, backend=backend, fullgraph=True)):
         leaves = tuple(t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
         out = fn(*leaves)
         results.append((out, *torch.autograd.grad(out, leaves, d_out.to(DTYPE))))
+        with torch.no_grad():
+            inference.append(fn(*(t.detach() for t in leaves)))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert torch.equal(*inference)
 
 
 def test_compiled_huge_bias_offsets_keep_the_lse_in_two_parts() -> None:
@@ -299,12 +305,12 @@ def test_explain_says_why_terms_stay_on_the_scored_kernels() -> None:
     reasons = {
         "it applies no score_mod": {"score_mod": lambda s, b, h, i, j: s * 0.5},
         "it gives the bias's tensors no gradient": {"bias": qkv.bias.alibi(torch.ones(4, requires_grad=True))},
-        "it keeps one float32 lse": {"bias": qkv.bias.relative(torch.full((4, 32), -1e5))},
+        "reads the bias from a table of diagonals, which this bias does not fit": {"bias": qkv.bias.relative(torch.full((4, 32), -1e5))},
     }
     for reason, terms in reasons.items():
         line = qkv.explain(q, q, q, mask, **terms).forward_kernel
         if _can_run():
-            assert f"(the {interval_bf16.KERNEL_NAME} does not run: {reason}" in line, line
+            assert f"(the {interval_bf16.KERNEL_NAME} does not run: " in line and reason in line, line
         else:
             assert f"(the {interval_bf16.KERNEL_NAME} does not run: " in line, line
     # float32: the bf16 kernels are no candidates, nothing is said
@@ -313,3 +319,61 @@ def test_explain_says_why_terms_stay_on_the_scored_kernels() -> None:
     long = torch.zeros(1, 8, 33000, 64).to(DTYPE)
     kernels = qkv.explain(long, long, long, M.sliding_window(128), bias=qkv.bias.alibi()).kernels
     assert kernels == FUSED if _can_run() else _scored(kernels)
+
+
+def test_bf16_alibi_slopes_keep_their_distances_exact() -> None:
+    # slopes stored in bf16 (a bf16 module's buffer): the table is evaluated in float64, so
+    # the distances are not rounded to bf16 (at 2,001 keys that moved a score by 0.5 x 1)
+    L = S = 2001
+    slopes = torch.tensor([0.5, 0.0625]).to(DTYPE)
+    bias = qkv.bias.alibi(slopes).bind((1,), 2, L, S)
+    every_key = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1))  # (1, L) each
+    table = diagonal_table(ScoreTerms(L, S, bias=bias), 2, every_key)
+    assert table is not None
+    distance = torch.arange(table.table.shape[1], dtype=torch.float64) - table.offset  # p - j of each entry
+    want = (-slopes.double().view(2, 1) * distance.abs().view(1, -1)).to(torch.float32)  # (H, D)
+    assert torch.equal(table.table, want)
+
+
+def test_the_eager_engine_keeps_the_scored_lse_in_two_parts() -> None:
+    # the fused kernels named, the table refused when the call runs (a bias of -1e9: only a
+    # caller that skips dispatch gets there): the scored engine stands in, and its backward
+    # reads the lse in the two parts its forward kept
+    N, H, L, E = 1, 2, 64, 32
+    q, k, v, d_out = _problem(N, H, H, L, L, E, E, seed=15)
+    table = torch.full((H, 32), -1e9)
+    intervals = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), L - 1))  # (1, L) each: no mask
+    plan = plan_intervals(*intervals, BlockSizes(N=N, H=H, L=L, S=L, Ep=E, itemsize=2), BLOCKS)
+    terms = ScoreTerms(L, L, bias=qkv.bias.relative(table))
+    leaves = tuple(t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+    out, _ = block_attention(*leaves, None, plan, E**-0.5, None, "interval_bf16", "interval_bf16_backward", terms=terms)
+    grads = torch.autograd.grad(out, leaves, d_out.to(DTYPE))
+    scored_leaves = tuple(t.to(DTYPE).requires_grad_(True) for t in (q, k, v))
+    scored_out = qkv.attention(*scored_leaves, bias=qkv.bias.relative(table), backend="blocks")
+    scored = torch.autograd.grad(scored_out, scored_leaves, d_out.to(DTYPE))
+    want = torch.autograd.grad(
+        qkv.attention(*(t.requires_grad_(True) for t in (q, k, v)), bias=qkv.bias.relative(table.double()), backend="math"),
+        (q, k, v), d_out,
+    )  # fmt: skip
+    for got, other, exact in zip(grads, scored, want, strict=True):
+        assert float((got.double() - exact).abs().max()) <= 1.5 * float((other.double() - exact).abs().max()) + 1e-2
+
+
+def test_block_attention_refuses_terms_the_fused_kernels_cannot_apply() -> None:
+    q = torch.randn(1, 2, 64, 32).to(DTYPE)
+    intervals = (torch.zeros(1, 64, dtype=torch.long), torch.full((1, 64), 63))
+    plan = plan_intervals(*intervals, BlockSizes(N=1, H=2, L=64, S=64, Ep=32, itemsize=2), BLOCKS)
+    terms = ScoreTerms(64, 64, score_mod=lambda s, b, h, i, j: s * 0.5)
+    with pytest.raises(ValueError, match="it applies no score_mod"):
+        block_attention(q, q, q, None, plan, 0.1, None, "interval_bf16", "interval_bf16_backward", terms=terms)
+
+
+def test_a_tiny_softcap_flattens_the_scores_without_nan() -> None:
+    # scale / cap near the float32 limit: u / cap overflows to inf, tanh gives +-1
+    q, k, v, _ = _problem(1, 2, 2, 300, 300, 64, 64, seed=16)
+    ql, kl, vl = (t.to(DTYPE) * 100 for t in (q, k, v))
+    with torch.no_grad():
+        out = qkv.attention(ql, kl, vl, M.causal(), softcap=1e-37, backend="blocks")
+    uniform = torch.cumsum(vl.double(), dim=2) / torch.arange(1, 301, dtype=torch.float64).view(1, 1, 300, 1)  # causal means
+    assert torch.isfinite(out).all()
+    assert float((out.double() - uniform).abs().max()) < 1.0  # bf16 rounding of values of size 100

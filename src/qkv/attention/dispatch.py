@@ -35,7 +35,7 @@ from qkv.attention.problem import AttentionProblem, compact
 from qkv.backends import decode
 from qkv.backends.blocks import crossover
 from qkv.backends.blocks.diagonals import (
-    LARGEST_FUSED_BIAS,
+    TABLE_REFUSAL,
     DiagonalTable,
     diagonal_table,
     fused_terms_reason,
@@ -890,13 +890,12 @@ def _sparse_plan(
 
 
 def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
-    """A blocks plan with its forward and backward kernels: with score terms the engine's
-    scored kernels; without, the fused bf16 interval kernels where they can run (the
-    plan knows one key interval per query: a deferred plan's tiles are not known, so it does
-    not), else PyTorch's CPU flash kernel per tile and the engine's backward per call. Score
-    terms that the interval kernels apply themselves (a softcap, a bias by diagonal without a
-    gradient of its own: `diagonals.fused_terms_reason`) go there where both (the forward alone
-    without gradients) can run, else to the scored kernels."""
+    """A blocks plan with its forward and backward kernels: the fused bf16 interval kernels where
+    they can run (the plan knows one key interval per query: a deferred plan's tiles are not
+    known, so it does not) and can apply the problem's score terms, if any (a softcap, a bias
+    by diagonal without a gradient of its own: `diagonals.fused_terms_reason`; with gradients
+    the backward kernel must run too); else, with score terms, the engine's scored kernels,
+    and without, PyTorch's CPU flash kernel per tile and the engine's backward per call."""
     terms = problem.terms
     q = problem.q
     # while tracing the plan is made when the graph runs: the interval kernels are named, and
@@ -912,10 +911,7 @@ def _engine_kernels(problem: AttentionProblem, plan: Plan) -> Plan:
         if why is None and terms.bias is not None and plan.tiles is not None and plan.tiles.intervals is not None:
             diagonals = diagonal_table(terms, problem.H, plan.tiles.intervals)
             if diagonals is None:
-                why = (
-                    f"it keeps one float32 lse, and this bias may move a row's scores by {LARGEST_FUSED_BIAS:g} or more "
-                    "or hide keys; the scored kernels keep the lse in two parts"
-                )
+                why = TABLE_REFUSAL
         if why is None:  # bf16 products and the terms in one pass, where the tile kernels compute in float32
             return replace(
                 plan, scores="kernel", diagonals=diagonals, forward_kernel="interval_bf16",
@@ -964,7 +960,7 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     layout, tiles, visited = _engine_tiles(problem)
     reason = (
         f"{terms.describe()} with {what}: the CPU block engine computes {visited:.1%} of the score matrix "
-        "with the terms applied tile by tile, never an L x S tensor"
+        "with the terms applied block by block, never an L x S tensor"
     )
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, layout, tiles)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from qkv.backends import decode as decode_module
+from qkv.backends.blocks.diagonals import fused_terms_reason
 from qkv.backends.blocks.engine import block_attention, engine_extra_bytes
 from qkv.backends.blocks.planner import BlockConfig, BlockPlan
 from qkv.backends.blocks.scored import scored_block_attention
@@ -273,11 +274,14 @@ def _blocks_entry(
     terms: ScoreTerms | None = None, forward_kernel: str | None = None, backward_kernel: str = "engine_per_call",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine (`block_attention`), with score terms on their own kernels (`scored_block_attention`)
-    unless the fused bf16 interval kernels apply them (``forward_kernel="interval_bf16"``)."""
+    unless the fused bf16 interval kernels are named (``forward_kernel="interval_bf16"``) and can
+    apply them; named for terms they cannot apply, the scored engine's kernels take them."""
     active = terms is not None and terms.active
-    if active and forward_kernel != "interval_bf16":
+    fused = forward_kernel == "interval_bf16" and terms is not None and fused_terms_reason(terms, torch.is_grad_enabled()) is None
+    if active and not fused:
         assert terms is not None
-        return scored_block_attention(q, k, v, mask, plan, scale, terms, forward_kernel=forward_kernel)
+        scored = None if forward_kernel == "interval_bf16" else forward_kernel
+        return scored_block_attention(q, k, v, mask, plan, scale, terms, forward_kernel=scored)
     return block_attention(
         q, k, v, mask, plan, scale, forward_kernel=forward_kernel or "cpu_flash_tiles", backward_kernel=backward_kernel,
         terms=terms if active else None,

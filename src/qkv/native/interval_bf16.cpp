@@ -188,7 +188,8 @@ void pack_queries(const BFloat16* q, int64_t ld, int64_t rows, int64_t E, BFloat
 // by all 16 lanes (no compare needed), keys outside ga..gb by none (no exp). Writes the
 // group's bf16 probabilities into p_t (VNNI: key pair u at u * 128, lanes interleaved) and
 // updates the running max m (base 2) and sum l; returns the accumulator factors 2^(m_old - m).
-// The max pass reads the raw scores: the largest scaled score s c is c max(s) for c >= 0 and
+// The max pass reads the scores as they are (raw products, or with score terms the terms'
+// results, then c = log2 e > 0): the largest scaled score s c is c max(s) for c >= 0 and
 // c min(s) for c < 0 (``kLowest``), and rounding that one product gives exactly the largest
 // of the rounded products s c, so the row's max key still gets 2^0 below.
 template <bool kLowest>
@@ -420,7 +421,7 @@ extern "C" int qkv_interval_bf16_forward(const BFloat16* q_p, const int64_t* qs,
         qkv_products::products(std::min(width, S - c0), E, ks[2], kBlockQ, false, k_head + c0 * ks[2], qt.data(), s_t.data());
         if (with_terms)
           apply_terms(s_t.data(), c0, std::min(width, S - c0), static_cast<float>(scale_), capped ? &softcap : nullptr,
-                      biased ? diagonals.head(h) : nullptr, diag_offset, p_, consecutive);
+                      biased ? diagonals.head(h) : nullptr, diagonals.offset, p_, consecutive);
         for (int64_t g = 0; g < kBlockQ / 16; ++g) {
           const __m512i va = _mm512_load_si512(a_ + 16 * g), vb = _mm512_load_si512(b_ + 16 * g);
           const __m512 alpha = (c < 0 ? group_step<true> : group_step<false>)(s_t.data(), p_t.data(), 16 * g, c0, width, va, vb, fa[g], fb[g], ga[g], gb[g], c, m[g], l[g]);

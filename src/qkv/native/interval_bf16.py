@@ -6,7 +6,8 @@ corners of a band that no row sees. This kernel (``interval_bf16.cpp``) takes th
 key interval lo..hi per query row (`Mask.row_intervals`, kept by the plan as
 ``BlockPlan.intervals``) and, per block of 64 queries, computes only the keys that its rows'
 intervals touch, in a transposed layout (keys as rows, the block's queries as columns):
-S^T = K Q^T with a float32 result, a softmax in float32 with 16 queries per vector that
+S^T = K Q^T with a float32 result, the score terms it applies (a softcap, a bias by diagonal:
+`qkv.native.interval_terms`), a softmax in float32 with 16 queries per vector that
 keeps each row's own keys (one exact step for a span of up to 1,024 keys, online in chunks
 of 512 beyond), P in bfloat16, and O^T = V^T P^T (FlashAttention-2, algorithm 1). The
 products run on the AMX units through oneDNN's micro-kernel (``at::native::cpublas::brgemm``)
@@ -285,7 +286,7 @@ def forward(
     v = v if v.stride(-1) == 1 else v.contiguous()
     lo, hi = lo.to(torch.long), hi.to(torch.long)
     with torch.no_grad():
-        if compiled.direct_call(q, k, v, lo, hi):
+        if compiled.direct_call(q, k, v, lo, hi, *(t for t in (terms.table, terms.positions) if t is not None)):
             return _run(library, q, k, v, lo, hi, float(scale), bool(rounded), terms)
         out, lse = torch.ops.qkv.interval_bf16_forward(
             q, k, v, lo, hi, float(scale), bool(rounded), terms.softcap, terms.table, terms.positions, terms.offset

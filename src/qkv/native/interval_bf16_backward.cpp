@@ -319,7 +319,7 @@ extern "C" int qkv_interval_bf16_backward(const BFloat16* g_p, const int64_t* gs
           }
           gradient_of_scores(st.data(), dpt.data(), keys, key0, width, row_lo.data() + r0, row_hi.data() + r0,
                              row_lse.data() + r0, delta.data() + r0, scale, cap,
-                             diag_p != nullptr ? diagonals.head(h) : nullptr, diag_offset, row_pos.data() + r0,
+                             diag_p != nullptr ? diagonals.head(h) : nullptr, diagonals.offset, row_pos.data() + r0,
                              consecutive_.data() + r0 / 16, pt.data(), dst.data(), dsv.data());
           for (int64_t c = 0; c < Ev64 / kBlock; ++c)
             qkv_products::products(keys, width, width, Ev64, true, pt.data(), g_rows.data() + c * L_pad * kBlock + r0 * kBlock,

@@ -9,7 +9,8 @@ FlashAttention-2's backward (algorithm 2) from the forward's float32 output and 
 (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T), bf16 x bf16 ->
 float32, on the AMX units (``at::native::cpublas::brgemm``) or, on the ``avx512`` tier with
 AVX-512 BF16, the kernel's own micro-kernel (``products_bf16.h``), P and dS in float32 on each row's
-own keys only, float32 accumulators rounded to bfloat16 once. One task per (batch row, head):
+own keys only (with the forward's score terms: `qkv.native.interval_terms`), float32
+accumulators rounded to bfloat16 once. One task per (batch row, head):
 each gradient element is written by one thread in a fixed order, so two runs are bitwise equal.
 
 The gradient of the returned lse enters the row term: D_i = rowsum(dO_i * O_i) - dlse_i
@@ -245,7 +246,8 @@ def gradients(
     g_ = compiled.padded_heads(grad_out.to(torch.bfloat16))  # (N, H, L, Ev rounded up)
     d_lse = None if grad_lse is None else grad_lse.to(torch.float32)
     args = (g_, q_, k_, v_, out.to(torch.float32), lse.to(torch.float32), d_lse, lo.to(torch.long), hi.to(torch.long))
-    library = _KERNEL.module() if compiled.direct_call(*(a for a in args if a is not None)) else None
+    tensors = (*args, terms.table, terms.positions)
+    library = _KERNEL.module() if compiled.direct_call(*(a for a in tensors if a is not None)) else None
     with torch.no_grad():
         if isinstance(library, ctypes.CDLL):
             dq, dk, dv = _run(library, *args, float(scale), terms)  # (N, H, *, padded)

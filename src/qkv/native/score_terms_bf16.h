@@ -15,13 +15,15 @@ namespace qkv_terms {
 // polynomial x (1 + z Q(z)), z = x^2, where 1 - e below would cancel; above it (1 - e) / (1 + e)
 // with e = exp(-2 |x|) = 2^y, y = -2 |x| log2(e) <= 0, from 2^floor(y) (vscalefps) times 2^f,
 // 0 <= f < 1, by a polynomial of degree 5; the sign is restored last. The coefficients are
-// least-squares fits of our own on Chebyshev nodes (relative errors in float32: Q 8e-8 on
-// [0, 0.625], 2^f 1.6e-7 on [0, 1)). About a third of SLEEF's instructions (through at::vec:
-// softcapped bf16 attention spent more time in tanh than in both products).
+// least-squares fits of our own on Chebyshev nodes (relative errors of the result in float32:
+// 8e-8 for |x| in [0, 0.625], 2^f 1.6e-7 for f in [0, 1)). |x| is clamped at 9, where tanh
+// rounds to 1, so that an infinite argument (a tiny cap) gives +-1. About a third of SLEEF's
+// instructions (through at::vec, softcapped bf16 attention spent more time in tanh than in
+// both products).
 constexpr float kPolynomialBelow = 0.625f;
 
 inline __m512 tanh_ps(__m512 x) {
-  const __m512 a = _mm512_abs_ps(x), z = _mm512_mul_ps(a, a), one = _mm512_set1_ps(1.0f);
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(9.0f)), z = _mm512_mul_ps(a, a), one = _mm512_set1_ps(1.0f);
   __m512 q = _mm512_set1_ps(-5.704042501747608e-3f);
   q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(2.0637862384319305e-2f));
   q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(-5.373915657401085e-2f));
@@ -44,8 +46,9 @@ inline __m512 tanh_ps(__m512 x) {
 }
 
 // below this |u / cap| tanh(x) rounds to x in float32 (x^3 / 3 is under half an ulp of x);
-// there the capped score is u itself. This also covers a cap so large that scale / cap (or
-// u / cap) is a denormal, which these kernels, running with denormals flushed, would take as 0.
+// there the capped score is u itself, exact: for a cap so large that scale / cap (or u / cap)
+// is a denormal, cap * tanh(u / cap) would have lost u's digits (or all of them, where the
+// CPU flushes denormals).
 constexpr float kIdentityBelow = 1.0f / 4096.0f;
 
 struct Cap {
@@ -53,8 +56,8 @@ struct Cap {
   Cap(float scale_, double scale_over_cap_, float cap_)
       : scale(_mm512_set1_ps(scale_)), scale_over_cap(_mm512_set1_ps(static_cast<float>(scale_over_cap_))), cap(_mm512_set1_ps(cap_)) {}
 
-  // the capped score of raw scores s, and t = tanh(u / cap) (t = u / cap where that is below
-  // kIdentityBelow: the backward's slope 1 - t^2 is then 1 to float32 precision)
+  // the capped score of raw scores s, and t = tanh(u / cap) for the backward's slope 1 - t^2
+  // (where |u / cap| < kIdentityBelow, 1 to float32 precision whatever t is)
   __m512 apply(__m512 s, __m512& t) const {
     const __m512 u = _mm512_mul_ps(s, scale), x = _mm512_mul_ps(s, scale_over_cap);
     t = tanh_ps(x);
@@ -68,7 +71,7 @@ struct Cap {
 // kernel reads (query blocks padded to 64 rows, key chunks to 32 keys) is inside it.
 struct Diagonals {
   const float* table;  // (heads, length) float32, contiguous; null: no bias
-  int64_t heads, length, offset;
+  int64_t heads, length, offset;  // offset: the entry of p - t = 0
 
   const float* head(int64_t h) const { return table + (heads > 1 ? h : 0) * length; }
 

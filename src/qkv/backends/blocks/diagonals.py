@@ -19,18 +19,28 @@ import torch
 
 from qkv.scores import ScoreTerms
 
-__all__ = ["DiagonalTable", "diagonal_table", "fused_terms_reason"]
+__all__ = ["LARGEST_FUSED_BIAS", "TABLE_REFUSAL", "DiagonalTable", "diagonal_table", "fused_terms_reason"]
 
 # A bias whose largest entry, or whose entry at some row's nearest visible key, is at least
 # this large in size is left to the scored engine, which keeps the lse in two parts there
 # (`scored._HUGE_OFFSET`); the kernels keep one float32 lse, exact to about 2^-10 here.
 LARGEST_FUSED_BIAS = 2.0**14
 # Entries of the table before the first and after the last diagonal a real pair reads: the
-# kernels also read, and then ignore, pairs of key chunks rounded out to 32 keys and of query
-# blocks padded to 64 rows.
+# kernels read, and then ignore, pairs of query blocks padded to 64 rows (their positions
+# continue the last row's: `interval_terms` checks that these reads stay inside); the front
+# is slack, no read reaches it.
 _FRONT, _BACK = 32, 64
+# a table longer than this many times L + S is refused (positions far apart across batch rows)
+_LONGEST = 2
 # positions are int32 inside the kernels
 _POSITION_LIMIT = 2**30
+
+
+# why `diagonal_table` returns None, in `qkv.explain`'s words
+TABLE_REFUSAL = (
+    f"it keeps one float32 lse and reads the bias from a table of diagonals, which this bias does not fit "
+    f"(a row offset of {LARGEST_FUSED_BIAS:g} or more, a key it hides, or a table longer than {_LONGEST} (L + S))"
+)
 
 
 @dataclass(frozen=True)
@@ -64,10 +74,11 @@ def fused_terms_reason(terms: ScoreTerms, needs_grad: bool) -> str | None:
 def diagonal_table(terms: ScoreTerms, H: int, intervals: tuple[torch.Tensor, torch.Tensor]) -> DiagonalTable | None:
     """The bias of ``terms`` (shift-invariant, bound to H heads) as a table of diagonals, for
     the rows whose visible keys are ``intervals`` (lo, hi (N | 1, L) int64, `Mask.row_intervals`),
-    or None when it does not suit the kernels: a row offset that may reach
+    or None when it does not suit the kernels (`TABLE_REFUSAL`): a row offset that may reach
     `LARGEST_FUSED_BIAS` (`_offsets_fit`), a non-finite entry, positions beyond int32, or a
-    table too long for their int32 indices. Evaluates the bias once per head and diagonal,
-    in the bias's own dtype, rounded to float32 as the scored engine's tiles are."""
+    table longer than 2 (L + S) entries. Evaluates the bias once per head and diagonal with its
+    tensors in float64 (a bias in bf16, such as ALiBi slopes of a bf16 module, would otherwise
+    round its distances to bf16), rounded to float32, the dtype of the scored engine's tiles."""
     bias = terms.bias
     assert bias is not None and bias.shift_invariant
     L, S = terms.L, terms.S
@@ -81,8 +92,10 @@ def diagonal_table(terms: ScoreTerms, H: int, intervals: tuple[torch.Tensor, tor
     # distances p - j from low - (S - 1) to high, with the margins the kernels read past them
     offset = S - 1 - low + _FRONT
     length = high - low + S + _FRONT + _BACK
-    if length >= _POSITION_LIMIT:
+    if length >= _POSITION_LIMIT or length > _LONGEST * (L + S) + _FRONT + _BACK:
         return None
+    wide = tuple(t.detach().to(torch.float64) if t.is_floating_point() else t.detach() for t in bias.tensors())
+    bias = bias.with_tensors(wide) if wide else bias
     distance = torch.arange(length, dtype=torch.long) - offset  # (D,) p - j of each entry
     # any key index with the query at key + distance: a shift-invariant bias sees the difference only
     key = torch.full((1, 1, 1, 1), S + _BACK, dtype=torch.long)
@@ -100,8 +113,9 @@ def diagonal_table(terms: ScoreTerms, H: int, intervals: tuple[torch.Tensor, tor
 def _offsets_fit(table: DiagonalTable, lo: torch.Tensor, hi: torch.Tensor, S: int) -> bool:
     """Whether every row's largest bias over its visible keys (its offset) lies within
     +-`LARGEST_FUSED_BIAS`: it lies between the row's entry at its visible key nearest to its own
-    position and the table's largest entry, so both are checked (exactly the row's largest for
-    ALiBi, whose bias falls with the distance). Rows without a visible key have no offset."""
+    position and the table's largest entry, so both are checked (the first is the row's largest
+    for ALiBi with slopes >= 0, whose bias falls with the distance). Rows without a visible key
+    have no offset."""
     if float(table.table.max()) >= LARGEST_FUSED_BIAS:
         return False
     first, last = lo.clamp(min=0), hi.clamp(max=S - 1)  # (N | 1, L) each

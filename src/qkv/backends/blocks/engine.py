@@ -55,7 +55,7 @@ from qkv.backends.blocks.calls import (
     row_view,
     run_calls,
 )
-from qkv.backends.blocks.diagonals import DiagonalTable, diagonal_table
+from qkv.backends.blocks.diagonals import DiagonalTable, diagonal_table, fused_terms_reason
 from qkv.backends.blocks.matmul_backward import call_gradients, suits
 from qkv.backends.blocks.planner import BlockPlan, Call, Piece
 from qkv.backends.lse_grad import with_lse_gradient
@@ -211,6 +211,8 @@ def _kernel_terms(run: BlockRun, H: int) -> IntervalTerms | None:
     terms = run.terms
     if terms is None:
         return NO_TERMS
+    if fused_terms_reason(terms, False) is not None:  # a bias by batch row, a score_mod: not theirs
+        return None
     softcap = terms.softcap or 0.0
     if terms.bias is None:
         return IntervalTerms(softcap)
@@ -235,21 +237,34 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: BlockRun, kernels: tuple[str, str], sinks: torch.Tensor | None = None):  # type: ignore[override]
-        out_acc, lse = _forward(q, k, v, run, kernel=kernels[0])
+        # with score terms the lse may come in two parts (the scored engine standing in for the
+        # fused kernel), which its backward reads: shift (N, H, L), and rest, or None
+        shift, rest = None, None
+        if run.terms is not None:
+            out_acc, shift, rest = forward_with_terms(q, k, v, run, kernel=kernels[0])
+            lse = shift if rest is None else shift + rest
+        else:
+            out_acc, lse = _forward(q, k, v, run, kernel=kernels[0])
         p_sink = None
         if sinks is not None:
             # the backward reads the sink-inclusive output and lse: its formulas hold unchanged
-            out_acc, lse, p_sink = sink_fold(out_acc, lse, sinks)
+            if shift is not None and rest is not None:
+                out_acc, rest, p_sink = sink_fold(out_acc, rest, sinks, shift)
+                lse = shift + rest
+            else:
+                out_acc, lse, p_sink = sink_fold(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
         # the backward's row term rowsum(dO * O) reads the unrounded output
-        ctx.save_for_backward(q, k, v, out_acc, lse, *(() if sinks is None else (p_sink, sinks)))
-        ctx.run, ctx.backward_kernel = run, kernels[1]
+        parts = () if rest is None else (shift, rest)
+        ctx.save_for_backward(q, k, v, out_acc, lse, *parts, *(() if sinks is None else (p_sink, sinks)))
+        ctx.run, ctx.backward_kernel, ctx.parts = run, kernels[1], len(parts)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse, *sink_state = ctx.saved_tensors
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        parts, sink_state = saved[: ctx.parts], saved[ctx.parts :]
         d_sinks = None
         if sink_state and ctx.needs_input_grad[5]:
             d_sinks = sink_gradient(grad_out, out, grad_lse, *sink_state)
@@ -258,7 +273,8 @@ class _BlockAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros((), dtype=out.dtype).expand(out.shape)  # only lse is used: no full-size zeros
         with torch.autocast(q.device.type, enabled=False):  # float32 accumulators stay float32
-            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse, ctx.backward_kernel)
+            lse_parts = (parts[0], parts[1]) if parts else None
+            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.run, grad_lse, ctx.backward_kernel, lse_parts)
         return dq, dk, dv, None, None, d_sinks
 
 
@@ -290,6 +306,10 @@ def block_attention(
     the plan may hold: `qkv.backends.blocks.diagonals`), or the scored engine where they cannot
     run.
     """
+    if terms is not None:
+        refusal = fused_terms_reason(terms, torch.is_grad_enabled())
+        if refusal is not None:  # `qkv.backends.blocks.scored.scored_block_attention` takes them
+            raise ValueError(f"block_attention(terms=...) takes the terms the fused interval kernels apply; {refusal}")
     # causal squares run on the kernel's is_causal, which needs a positive scale
     kernel_q, kernel_scale = causal_kernel_scale(q, scale)
     inputs, run = kernel_inputs(kernel_q, k, v), BlockRun(plan, mask, kernel_scale, terms, diagonals)

@@ -467,7 +467,7 @@ def _forward_op(
     if fused_terms is not None:
         # the fused kernels' lse comes whole (rest 0), the scored engine's, where it stands in, in
         # its two parts, which the backward then reads (`engine.forward_with_terms`)
-        out, shift, maybe_rest = engine.forward_with_terms(q, k, v, run, not need_grad, _with_intervals(forward_kernel, plan))
+        out, shift, maybe_rest = engine.forward_with_terms(q, k, v, run, not need_grad and sinks is None, _with_intervals(forward_kernel, plan))
         rest = torch.zeros_like(shift) if maybe_rest is None else maybe_rest
         if sinks is not None:
             out, rest, p_sink = sink_fold(out, rest, sinks, shift)
