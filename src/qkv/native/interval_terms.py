@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NO_TERMS", "IntervalTerms"]
+__all__ = ["ARGUMENT_TYPES", "NO_TERMS", "IntervalTerms"]
 
 # the kernels read the table for query rows padded to 64 (positions continued past the last
 # row) and keys from 0 to S - 1

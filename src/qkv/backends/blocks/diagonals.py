@@ -8,7 +8,8 @@ p_i, key j) reads ``table[h, p_i - j + offset]``, so the kernels need its (H | 1
 values, not an L x S tile.
 
 `fused_terms_reason` says why a problem's terms cannot go there (`qkv.attention.dispatch` then
-keeps the scored engine's kernels); `diagonal_table` builds the table when a call runs.
+keeps the scored engine's kernels); `diagonal_table` builds the table, once per call: at
+dispatch (`Plan.diagonals`), or where a traced graph runs (`engine._kernel_terms`).
 """
 
 from __future__ import annotations
