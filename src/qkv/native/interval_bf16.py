@@ -88,17 +88,12 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(0)
     # a window with a row that sees nothing and a tail block (one softmax step per block), with
     # a negative scale (the max pass then takes the lowest score) and the output in bf16; the
-    # same with score terms: a softcap that bends its scores (about +-3 against a cap of 1.5)
-    # and a bias by diagonal, its first 32 positions apart by 2 (gathered) and the rest
-    # consecutive (loaded); then a causal square of 1,500 keys (diagonals, and spans past
-    # 1,024 keys: online steps)
+    # same with score terms (`interval_terms.self_check_terms`); then a causal square of 1,500
+    # keys (diagonals, and spans past 1,024 keys: online steps)
     rows = torch.arange(70)
     window = ((rows - 50).clamp(min=0).view(1, 70), (rows + 60).view(1, 70))  # (1, L) each
     window[1][0, 3] = -1
-    positions = torch.where(rows < 32, 2 * rows, rows + 40).view(1, 70)  # (1, L)
-    offset = 150 - 1 + 32  # positions from 0, 150 keys, the front margin
-    table = torch.randn(2, 109 + 150 + 96, generator=gen)  # (H, D): positions 0..109 and the margins
-    terms = interval_terms.IntervalTerms(1.5, table, positions, offset)
+    terms = interval_terms.self_check_terms(2, 70, 150, gen)
     rows = torch.arange(1500)
     causal = (torch.zeros(1, 1500, dtype=torch.long), rows.view(1, 1500))
     cases = (

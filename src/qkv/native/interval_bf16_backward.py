@@ -88,9 +88,7 @@ def _self_check(run) -> str | None:  # type: ignore[no-untyped-def]
 
 
 def _check_one(run, with_terms: bool) -> str | None:  # type: ignore[no-untyped-def]
-    """The self-check's problem, ``with_terms``: a softcap that bends its scores (about +-3
-    against a cap of 1.5) and a bias by diagonal, its first 32 positions apart by 2 (gathered)
-    and the rest consecutive (loaded)."""
+    """The self-check's problem, ``with_terms``: `interval_terms.self_check_terms`."""
     gen = torch.Generator().manual_seed(0)
     N, H, L, S, E, Ev = 1, 2, 70, 150, 64, 32
     q, k = (torch.randn(N, H, T, E, generator=gen).to(torch.bfloat16) for T in (L, S))
@@ -104,9 +102,7 @@ def _check_one(run, with_terms: bool) -> str | None:  # type: ignore[no-untyped-
     visible = (keys >= lo.view(L, 1)) & (keys <= hi.view(L, 1))  # (L, S)
     terms = interval_terms.NO_TERMS
     if with_terms:
-        positions = torch.where(rows < 32, 2 * rows, rows + 40).view(1, L)  # (1, L)
-        table = torch.randn(H, 109 + S + 96, generator=gen)  # (H, D): positions 0..109 and the margins
-        terms = interval_terms.IntervalTerms(1.5, table, positions, S - 1 + 32)
+        terms = interval_terms.self_check_terms(H, L, S, gen)
     # the float64 gradients written out (no autograd: a first build may run inside an
     # operator, below autograd's dispatch): P the probabilities, dS = P (dP - rowsum(dO O) + dlse)
     q64, k64, v64, g64 = (x.double() for x in (q, k, v, d_out))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ARGUMENT_TYPES", "NO_TERMS", "IntervalTerms"]
+__all__ = ["ARGUMENT_TYPES", "NO_TERMS", "IntervalTerms", "self_check_terms"]
 
 # the kernels read the table for query rows padded to 64 (positions continued past the last
 # row) and keys from 0 to S - 1
@@ -89,6 +89,18 @@ class IntervalTerms:
 
 
 NO_TERMS = IntervalTerms()
+
+
+def self_check_terms(H: int, L: int, S: int, gen: torch.Generator) -> IntervalTerms:
+    """The score terms of both kernels' self-checks, for H heads, L queries and S keys: a
+    softcap of 1.5 (scores of about +-3 bend) and a random bias by diagonal whose first 32
+    positions lie 2 apart (the kernels gather their entries) and the rest consecutively (one
+    load per 16 queries)."""
+    rows = torch.arange(L)
+    positions = torch.where(rows < 32, 2 * rows, rows + 40).view(1, L)  # (1, L), from 0
+    offset = S - 1 + 32  # the entry of p - j = 0, with a margin before position 0 - (S - 1)
+    length = int(positions.max()) + offset + _PADDED_ROWS + 1  # the last entry padded rows read, and one more
+    return IntervalTerms(1.5, torch.randn(H, length, generator=gen), positions, offset)
 
 # ctypes types of `IntervalTerms.arguments`, in order
 ARGUMENT_TYPES = (

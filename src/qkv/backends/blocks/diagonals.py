@@ -83,8 +83,8 @@ def diagonal_table(terms: ScoreTerms, H: int, intervals: tuple[torch.Tensor, tor
     bias = terms.bias
     assert bias is not None and bias.shift_invariant
     L, S = terms.L, terms.S
-    rows = torch.arange(L)
-    positions = (rows + (S - L)).view(1, L) if terms.positions is None else terms.positions.to(torch.long)  # (N | 1, L)
+    batch_rows = 1 if terms.positions is None else terms.positions.shape[0]
+    positions = terms.q_pos(torch.arange(batch_rows).view(-1, 1), torch.arange(L).view(1, L)).to(torch.long)  # (N | 1, L)
     if positions.numel() == 0:
         return None
     low, high = int(positions.min()), int(positions.max())
