@@ -17,7 +17,7 @@ import torch
 import qkv
 from qkv.attention import dispatch
 from qkv.native import build as compiled
-from qkv.native import short_bf16
+from qkv.native import short_bf16, short_wide
 from qkv.native.machine import cpu_features
 from tests.kernels._compiler import REASON as FAILED_BUILD
 from tests.kernels._compiler import use_failing_compiler
@@ -209,8 +209,10 @@ def test_fallback_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None
         sdpa = qkv.attention(q, k, v, valid[:, None, None, :])
         explained = qkv.explain(q, k, v, valid[:, None, None, :])
     assert spy.calls == 0
-    if cpu_features().amx:  # elsewhere short_wide is the candidate (`short_kernel`), short_bf16 never
+    if cpu_features().amx:
         assert 'switched off (qkv.backends.disabled("short_bf16"))' in explained.forward_kernel
+    else:  # short_wide is the candidate there (`short_kernel`): switching short_bf16 off leaves it
+        assert explained.kernels[0] == ("short_wide" if short_wide.unavailable_reason(DTYPE, CPU) is None else "sdpa")
     for out in (fast, sdpa):  # both within the rounding of a bf16 output
         assert _err(out, want) < 1e-2
 
