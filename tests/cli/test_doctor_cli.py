@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from tests.kernels._compiler import REASON as FAILED_BUILD
-from tests.kernels._compiler import use_failing_compiler
+from tests.kernels._compiler import forget_builds, use_failing_compiler
 from typer.testing import CliRunner
 
 from qkv.cli import app
@@ -83,14 +83,6 @@ def _bf16_static_reason(stem: str) -> str | None:
     return compiled.static_reason(torch.bfloat16, CPU)
 
 
-def _forget_builds(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
-    """Empty a kernel module's build attempts for one test (the interval pair keeps one per tier)."""
-    if hasattr(module, "BUILDS"):
-        monkeypatch.setattr(module._KERNEL, "attempts", {tier: {} for tier in module.BUILDS})
-    else:
-        monkeypatch.setattr(module, "_built", {})
-
-
 def _report(*args: str) -> dict:  # type: ignore[type-arg]
     result = CliRunner().invoke(app, ["doctor", "--json", *args])
     assert result.exit_code == 0, result.output
@@ -151,7 +143,7 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # the kernels built per tier read it themselves
     monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
-        _forget_builds(monkeypatch, module)  # each kernel's one build attempt, emptied for this test
+        forget_builds(monkeypatch, module)  # each kernel's one build attempt, emptied for this test
     for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
     report = _report("--build")
@@ -167,7 +159,7 @@ def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyP
     # self-checked, and its line says how long that took; elsewhere each line says why not
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
-        _forget_builds(monkeypatch, module)
+        forget_builds(monkeypatch, module)
     for tiered in TIERED_MODULES.values():
         monkeypatch.setattr(tiered._TIERED, "builds", {})
     result = CliRunner().invoke(app, ["doctor", "--build"])

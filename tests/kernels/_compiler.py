@@ -21,3 +21,12 @@ def use_failing_compiler(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CXX", str(script))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(folder / "cache"))
+
+
+def forget_builds(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
+    """Empty a kernel module's build attempts for one test: the interval pair keeps one per tier
+    (``_KERNEL.attempts``), the other kernels one (``_built``)."""
+    if hasattr(module, "BUILDS"):
+        monkeypatch.setattr(module._KERNEL, "attempts", {tier: {} for tier in module.BUILDS})  # type: ignore[attr-defined]
+    else:
+        monkeypatch.setattr(module, "_built", {})

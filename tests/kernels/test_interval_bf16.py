@@ -28,7 +28,7 @@ from qkv.native import build as compiled
 from qkv.native import interval_bf16
 from qkv.native.machine import cpu_features
 from tests.kernels._compiler import REASON as FAILED_BUILD
-from tests.kernels._compiler import use_failing_compiler
+from tests.kernels._compiler import forget_builds, use_failing_compiler
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule
@@ -271,7 +271,7 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16._KERNEL, "attempts", {tier: {} for tier in interval_bf16.BUILDS})
+    forget_builds(monkeypatch, interval_bf16)
     monkeypatch.setattr(interval_bf16, "_static_reason", lambda dtype, device: None)  # as on a machine that could run it
     q, k, v, d_out = _problem(1, 2, 2, 300, 300, 64, 64, seed=4)
     mask = M.sliding_window(64, 64)
@@ -285,7 +285,7 @@ def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPa
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16._KERNEL, "attempts", {tier: {} for tier in interval_bf16.BUILDS})
+    forget_builds(monkeypatch, interval_bf16)
     assert interval_bf16._KERNEL.build() == FAILED_BUILD
     folder = interval_bf16._KERNEL.native().folder()
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("qkv_interval_bf16_")

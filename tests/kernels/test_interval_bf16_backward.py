@@ -20,7 +20,7 @@ from qkv import masks as M
 from qkv.native import build as compiled
 from qkv.native import interval_bf16_backward
 from tests.kernels._compiler import REASON as FAILED_BUILD
-from tests.kernels._compiler import use_failing_compiler
+from tests.kernels._compiler import forget_builds, use_failing_compiler
 from tests.kernels._spy import CallSpy
 from tests.kernels.test_blocks import _problem, _reference
 from tests.kernels.test_blocks_bf16 import DTYPE, FLOOR, _err, _naive, assert_by_the_rule
@@ -211,7 +211,7 @@ def test_no_compiled_kernels_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_a_reason_not_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     use_failing_compiler(monkeypatch, tmp_path)
-    monkeypatch.setattr(interval_bf16_backward._KERNEL, "attempts", {tier: {} for tier in interval_bf16_backward.BUILDS})
+    forget_builds(monkeypatch, interval_bf16_backward)
     monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)  # as on a machine that could run it
     L = S = 300
     q, k, v, d_out = _problem(1, 2, 2, L, S, 64, 64, seed=4)
