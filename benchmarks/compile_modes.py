@@ -4,9 +4,10 @@ For each path (no mask, causal, sliding_window, documents, varlen, ALiBi, softca
 and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function that calls
 `qkv.attention`, prints its graph count, graph-break count and break reasons, the path
 `qkv.explain` names for the eager call and the one torch.compile takes ("blocks" when the
-traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "dense" for SDPA or
-the math path, where a score_mod goes), and the fastest of a few compiled calls over the fastest
-of a few eager calls, the two alternating. One run per case on a shared machine: the ratios
+traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "chunks" for the
+math path by query chunks, where a score_mod goes from 65,536 pairs per head; "dense" for SDPA
+or the whole formula), and the fastest of a few compiled calls over the fastest of a few eager
+calls, the two alternating. One run per case on a shared machine: the ratios
 are noisy; read them as "about the same" or "several times slower", not as figures. A full
 run ends with the same ratio for PyTorch's own SDPA (rows "torch: ..."), called directly: what
 torch.compile costs an operator qkv does not own. On a 2-core CPU a compiled training step of
@@ -78,6 +79,8 @@ def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
         "alibi": {"mask": qkv.masks.causal(), "bias": qkv.bias.alibi()},
         "softcap": {"mask": qkv.masks.causal(), "softcap": 20.0},
         "score_mod": {"score_mod": distance_penalty},
+        "score_mod causal": {"mask": qkv.masks.causal(), "score_mod": distance_penalty},
+        "score_mod docs": {"mask": qkv.masks.documents(ids), "score_mod": distance_penalty},
         "relative": {"mask": qkv.masks.sliding_window(256), "bias": qkv.bias.relative(torch.randn(4, 32) * 0.1)},
         "sinks": {"mask": qkv.masks.sliding_window(256), "sinks": torch.zeros(4)},
         "key_padding": {"mask": qkv.masks.key_padding(torch.arange(n).view(1, n) < n - n // 8) & qkv.masks.sliding_window(256)},
@@ -86,7 +89,8 @@ def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
 
 def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...]) -> str:
     """"blocks" when the graph torch.compile traces for fn holds the block engine's operator
-    (`qkv.backends.blocks.ops`), "dense" when it holds none (SDPA or the math path)."""
+    (`qkv.backends.blocks.ops`), "chunks" when it holds checkpointed regions (the math path by
+    query chunks, `qkv.backends.query_chunks`), "dense" otherwise (SDPA or the whole formula)."""
     targets: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -96,7 +100,9 @@ def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...])
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*args)
     torch._dynamo.reset()
-    return "blocks" if any("qkv.blocks_forward" in t for t in targets) else "dense"
+    if any("qkv.blocks_forward" in t for t in targets):
+        return "blocks"
+    return "chunks" if any("checkpoint" in t for t in targets) else "dense"
 
 
 def inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -169,7 +175,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, L = S = {args.n}, B = 1, H = 4, E = 32, {malloc}")
     print(f"time ratio = fastest compiled call / fastest eager call, {args.rounds} alternating rounds after a warm-up "
           "(one run on a shared machine: noisy); +ms = compiled minus eager")
-    header = f"{'case':<16}{'dtype':<10}{'path':<8}{'traced':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}{'+ms':>8}{'eager ms':>9}"
+    header = f"{'case':<18}{'dtype':<10}{'path':<8}{'traced':<8}{'graphs':>7}{'breaks':>7}{'ratio':>8}{'+ms':>8}{'eager ms':>9}"
     print(header)
     failures = 0
     for dtype in dtypes:
@@ -188,10 +194,10 @@ def main() -> int:
                 report = torch._dynamo.explain(fn)(*qkv_inputs)
             except Exception as error:  # a benchmark reports every case, failing or not
                 failures += 1
-                print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8} explain failed: {type(error).__name__}: {str(error)[:200]}")
+                print(f"{name:<18}{str(dtype)[6:]:<10}{path:<8} explain failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
             ratio = "" if args.no_time else compiled_over_eager(fn, qkv_inputs, args)
-            print(f"{name:<16}{str(dtype)[6:]:<10}{path:<8}{traced:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>25}")
+            print(f"{name:<18}{str(dtype)[6:]:<10}{path:<8}{traced:<8}{report.graph_count:>7}{report.graph_break_count:>7}{ratio:>25}")
             for reason in report.break_reasons[: args.reasons]:
                 frame = reason.user_stack[-1] if reason.user_stack else None
                 where = f" at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame is not None else ""
@@ -205,7 +211,7 @@ def main() -> int:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
                 ratio = compiled_over_eager(reference, qkv_inputs, args)
-                print(f"{'torch: ' + name:<16}{str(dtype)[6:]:<10}{'sdpa':<8}{'sdpa':<8}{'':>7}{'':>7}{ratio:>25}")
+                print(f"{'torch: ' + name:<18}{str(dtype)[6:]:<10}{'sdpa':<8}{'sdpa':<8}{'':>7}{'':>7}{ratio:>25}")
     return 1 if failures else 0
 
 

@@ -57,6 +57,7 @@ from qkv.backends.dense import (
 )
 from qkv.backends.flex import FLEX_BLOCK, flex_available, flex_suits
 from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
+from qkv.backends.query_chunks import chunk_rows
 from qkv.masks import FULL, POINTWISE_BUDGET, BlockLayout, Causal, Dense, KeyPadding, Mask
 from qkv.native import interval_bf16, interval_bf16_backward, short_bf16, short_wide, switches
 from qkv.native.machine import compute_dtype, cpu_features
@@ -89,8 +90,8 @@ BACKENDS: tuple[str, ...] = ("auto", "fused", "math", "blocks", "flex", "decode"
 Path = Literal["fused", "math", "blocks", "flex", "decode"]
 # How the mask reaches the kernel: not at all (no mask, or one that hides nothing here);
 # SDPA's is_causal flag; a causal offset the formula applies itself (query i sees keys
-# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles; the decode kernel's
-# key positions, chunk by chunk.
+# j <= i + offset); a dense (N | 1, H | 1, L, S) tensor; the mask's tiles; chunk by chunk (the
+# decode kernel's key positions; the math path's query chunks, evaluated or sliced per chunk).
 MaskRoute = Literal["none", "is_causal", "causal_offset", "dense", "tiles", "chunks"]
 # How the score terms reach the kernel: there are none; the bias rendered into SDPA's float
 # mask; the explicit formula applies them; the block engine applies them tile by tile; the
@@ -193,6 +194,8 @@ class Plan:
     # kernel usually stands in for (`qkv.backends.protocol.kernel_words`): SDPA in place of
     # short_wide on a CPU without AMX
     forward_absent_kernel: str | None = None
+    # the math path by query chunks (``forward_kernel="math_chunks"``): the query rows per chunk
+    chunk_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.forward_kernel not in FORWARD_KERNELS or self.backward_kernel not in BACKWARD_KERNELS:
@@ -668,9 +671,19 @@ def key_padding(problem: AttentionProblem) -> torch.Tensor | None:
 
 
 def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, return_lse: bool) -> Plan:
-    """The explicit formula: causal by offset, other masks dense; it returns weights and lse itself."""
+    """The explicit formula: causal by offset, other masks dense; it returns weights and lse
+    itself. Under torch.compile, by query chunks where `_query_chunks` says so."""
     causal_offset = _causal_offset(problem)
     route: MaskRoute = "causal_offset" if causal_offset is not None else "none" if problem.mask is None else "dense"
+    rows = _query_chunks(problem, return_weights)
+    kernel = "math"
+    if rows is not None:
+        kernel = "math_chunks"
+        route = "chunks" if route == "dense" else route
+        reason = (
+            f"{reason}; traced by torch.compile: by chunks of {rows} query rows, each on the keys the mask lets "
+            "them see and recomputed in the backward, never an L x S tensor"
+        )
     return Plan(
         "math",
         reason,
@@ -679,9 +692,25 @@ def _math_plan(problem: AttentionProblem, reason: str, return_weights: bool, ret
         weights="kernel" if return_weights else "none",
         lse="kernel",
         causal_offset=causal_offset,
-        forward_kernel="math",
-        backward_kernel="math",
+        forward_kernel=kernel,
+        backward_kernel=kernel,
+        chunk_rows=rows,
     )
+
+
+def _query_chunks(problem: AttentionProblem, return_weights: bool) -> int | None:
+    """The query rows per chunk when the math path runs by chunks (`qkv.backends.query_chunks`),
+    or None for the whole formula. By chunks: while torch.compile traces (not an export, whose
+    graphs keep PyTorch's operators only), from `_SPARSE_MIN_PAIRS` pairs per head, with two
+    chunks or more, and no weights or dropout (both L x S)."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return None
+    if return_weights or problem.dropout > 0.0 or switches.is_off("math_chunks"):
+        return None
+    if problem.L * problem.S < _SPARSE_MIN_PAIRS:
+        return None
+    rows = chunk_rows(problem.N, problem.H, problem.L, problem.S, problem.q.dtype)
+    return rows if rows < problem.L else None
 
 
 def _learned_float_mask(problem: AttentionProblem) -> bool:

@@ -18,6 +18,7 @@ from qkv.backends.blocks.scored import scored_block_attention
 from qkv.backends.decode import decode_attention
 from qkv.backends.dense import attention_weights_dense, dense_lse, fused_attention, math_attention
 from qkv.backends.flex import flex_attention_layout
+from qkv.backends.query_chunks import chunked_attention
 from qkv.backends.sinks import SinkFold, key_share
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import Mask
@@ -38,6 +39,13 @@ def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = N
     if plan.path == "decode":
         return _run_decode(problem, plan.forward_kernel)
     q, k, v, scale = problem.q, problem.k, problem.v, problem.scale
+    if plan.forward_kernel == "math_chunks":
+        assert plan.chunk_rows is not None
+        by_chunks = chunked_attention(
+            q, k, v, None if plan.mask in ("none", "causal_offset") else problem.mask, scale, rows=plan.chunk_rows,
+            causal_offset=plan.causal_offset, terms=problem.terms, sinks=problem.sinks,
+        )  # fmt: skip
+        return by_chunks[0], None, by_chunks[1]
     mask = _mask_tensor(problem, plan.mask)
     if plan.path == "math":
         return math_attention(

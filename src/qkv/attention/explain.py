@@ -17,6 +17,7 @@ from qkv.attention.problem import AttentionProblem
 from qkv.backends.blocks.engine import engine_extra_bytes
 from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
 from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
+from qkv.backends.query_chunks import chunked_extra_bytes
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
 from qkv.native.machine import compute_dtype, cpu_features, emulation_note
@@ -105,7 +106,7 @@ _MASK_ROUTES = {
     "causal_offset": "the causal mask is applied by the formula",
     "dense": "the mask is a dense tensor",
     "tiles": "the mask reaches the kernel as tiles",
-    "chunks": "the mask is applied to each key chunk from the positions",
+    "chunks": "the mask is applied chunk by chunk",
 }
 _SCORE_ROUTES = {
     "dense_mask": "the bias joins SDPA's float mask",
@@ -259,6 +260,9 @@ def extra_bytes(problem: AttentionProblem, plan: Plan) -> int:
     q, N, H, L, S = problem.q, problem.N, problem.H, problem.L, problem.S
     acc = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
     weights = N * H * L * S * acc if plan.weights != "none" else 0
+    if plan.forward_kernel == "math_chunks":
+        assert plan.chunk_rows is not None
+        return chunked_extra_bytes(q.dtype, N=N, H=H, L=L, S=S, rows=plan.chunk_rows)
     if plan.path in ("math", "decode"):
         return BACKENDS[plan.path].extra_memory(problem)  # the math path's weights are among its intermediates
     if plan.path in ("blocks", "flex"):

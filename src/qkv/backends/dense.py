@@ -55,29 +55,30 @@ def _scores_with_mask(
     terms: ScoreTerms | None = None,
     heads: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    first_key: int = 0,
 ) -> torch.Tensor:
     """Scaled scores (N, G, r, L, S), then the score terms, then masked entries at -inf, in
-    the accumulation dtype. For the terms, ``heads`` are the query head ids of q's heads and
-    ``rows`` the query row ids of its L rows (default: all of them, in order)."""
+    the accumulation dtype. For the terms and the causal rule, ``heads`` are the query head ids
+    of q's heads, ``rows`` the query row ids of its L rows (default: all of them, in order) and
+    k's S keys are the keys ``first_key``, ``first_key + 1``, ... of the problem."""
     N, H, L, E = q.shape
     G, S = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.dtype)
     q5 = q.to(acc).reshape(N, G, H // G, L, E)  # (N, G, r, L, E): query heads grouped by kv head
     k5 = k.to(acc).unsqueeze(2)  # (N, G, 1, S, E)
     scores = torch.matmul(q5, k5.transpose(-1, -2)) * scale  # (N, G, r, L, S)
+    device = q.device
+    row_ids = torch.arange(L, device=device) if rows is None else rows
+    i = row_ids.view(1, 1, 1, L, 1)  # (1, 1, 1, L, 1)
+    j = torch.arange(first_key, first_key + S, device=device).view(1, 1, 1, 1, S)  # (1, 1, 1, 1, S)
     if terms is not None and terms.active:
-        device = q.device
         head_ids = torch.arange(H, device=device) if heads is None else heads
-        row_ids = torch.arange(L, device=device) if rows is None else rows
         b = torch.arange(N, device=device).view(N, 1, 1, 1, 1)  # (N, 1, 1, 1, 1)
         h = head_ids.view(1, G, H // G, 1, 1)  # (1, G, r, 1, 1)
-        i = row_ids.view(1, 1, 1, L, 1)  # (1, 1, 1, L, 1)
-        j = torch.arange(S, device=device).view(1, 1, 1, 1, S)  # (1, 1, 1, 1, S)
         scores = terms.apply(scores, b, h, i, j)
     if causal_offset is not None:
         # query i may see key j when j <= i + offset (offset S - L is bottom-right, 0 top-left)
-        visible = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)  # (L, S)
-        scores = scores.masked_fill(~visible, _NEG_INF)
+        scores = scores.masked_fill(j > i + causal_offset, _NEG_INF)
     if mask is not None:
         m = _group_heads(mask, G, H)  # (N | 1, G | 1, r | 1, L, S)
         if m.dtype == torch.bool:
@@ -231,9 +232,8 @@ def dense_lse(
     for start in range(0, L, _LSE_CHUNK):
         stop = min(L, start + _LSE_CHUNK)
         rows = mask[..., start:stop, :] if mask is not None else None
-        offset = None if causal_offset is None else causal_offset + start
         row_ids = torch.arange(start, stop, device=q.device)
-        scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, offset, terms, rows=row_ids)  # (N, G, r, l, S)
+        scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, causal_offset, terms, rows=row_ids)  # (N, G, r, l, S)
         parts.append(masked_softmax(scores)[1].reshape(N, H, stop - start))  # (N, H, l)
     return torch.cat(parts, dim=-1)  # (N, H, L)
 

@@ -96,6 +96,14 @@ class Mask(ABC):
         del L, S
         return None
 
+    def key_span(self, first: int, last: int, L: int, S: int) -> tuple[int, int]:
+        """(lo, hi): the keys lo <= t <= hi that queries ``first``..``last`` may see between them,
+        at most, by arithmetic on the mask's Python parameters (no tensor is read: torch.compile
+        decides from it while tracing), clamped to 0..S - 1; lo > hi when they see none. All
+        keys where the mask's data decides (documents, lengths, a tensor, a predicate)."""
+        del first, last, L
+        return 0, S - 1
+
     def spec_fields(self) -> tuple[object, ...] | None:
         """The mask's spec name and constructor arguments, for `qkv._private.spec` (the block
         engine's operators rebuild it from them); None when it cannot be rebuilt from text."""
@@ -246,6 +254,17 @@ class Combined(Mask):
             known = [x for x in (a, b) if x is not None]
             return min(known) if known else None
         return None if a is None or b is None else min(L * S, a + b)
+
+    def key_span(self, first: int, last: int, L: int, S: int) -> tuple[int, int]:
+        a_lo, a_hi = self.left.key_span(first, last, L, S)
+        b_lo, b_hi = self.right.key_span(first, last, L, S)
+        if self.op == "and":
+            return max(a_lo, b_lo), min(a_hi, b_hi)
+        if a_lo > a_hi:  # an empty side adds nothing to the union
+            return b_lo, b_hi
+        if b_lo > b_hi:
+            return a_lo, a_hi
+        return min(a_lo, b_lo), max(a_hi, b_hi)
 
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         self.left.validate(batch, heads, L, S)

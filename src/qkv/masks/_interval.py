@@ -103,6 +103,9 @@ class Causal(_Interval):
     def bounds(self, q_idx: Index, L: int, S: int) -> tuple[Index, Index]:
         return q_idx * 0, q_idx + self.offset(L, S)  # key 0 for every query
 
+    def key_span(self, first: int, last: int, L: int, S: int) -> tuple[int, int]:
+        return 0, min(last + self.offset(L, S), S - 1)  # the last query sees the most
+
     def describe(self) -> str:
         return "causal()" if self.align == "bottom-right" else "causal(align='top-left')"
 
@@ -141,6 +144,10 @@ class SlidingWindow(_Interval):
     def bounds(self, q_idx: Index, L: int, S: int) -> tuple[Index, Index]:
         p = q_idx + _offset(self.align, L, S)
         return p - self.left, p + self.right
+
+    def key_span(self, first: int, last: int, L: int, S: int) -> tuple[int, int]:
+        offset = _offset(self.align, L, S)  # the bounds never decrease with the query
+        return max(first + offset - self.left, 0), min(last + offset + self.right, S - 1)
 
     def describe(self) -> str:
         extra = "" if self.align == "bottom-right" else ", align='top-left'"
@@ -187,6 +194,10 @@ class PrefixLM(_Interval):
     def bounds(self, q_idx: torch.Tensor, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = q_idx + _offset(self.align, L, S)
         return torch.zeros_like(q_idx), torch.clamp(p, min=self.n - 1)
+
+    def key_span(self, first: int, last: int, L: int, S: int) -> tuple[int, int]:
+        # key 0 for every query; the last query's hi (its bounds take tensors only)
+        return 0, min(max(last + _offset(self.align, L, S), self.n - 1), S - 1)
 
     def describe(self) -> str:
         extra = "" if self.align == "bottom-right" else ", align='top-left'"

@@ -32,6 +32,7 @@ NAMES: dict[str, str] = {
     "decode": "the decode backend for backend='auto' (backend='decode' raises)",
     "blocks": "the CPU block engine for backend='auto' (backend='blocks' raises)",
     "flex": "FlexAttention for backend='auto' (backend='flex' raises)",
+    "math_chunks": "the math path by query chunks under torch.compile; the whole L x S formula runs",
     "ring_cpu_flash": "PyTorch's CPU flash kernel for ring attention's blocks; the blockwise tiles run",
     "batch_workers": "qkv.models' batches side by side on one thread each; batches run one after another",
 }
