@@ -288,10 +288,18 @@ def test_explain_names_the_chunks_and_the_switch_turns_them_off() -> None:
         torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
     whole = seen[-1]
     assert "chunks" not in whole.reason and whole.kernels == ("math", "math")
-    # one chunk's scores, exponentials and weights (64 of 300 rows) and the lse, against L x S three times
-    acc = 4
-    assert chunked.peak_extra_bytes == 3 * 2 * H * 64 * S * acc + 2 * H * L * acc
-    assert whole.peak_extra_bytes == 3 * 2 * H * L * S * acc
+    # causal, L = 300 > S = 260 (bottom-right: query i sees keys 0..i - 40): chunk c of 64 rows
+    # reads keys 0..min(64 c + 63 - 40, 259); the largest chunk's scores, exponentials and
+    # weights, and the chunks' outputs and lse, against L x S three times
+    keys = [min(64 * c + 63 - 40, S - 1) + 1 for c in range(5)]  # 24, 88, 152, 216, 260
+    rows = [64, 64, 64, 64, L - 256]
+    acc, batch = 4, 2
+    assert chunked.peak_extra_bytes == 3 * batch * H * max(r * n for r, n in zip(rows, keys, strict=True)) * acc + batch * H * L * (acc + (E + 8) * 4)
+    assert whole.peak_extra_bytes == 3 * batch * H * L * S * acc
+    # the work: the pairs of every chunk's rows and keys, 2 (E + Ev) FLOPs each, per batch row and head
+    pairs = sum(r * n for r, n in zip(rows, keys, strict=True))
+    assert chunked.flops == batch * H * pairs * 2 * (E + E + 8)
+    assert whole.flops == batch * H * L * S * 2 * (E + E + 8)
 
 
 def test_eager_exports_and_weights_keep_the_whole_formula(plans: list[dispatch.Plan]) -> None:

@@ -42,7 +42,7 @@ def run(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | None = N
     if plan.forward_kernel == "math_chunks":
         assert plan.chunk_rows is not None
         by_chunks = chunked_attention(
-            q, k, v, None if plan.mask in ("none", "causal_offset") else problem.mask, scale, rows=plan.chunk_rows,
+            q, k, v, problem.mask if plan.mask == "chunks" else None, scale, rows=plan.chunk_rows,
             causal_offset=plan.causal_offset, terms=problem.terms, sinks=problem.sinks,
         )  # fmt: skip
         return by_chunks[0], None, by_chunks[1]

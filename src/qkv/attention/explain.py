@@ -17,7 +17,7 @@ from qkv.attention.problem import AttentionProblem
 from qkv.backends.blocks.engine import engine_extra_bytes
 from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
 from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
-from qkv.backends.query_chunks import chunked_extra_bytes
+from qkv.backends.query_chunks import chunk_spans, chunked_extra_bytes, chunked_pairs
 from qkv.backends.softmax import accumulation_dtype
 from qkv.masks import FULL, Mask
 from qkv.native.machine import compute_dtype, cpu_features, emulation_note
@@ -227,10 +227,19 @@ def _visible_pairs(problem: AttentionProblem, plan: Plan) -> float:
     if plan.path == "flex":
         assert plan.layout is not None
         return plan.layout.visited_pairs()
+    if plan.forward_kernel == "math_chunks":
+        return chunked_pairs(_spans(problem, plan))
     if plan.mask == "is_causal":
         m = min(L, S)  # row i (top-left causal) sees min(S, i + 1) keys: a triangle, then full rows
         return m * (m + 1) // 2 + (L - m) * S
     return L * S
+
+
+def _spans(problem: AttentionProblem, plan: Plan) -> list[tuple[int, int, int, int]]:
+    """The query chunks of a ``math_chunks`` plan and the keys each computes (`chunk_spans`)."""
+    assert plan.chunk_rows is not None
+    mask = problem.mask if plan.mask == "chunks" else None
+    return chunk_spans(mask, plan.causal_offset, problem.L, problem.S, plan.chunk_rows)
 
 
 def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
@@ -261,8 +270,7 @@ def extra_bytes(problem: AttentionProblem, plan: Plan) -> int:
     acc = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
     weights = N * H * L * S * acc if plan.weights != "none" else 0
     if plan.forward_kernel == "math_chunks":
-        assert plan.chunk_rows is not None
-        return chunked_extra_bytes(q.dtype, N=N, H=H, L=L, S=S, rows=plan.chunk_rows)
+        return chunked_extra_bytes(q.dtype, _spans(problem, plan), N=N, H=H, L=L, Ev=problem.Ev)
     if plan.path in ("math", "decode"):
         return BACKENDS[plan.path].extra_memory(problem)  # the math path's weights are among its intermediates
     if plan.path in ("blocks", "flex"):

@@ -16,6 +16,12 @@ chunk's score terms, mask and softmax into a few loops.
 
 Every value is the math path's, row for row: each query row's softmax runs over the same keys
 (the hidden ones are -inf there and absent here) in the same accumulation dtype.
+
+A score_mod (and a predicate) then runs inside the checkpointed regions, which Dynamo traces as
+higher-order operators: like FlexAttention's, it must be a function of its arguments (and the
+tensors it reads), without side effects. One that changes outside state (appends to a list,
+counts its calls) breaks the graph there, and `torch.compile(fullgraph=True)` raises;
+``qkv.backends.disabled("math_chunks")`` traces the whole formula instead.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from qkv.backends.softmax import accumulation_dtype, masked_softmax
 from qkv.masks import Mask
 from qkv.scores import ScoreTerms
 
-__all__ = ["CHUNK_SCORE_BYTES", "chunk_rows", "chunked_attention", "chunked_extra_bytes"]
+__all__ = ["CHUNK_SCORE_BYTES", "chunk_rows", "chunk_spans", "chunked_attention", "chunked_extra_bytes", "chunked_pairs"]
 
 # The scores of one chunk, in bytes, that `chunk_rows` aims at: 16 MiB. Measured under
 # torch.compile with Inductor (training step with a score_mod, n = 4,096, B = 1, H = 4, E = 32,
@@ -59,11 +65,37 @@ def chunk_rows(N: int, H: int, L: int, S: int, dtype: torch.dtype) -> int:
     return min(rows, L)
 
 
-def chunked_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int, rows: int) -> int:
-    """Memory `chunked_attention` allocates beyond inputs and output with chunks of ``rows``
-    rows: one chunk's scores, exponentials and weights (at most S keys each), and the lse."""
+def chunk_spans(
+    mask: Mask | torch.Tensor | None, causal_offset: int | None, L: int, S: int, rows: int
+) -> list[tuple[int, int, int, int]]:
+    """(first, last, lo, hi) per chunk: query rows first..last against keys lo..hi, the keys
+    they may see at most (`Mask.key_span`, then the causal offset); one key, which the mask
+    hides, where they see none. Python numbers only: torch.compile decides them while it traces."""
+    spans = []
+    for first in range(0, L, rows):
+        last = min(L, first + rows) - 1
+        lo, hi = (0, S - 1) if not isinstance(mask, Mask) else mask.key_span(first, last, L, S)
+        if causal_offset is not None:
+            hi = min(hi, last + causal_offset)
+        if lo > hi:  # these rows see no key: one key, hidden by the mask, gives empty rows
+            lo = hi = 0
+        spans.append((first, last, lo, hi))
+    return spans
+
+
+def chunked_pairs(spans: list[tuple[int, int, int, int]]) -> int:
+    """The (query, key) pairs the chunks compute, per batch row and head."""
+    return sum((last - first + 1) * (hi - lo + 1) for first, last, lo, hi in spans)
+
+
+def chunked_extra_bytes(
+    dtype: torch.dtype, spans: list[tuple[int, int, int, int]], *, N: int, H: int, L: int, Ev: int
+) -> int:
+    """Memory `chunked_attention` allocates beyond inputs and output: the largest chunk's
+    scores, exponentials and weights, the chunks' outputs and lse before they are joined."""
     acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
-    return 3 * N * H * rows * S * acc + N * H * L * acc
+    largest = max((last - first + 1) * (hi - lo + 1) for first, last, lo, hi in spans)
+    return 3 * N * H * largest * acc + N * H * L * (acc + Ev * torch.empty((), dtype=dtype).element_size())
 
 
 def chunked_attention(
@@ -88,11 +120,7 @@ def chunked_attention(
     """
     L, S = q.shape[2], k.shape[2]
     outputs, lses = [], []
-    for first in range(0, L, rows):
-        last = min(L, first + rows) - 1
-        lo, hi = _key_span(mask, causal_offset, first, last, L, S)
-        if lo > hi:  # these rows see no key: one key, hidden by the mask, gives empty rows
-            lo = hi = 0
+    for first, last, lo, hi in chunk_spans(mask, causal_offset, L, S, rows):
         mask_rows = mask[..., first : last + 1, lo : hi + 1] if isinstance(mask, torch.Tensor) else None
         chunk = functools.partial(
             _chunk_formula, scale=scale, first=first, first_key=lo, L=L, S=S,
@@ -105,16 +133,6 @@ def chunked_attention(
         outputs.append(out)
         lses.append(lse)
     return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)  # (N, H, L, Ev), (N, H, L)
-
-
-def _key_span(
-    mask: Mask | torch.Tensor | None, causal_offset: int | None, first: int, last: int, L: int, S: int
-) -> tuple[int, int]:
-    """The keys queries first..last may see at most (lo > hi: none), from Python numbers only."""
-    lo, hi = (0, S - 1) if not isinstance(mask, Mask) else mask.key_span(first, last, L, S)
-    if causal_offset is not None:
-        hi = min(hi, last + causal_offset)
-    return lo, hi
 
 
 def _chunk_formula(

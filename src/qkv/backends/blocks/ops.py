@@ -604,6 +604,7 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]  # torch.library's signature
     q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad = inputs
     out, lse, shift, rest, p_sink, rows, nonfinite = output
+    ctx.mark_non_differentiable(shift, rest, p_sink, rows, nonfinite)
     ctx.save_for_backward(q, k, v, out, lse, shift, rest, p_sink, rows, nonfinite, *(() if sinks is None else (sinks,)), *mask_tensors, *bias_tensors)
     ctx.has_sinks, ctx.mask_count = sinks is not None, len(mask_tensors)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad
