@@ -350,3 +350,25 @@ def test_key_span_holds_every_visible_key_of_its_rows(mask: M.Mask, Lq: int, Sk:
         assert lo <= int(cols[0]) and int(cols[-1]) <= hi, (first, lo, hi, cols[0], cols[-1])
         if exact:
             assert (lo, hi) == (int(cols[0]), int(cols[-1])), (first, lo, hi)
+
+
+@pytest.mark.parametrize("kind", ["predicate", "bool tensor"])
+@pytest.mark.parametrize("score_mod", [None, _distance], ids=["SDPA", "chunks"])
+def test_the_traced_nan_rule_renders_a_mask_by_pieces_of_rows_as_eagerly(kind: str, score_mod: Any) -> None:
+    # 700 rows: two pieces of the traced rule's rendering (512 rows each at most); a NaN key
+    # that rows of both pieces see, and rows of both that do not
+    n = 700
+    q, k, v = (t.detach() for t in _inputs(torch.float32, batch=1, Lq=n, Sk=n))
+    k[0, 0, 333, 5] = float("nan")
+    gen = torch.Generator().manual_seed(6)
+    mask = M.predicate(lambda b, h, i, j: (i * 7 + j) % 3 != 0) if kind == "predicate" else torch.rand(1, 1, n, n, generator=gen) > 0.5
+    eager = qkv.attention(q, k, v, mask, score_mod=score_mod)
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask, score_mod=score_mod), backend="aot_eager",
+                             fullgraph=True)(q, k, v)  # fmt: skip
+    nan_rows = torch.isnan(eager).any(-1)  # (1, H, n)
+    assert nan_rows[..., :512].any() and nan_rows[..., 512:].any() and not nan_rows[..., 512:].all()
+    assert torch.equal(torch.isnan(compiled).any(-1), nan_rows)
+    # the rows that see key 333 by the mask itself, by hand: heads 0 and 1 read k's head 0
+    dense = mask.to_dense(n, n)[0, 0] if kind == "predicate" else mask[0, 0]
+    assert torch.equal(nan_rows[0, :2], dense[:, 333].expand(2, n)) and not nan_rows[0, 2:].any()
+    torch.testing.assert_close(compiled[~nan_rows], eager[~nan_rows], atol=2e-6, rtol=0)

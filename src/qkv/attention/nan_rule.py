@@ -29,21 +29,23 @@ from qkv.masks import Causal, Combined, Documents, Mask, Padded, PrefixLM, Slidi
 __all__ = ["affected_rows", "finite_problem", "poison"]
 
 
-def _visible_columns(problem: AttentionProblem, cols: torch.Tensor) -> torch.Tensor:
-    """Whether each query may see the keys ``cols`` (c,): (N | 1, H | 1, L, c) bool."""
+def _visible_columns(problem: AttentionProblem, cols: torch.Tensor, first: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Whether the queries first..stop - 1 (default: all L) may see the keys ``cols`` (c,):
+    (N | 1, H | 1, rows, c) bool."""
     mask, L, S = problem.mask, problem.L, problem.S
+    stop = L if stop is None else stop
     device = problem.q.device
     if mask is None:
-        return torch.ones(1, 1, L, cols.numel(), dtype=torch.bool, device=device)
+        return torch.ones(1, 1, stop - first, cols.numel(), dtype=torch.bool, device=device)
     if isinstance(mask, Mask):
         B, Hm = mask.batch or 1, mask.heads or 1
         b = torch.arange(B, device=device).view(B, 1, 1, 1)  # (B | 1, 1, 1, 1)
         h = torch.arange(Hm, device=device).view(1, Hm, 1, 1)  # (1, H | 1, 1, 1)
-        q_idx = torch.arange(L, device=device).view(1, 1, L, 1)  # (1, 1, L, 1)
+        q_idx = torch.arange(first, stop, device=device).view(1, 1, -1, 1)  # (1, 1, rows, 1)
         k_idx = cols.to(device).view(1, 1, 1, -1)  # (1, 1, 1, c)
         visible = mask.to(device).visible(b, h, q_idx, k_idx, L, S)
-        return torch.broadcast_to(visible, (B, Hm, L, cols.numel()))
-    picked = mask[..., cols]  # (N | 1, H | 1, L, c)
+        return torch.broadcast_to(visible, (B, Hm, stop - first, cols.numel()))
+    picked = mask[..., first:stop, :][..., cols]  # (N | 1, H | 1, rows, c)
     return picked if picked.dtype == torch.bool else picked != float("-inf")
 
 
@@ -87,8 +89,18 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
         stop = torch.maximum((hi + 1).clamp(0, S)[:, None, :].expand(N, H, L), first)  # (N, H, L)
         # dim 2, not -1: ONNX's reference evaluator mishandles GatherElements with a negative axis
         return before.gather(2, stop) > before.gather(2, first)
-    sees = _visible_columns(problem, torch.arange(S, device=bad.device))  # (N | 1, H | 1, L, S)
-    return (sees & bad[:, :, None, :]).any(dim=-1)
+    # any other mask: evaluated by chunks of query rows, (N | 1, H | 1, rows, S) at a time, so
+    # that the path by query chunks (`qkv.backends.query_chunks`) holds no L x S tensor here either
+    keys = torch.arange(S, device=bad.device)
+    parts = [
+        (_visible_columns(problem, keys, first, min(L, first + _RULE_ROWS)) & bad[:, :, None, :]).any(dim=-1)
+        for first in range(0, L, _RULE_ROWS)
+    ]  # (N, H, rows) each
+    return torch.cat(parts, dim=-1)  # (N, H, L)
+
+
+# query rows per piece of a rendered mask in `_traced_key_rows`
+_RULE_ROWS = 512
 
 
 # masks whose key intervals per query are tensor operations on their Python parameters
