@@ -598,6 +598,34 @@ def test_explain_while_tracing_names_the_operator_and_where_score_mod_goes() -> 
     assert wide.path == "fused"  # every key visible: SDPA, as eager
 
 
+def test_the_operators_carry_a_digest_of_their_implementation_into_the_graph() -> None:
+    # TorchInductor's caches key a graph by its operators' names and arguments: the digest of
+    # the file that holds the operators' fake kernels and autograd formula makes a changed
+    # implementation a new graph (a stale cached graph fails its size asserts)
+    import hashlib
+    from pathlib import Path
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from qkv.backends.blocks import ops
+
+    digest = hashlib.sha256(Path(ops.__file__).read_bytes()).hexdigest()[:16]
+    last_args: dict[str, object] = {}
+
+    def keep(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "qkv.blocks_" in str(node.target):
+                last_args[str(node.target).split(".")[1]] = node.args[-1]
+        return make_boxed_func(gm)
+
+    q, k, v = (x.requires_grad_(True) for x in _inputs(torch.float32, n=ENGINE_N))
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, qkv.masks.sliding_window(32), backend="blocks"),
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)  # fmt: skip
+    compiled(q, k, v).sum().backward()
+    assert last_args == {"blocks_forward": digest, "blocks_backward": digest}
+
+
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # opcheck's own
 def test_operators_pass_opcheck() -> None:
     gen = torch.Generator().manual_seed(2)

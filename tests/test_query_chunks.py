@@ -92,7 +92,7 @@ def _dense(mask: Any, batch: int, Lq: int, Sk: int) -> np.ndarray | None:
 
 @pytest.fixture
 def plans(monkeypatch: pytest.MonkeyPatch) -> list[dispatch.Plan]:
-    """Every Plan `qkv.attention` chooses from now on, and a check that the chunks ran for it."""
+    """Every Plan `qkv.attention` chooses from now on (traced calls at trace time)."""
     seen: list[dispatch.Plan] = []
     real = dispatch.choose_path
 
@@ -107,7 +107,8 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> list[dispatch.Plan]:
 
 @pytest.fixture
 def chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The ``rows`` of every call of `chunked_attention` from now on (the kernel that ran)."""
+    """The ``rows`` of every call of `chunked_attention` from now on (traced calls at trace
+    time): the kernel that ran, against the one the Plan names."""
     from qkv.attention import execute
 
     calls: list[int] = []
