@@ -18,7 +18,7 @@ from qkv.backends.blocks.engine import engine_extra_bytes
 from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
 from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
 from qkv.backends.query_chunks import chunk_spans, chunked_extra_bytes, chunked_pairs
-from qkv.backends.softmax import accumulation_dtype
+from qkv.backends.softmax import accumulation_bytes
 from qkv.masks import FULL, Mask
 from qkv.native.machine import compute_dtype, cpu_features, emulation_note
 
@@ -267,7 +267,7 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
 def extra_bytes(problem: AttentionProblem, plan: Plan) -> int:
     """Memory beyond inputs and output (an estimate): the kernel's own, and what the Plan makes for it."""
     q, N, H, L, S = problem.q, problem.N, problem.H, problem.L, problem.S
-    acc = torch.empty((), dtype=accumulation_dtype(q.dtype)).element_size()
+    acc = accumulation_bytes(q.dtype)
     weights = N * H * L * S * acc if plan.weights != "none" else 0
     if plan.forward_kernel == "math_chunks":
         return chunked_extra_bytes(q.dtype, _spans(problem, plan), N=N, H=H, L=L, Ev=problem.Ev)

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 import torch
 
 from qkv._private.torch import cpu_flash_attention
-from qkv.backends.softmax import accumulation_dtype
+from qkv.backends.softmax import accumulation_bytes, accumulation_dtype
 from qkv.bias import ALiBi
 from qkv.masks import Causal, KeyPadding, Mask, SlidingWindow
 from qkv.native import decode as native
@@ -106,7 +106,7 @@ def default_splits(keys: int, threads: int | None = None) -> int:
 def decode_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int, Ev: int, splits: int) -> int:
     """Memory `decode_attention` allocates beyond inputs and output (an estimate): scores and
     exponentials (N, H, L, S) and the partial outputs (N, H, L, splits, Ev), in the accumulation dtype."""
-    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    acc = accumulation_bytes(dtype)
     return (2 * N * H * L * S + N * H * L * splits * Ev) * acc
 
 

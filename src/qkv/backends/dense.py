@@ -27,7 +27,12 @@ import torch.nn.functional as F
 from qkv._private import torch as private_torch
 from qkv.backends.blocks.calls import kernel_inputs
 from qkv.backends.lse_grad import with_lse_gradient
-from qkv.backends.softmax import accumulation_dtype, causal_kernel_scale, masked_softmax
+from qkv.backends.softmax import (
+    accumulation_bytes,
+    accumulation_dtype,
+    causal_kernel_scale,
+    masked_softmax,
+)
 from qkv.scores import ScoreTerms
 
 __all__ = [
@@ -40,13 +45,14 @@ __all__ = [
     "fused_lse_available",
     "math_attention",
     "math_extra_bytes",
+    "scores_with_mask",
     "wide_backward_wins",
 ]
 
 _NEG_INF = float("-inf")
 
 
-def _scores_with_mask(
+def scores_with_mask(
     q: torch.Tensor,
     k: torch.Tensor,
     mask: torch.Tensor | None,
@@ -111,7 +117,7 @@ def attention_weights_dense(
     ``sinks`` (N | 1, H), one attention-sink logit per head in every row's denominator."""
     N, H, L, _ = q.shape
     G, S = k.shape[1], k.shape[2]
-    scores = _scores_with_mask(q, k, mask, scale, causal_offset, terms, heads, rows)  # (N, G, r, L, S)
+    scores = scores_with_mask(q, k, mask, scale, causal_offset, terms, heads, rows)  # (N, G, r, L, S)
     sink = None if sinks is None else sinks.to(scores.dtype).reshape(sinks.shape[0], G, H // G, 1, 1)  # (N | 1, G, r, 1, 1)
     weights, lse = masked_softmax(scores, sink)
     return weights.reshape(N, H, L, S), lse.reshape(N, H, L)  # (N, H, L, S), (N, H, L)
@@ -142,7 +148,7 @@ def math_attention(
     S, Ev = v.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
     sink = None if sinks is None else sinks.to(acc).reshape(sinks.shape[0], G, H // G, 1, 1)  # (N | 1, G, r, 1, 1)
-    scores = _scores_with_mask(q, k, mask, scale, causal_offset, terms)  # (N, G, r, L, S)
+    scores = scores_with_mask(q, k, mask, scale, causal_offset, terms)  # (N, G, r, L, S)
     weights, lse = masked_softmax(scores, sink)  # (N, G, r, L, S), (N, G, r, L)
     if dropout > 0.0:
         keep = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=acc) >= dropout
@@ -158,7 +164,7 @@ def math_attention(
 def math_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, S: int) -> int:
     """Memory `math_attention` allocates beyond inputs and output: scores, exponentials and
     weights, each (N, H, L, S) in the accumulation dtype."""
-    return 3 * N * H * L * S * _acc_bytes(dtype)
+    return 3 * N * H * L * S * accumulation_bytes(dtype)
 
 
 # PyTorch's CPU flash kernel works on query blocks of 256 rows (64 for short queries) and key
@@ -170,14 +176,10 @@ _CPU_FLASH_KV_BLOCK = 512
 def fused_extra_bytes(dtype: torch.dtype, device: torch.device, *, N: int, H: int, L: int, S: int, Ev: int) -> int:
     """Memory SDPA allocates beyond inputs, output and the mask it is given (an estimate): a
     block of scores and two of outputs per thread, and the (N, H, L) lse."""
-    acc = _acc_bytes(dtype)
+    acc = accumulation_bytes(dtype)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     q_block, kv_block = min(L, _CPU_FLASH_Q_BLOCK), min(S, _CPU_FLASH_KV_BLOCK)
     return threads * (q_block * kv_block + 2 * q_block * Ev) * acc + N * H * L * acc
-
-
-def _acc_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
 
 
 def flash_kernel_available() -> bool:
@@ -233,7 +235,7 @@ def dense_lse(
         stop = min(L, start + _LSE_CHUNK)
         rows = mask[..., start:stop, :] if mask is not None else None
         row_ids = torch.arange(start, stop, device=q.device)
-        scores = _scores_with_mask(q[:, :, start:stop], k, rows, scale, causal_offset, terms, rows=row_ids)  # (N, G, r, l, S)
+        scores = scores_with_mask(q[:, :, start:stop], k, rows, scale, causal_offset, terms, rows=row_ids)  # (N, G, r, l, S)
         parts.append(masked_softmax(scores)[1].reshape(N, H, stop - start))  # (N, H, l)
     return torch.cat(parts, dim=-1)  # (N, H, L)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from qkv.backends.softmax import accumulation_dtype
+from qkv.backends.softmax import accumulation_bytes
 from qkv.masks import FULL, PARTIAL, BlockLayout, Mask
 from qkv.scores import ScoreTerms
 
@@ -67,7 +67,7 @@ def flex_suits(dtype: torch.dtype, head_dims: tuple[int, ...]) -> bool:
 def flex_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, n_tiles: int) -> int:
     """Memory `flex_attention_layout` allocates beyond inputs and output (an estimate): the
     (N, H, L) lse and the BlockMask's int32 block indices, two per tile of the layout."""
-    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    acc = accumulation_bytes(dtype)
     return N * H * L * acc + n_tiles * 2 * 4
 
 

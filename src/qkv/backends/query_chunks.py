@@ -6,7 +6,7 @@ holds (N, H, L, S) scores, exponentials and weights, and autograd saves the weig
 backward: at n = 4,096 a training step ran 1.22x slower compiled than eagerly on the engine.
 
 Here the queries are split into chunks of ``rows`` rows. Each chunk computes the same formula
-(`qkv.backends.dense`: scale, score terms, mask, `masked_softmax`, weights times values) on
+(`qkv.backends.dense.scores_with_mask`: scale, score terms, mask, `masked_softmax`, weights times values) on
 the keys its rows may see, by `qkv.masks.Mask.key_span` from the mask's Python parameters, so
 torch.compile can decide them while it traces (a causal chunk skips the keys after its last
 row). Each chunk runs under activation checkpointing (`torch.utils.checkpoint`): autograd
@@ -31,8 +31,8 @@ import functools
 import torch
 import torch.utils.checkpoint
 
-from qkv.backends.dense import _scores_with_mask
-from qkv.backends.softmax import accumulation_dtype, masked_softmax
+from qkv.backends.dense import scores_with_mask
+from qkv.backends.softmax import accumulation_bytes, accumulation_dtype, masked_softmax
 from qkv.masks import Mask
 from qkv.scores import ScoreTerms
 
@@ -58,7 +58,7 @@ def chunk_rows(N: int, H: int, L: int, S: int, dtype: torch.dtype) -> int:
     """Query rows per chunk for an (N, H, L, S) problem in ``dtype``: about `CHUNK_SCORE_BYTES`
     of scores per chunk, a multiple of 64 rows, at most 16 chunks; L itself when one chunk
     holds every row."""
-    row_bytes = max(1, N * H * S * torch.empty((), dtype=accumulation_dtype(dtype)).element_size())
+    row_bytes = max(1, N * H * S * accumulation_bytes(dtype))
     rows = max(_ROW_ALIGN, CHUNK_SCORE_BYTES // row_bytes // _ROW_ALIGN * _ROW_ALIGN)
     fewest = -(-L // _MAX_CHUNKS)  # ceil(L / _MAX_CHUNKS)
     rows = max(rows, -(-fewest // _ROW_ALIGN) * _ROW_ALIGN)
@@ -93,9 +93,9 @@ def chunked_extra_bytes(
 ) -> int:
     """Memory `chunked_attention` allocates beyond inputs and output: the largest chunk's
     scores, exponentials and weights, the chunks' outputs and lse before they are joined."""
-    acc = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    acc = accumulation_bytes(dtype)
     largest = max((last - first + 1) * (hi - lo + 1) for first, last, lo, hi in spans)
-    return 3 * N * H * largest * acc + N * H * L * (acc + Ev * torch.empty((), dtype=dtype).element_size())
+    return 3 * N * H * largest * acc + N * H * L * (acc + Ev * dtype.itemsize)
 
 
 def chunked_attention(
@@ -158,7 +158,7 @@ def _chunk_formula(
     acc = accumulation_dtype(q_rows.dtype)
     device = q_rows.device
     row_ids = torch.arange(first, first + R, device=device)
-    scores = _scores_with_mask(
+    scores = scores_with_mask(
         q_rows, k_keys, mask_rows, scale, causal_offset, terms, rows=row_ids, first_key=first_key
     )  # fmt: skip  # (N, G, r, R, K)
     if mask is not None:

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulation_dtype", "causal_kernel_scale", "masked_softmax"]
+__all__ = ["accumulation_bytes", "accumulation_dtype", "causal_kernel_scale", "masked_softmax"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax state and accumulation happen in float32 at least (float64 stays float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def accumulation_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of `accumulation_dtype` (the memory estimates' unit for scores)."""
+    return torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
 
 
 def masked_softmax(scores: torch.Tensor, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
