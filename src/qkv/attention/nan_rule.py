@@ -65,6 +65,10 @@ def affected_rows(problem: AttentionProblem) -> torch.Tensor:
     return rows
 
 
+# query rows per piece of a rendered mask in `_traced_key_rows`
+_RULE_ROWS = 512
+
+
 def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tensor:
     """(N, H, L) bool: the rows that may see a bad key, ``bad`` (N, H, S) bool, without asking
     the host which keys are bad (torch.compile, export, vmap): every key column is considered.
@@ -98,9 +102,6 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
     ]  # (N, H, rows) each
     return torch.cat(parts, dim=-1)  # (N, H, L)
 
-
-# query rows per piece of a rendered mask in `_traced_key_rows`
-_RULE_ROWS = 512
 
 
 # masks whose key intervals per query are tensor operations on their Python parameters
