@@ -5,7 +5,8 @@ and dtype (float32, bfloat16) this runs ``torch._dynamo.explain`` on a function 
 `qkv.attention`, prints its graph count, graph-break count and break reasons, the path
 `qkv.explain` names for the eager call and the one torch.compile takes ("blocks" when the
 traced graph holds the block engine's operator, `qkv.backends.blocks.ops`; "chunks" for the
-math path by query chunks, where a score_mod goes from 65,536 pairs per head; "dense" for SDPA
+math path by query chunks, where a score_mod goes from 65,536 pairs per head; "flex" for
+FlexAttention's CPU kernel, which a score_mod with a data mask takes without gradients; "dense" for SDPA
 or the whole formula), and the fastest of a few compiled calls over the fastest of a few eager
 calls, the two alternating. One run per case on a shared machine: the ratios
 are noisy; read them as "about the same" or "several times slower", not as figures. A full
@@ -89,8 +90,10 @@ def cases(n: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
 
 def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...]) -> str:
     """"blocks" when the graph torch.compile traces for fn holds the block engine's operator
-    (`qkv.backends.blocks.ops`), "chunks" when it holds checkpointed regions (the math path by
-    query chunks, `qkv.backends.query_chunks`), "dense" otherwise (SDPA or the whole formula)."""
+    (`qkv.backends.blocks.ops`), "flex" when it holds FlexAttention (its CPU kernel, for a
+    score_mod with a data mask without gradients), "chunks" when it holds checkpointed regions
+    (the math path by query chunks, `qkv.backends.query_chunks`), "dense" otherwise (SDPA or the
+    whole formula)."""
     targets: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -102,6 +105,8 @@ def traced_path(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...])
     torch._dynamo.reset()
     if any("qkv.blocks_forward" in t for t in targets):
         return "blocks"
+    if any("flex_attention" in t for t in targets):
+        return "flex"
     return "chunks" if any("checkpoint" in t for t in targets) else "dense"
 
 

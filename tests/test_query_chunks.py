@@ -354,7 +354,9 @@ def test_key_span_holds_every_visible_key_of_its_rows(mask: M.Mask, Lq: int, Sk:
 
 
 @pytest.mark.parametrize("kind", ["predicate", "bool tensor"])
-@pytest.mark.parametrize("score_mod", [None, _distance], ids=["SDPA", "chunks"])
+# without a score_mod, SDPA with the rendered mask; with one, the chunks (a bool tensor) or,
+# without gradients, FlexAttention (a predicate: tests/test_traced_flex.py)
+@pytest.mark.parametrize("score_mod", [None, _distance], ids=["no score_mod", "score_mod"])
 def test_the_traced_nan_rule_renders_a_mask_by_pieces_of_rows_as_eagerly(kind: str, score_mod: Any) -> None:
     # 700 rows: two pieces of the traced rule's rendering (512 rows each at most); a NaN key
     # that rows of both pieces see, and rows of both that do not

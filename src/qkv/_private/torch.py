@@ -54,6 +54,7 @@ __all__ = [
     "real_tensors",
     "require",
     "softmax_backward",
+    "traced_floats_symbolic",
     "under_torch_func",
 ]
 
@@ -174,6 +175,24 @@ def host_unreadable(*tensors: object) -> bool:
         and (is_fake(t) or any(torch._C._functorch.is_batchedtensor(x) for x in _functorch_layers(t)))  # pyright: ignore[reportAttributeAccessIssue]
         for t in tensors
     )
+
+
+@torch.compiler.assume_constant_result
+def traced_floats_symbolic() -> bool:
+    """Whether the graph torch.compile is tracing now holds a symbolic float (a Python float it
+    traces as a variable: with ``dynamic=True``, or once a float argument changed and it
+    recompiled). FlexAttention refuses a score_mod that reads one ("can only be of Tensor, int,
+    SymInt"), a failed compile (`qkv.attention.dispatch._traced_flex`). Run when called, not
+    traced (a constant to Dynamo): it reads the trace's own shape environment."""
+    from torch._guards import TracingContext
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    context = TracingContext.try_get()
+    fake_mode = None if context is None else context.fake_mode
+    shape_env = None if fake_mode is None else fake_mode.shape_env
+    if shape_env is None:
+        return False
+    return any(symbol_is_type(symbol, (SymT.FLOAT, SymT.UNBACKED_FLOAT)) for symbol in shape_env.var_to_range)
 
 
 def _plain(t: torch.Tensor) -> bool:

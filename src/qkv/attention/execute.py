@@ -196,7 +196,8 @@ def _run_tiles(problem: AttentionProblem, plan: Plan, out_dtype: torch.dtype | N
             )  # fmt: skip
     else:
         assert plan.layout is not None
-        _try_score_terms_eagerly(terms, q)
+        if not private_torch.host_unreadable(q, k, v):  # traced, FlexAttention traces the terms itself
+            _try_score_terms_eagerly(terms, q)
         out, lse = flex_attention_layout(q, k, v, mask, plan.layout, scale, need_lse=plan.lse == "kernel", terms=terms)
         if sinks is not None:
             out, lse = _flex_sinks(problem, plan, out, lse)

@@ -16,7 +16,7 @@ from qkv.attention.dispatch import BLOCKS, Plan, mask_heads
 from qkv.attention.problem import AttentionProblem
 from qkv.backends.blocks.engine import engine_extra_bytes
 from qkv.backends.flex import FLEX_BLOCK, flex_extra_bytes
-from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, kernel_words
+from qkv.backends.protocol import BACKENDS, COMPILED_KERNELS, flex_cpu_elements, kernel_words
 from qkv.backends.query_chunks import chunk_spans, chunked_extra_bytes, chunked_pairs
 from qkv.backends.softmax import accumulation_bytes
 from qkv.masks import FULL, Mask
@@ -254,7 +254,7 @@ def _tile_path_bytes(problem: AttentionProblem, plan: Plan) -> int:
         layers = (mask.batch or 1) * (mask.heads or 1) if isinstance(mask, Mask) else 1
         n_tiles = layers * -(-L // block_q) * -(-S // block_k)
     if plan.path == "flex":
-        return flex_extra_bytes(q.dtype, N=N, H=H, L=L, n_tiles=n_tiles)
+        return flex_extra_bytes(q.dtype, N=N, H=H, L=L, n_tiles=n_tiles, cpu_elements=flex_cpu_elements(problem))
     return engine_extra_bytes(
         q.dtype, N=N, H=H, G=problem.G, L=L, S=S, E=problem.E, Ev=problem.Ev,
         plan=plan.tiles, call_bytes=plan.tiles.config.call_bytes if plan.tiles is not None else BLOCKS.call_bytes,

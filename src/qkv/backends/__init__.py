@@ -4,7 +4,8 @@
 - the CPU block engine (backend ``"blocks"``): `block_plan` plans, `block_calls` runs the call
   loop, `blocks` computes calls with PyTorch's CPU flash kernel, `scored` with score terms
   (bias, softcap, score_mod); `merge` merges partial softmaxes (also used by the ring);
-- `flex`: FlexAttention with qkv's block layout, for CUDA;
+- `flex`: FlexAttention with qkv's block layout, for CUDA, and on the CPU under torch.compile
+  for a score_mod with a data mask without gradients (Inductor's CPU kernel);
 - `protocol`: what every backend answers (`Backend`, `BACKENDS`) and the names of the kernels
   a Plan records; `disabled` (from `qkv.native.switches`) switches kernels and backends off.
 

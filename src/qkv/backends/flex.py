@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
 
 from qkv.backends.softmax import accumulation_bytes
 from qkv.masks import FULL, PARTIAL, BlockLayout, Mask
+from qkv.native.machine import cpu_features
 from qkv.scores import ScoreTerms
 
-__all__ = ["FLEX_BLOCK", "block_mask_from_layout", "flex_attention_layout", "flex_available", "flex_extra_bytes"]
+__all__ = [
+    "FLEX_BLOCK", "block_mask_from_layout", "cpu_kernel_reason", "flex_attention_layout", "flex_available", "flex_extra_bytes",
+]
 
 # FlexAttention's kernels are tuned for, and its BlockMask defaults to, 128 x 128 tiles.
 FLEX_BLOCK = 128
@@ -51,6 +55,36 @@ def flex_available() -> bool:
     return hasattr(BlockMask, "from_kv_blocks")
 
 
+# Inductor's CPU kernel for FlexAttention (a C++ template, forward only) came with PyTorch 2.6;
+# qkv routes to it from the release its tests run it on, 2.15 (a failure there is a failed
+# compile, not a slower call, so untested releases keep to the math path's chunks)
+_CPU_KERNEL_SINCE = (2, 15)
+# the dtypes it takes
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_kernel_reason(dtype: torch.dtype) -> str | None:
+    """Why torch.compile cannot run FlexAttention's CPU kernel for ``dtype`` here, or None.
+
+    Inductor lowers FlexAttention on the CPU to a C++ kernel that skips the BlockMask's empty
+    tiles. It has no backward pass and returns no log-sum-exp, and it needs AVX2 vector code:
+    PyTorch refuses it on macOS and where its CPU capability is ``DEFAULT``
+    (``ATEN_CPU_CAPABILITY=default``)."""
+    if not flex_available():
+        return "it needs PyTorch's FlexAttention (PyTorch >= 2.5)"
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < _CPU_KERNEL_SINCE:
+        return f"qkv runs Inductor's CPU FlexAttention kernel from PyTorch 2.15 (tested there), this is {torch.__version__}"
+    if sys.platform == "darwin":
+        return "Inductor has no CPU FlexAttention kernel on macOS"
+    capability = cpu_features().capability  # probed at import: a query torch.compile cannot trace
+    if capability not in ("AVX2", "AVX512", "AMX"):
+        return f"Inductor's CPU FlexAttention kernel needs AVX2 vector code; PyTorch's CPU capability is {capability}"
+    if dtype not in _CPU_KERNEL_DTYPES:
+        return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
+    return None
+
+
 # FlexAttention's compiled GPU kernels are built and tested for these dtypes and for head
 # dims that are powers of two from 16 up; 'auto' keeps SDPA (with a dense mask) elsewhere
 # rather than betting on a compile that may fail on the user's machine.
@@ -64,11 +98,18 @@ def flex_suits(dtype: torch.dtype, head_dims: tuple[int, ...]) -> bool:
     return dtype in _FLEX_AUTO_DTYPES and powers_of_two
 
 
-def flex_extra_bytes(dtype: torch.dtype, *, N: int, H: int, L: int, n_tiles: int) -> int:
+def flex_extra_bytes(
+    dtype: torch.dtype, *, N: int, H: int, L: int, n_tiles: int, cpu_elements: tuple[int, int] | None = None
+) -> int:
     """Memory `flex_attention_layout` allocates beyond inputs and output (an estimate): the
-    (N, H, L) lse and the BlockMask's int32 block indices, two per tile of the layout."""
-    acc = accumulation_bytes(dtype)
-    return N * H * L * acc + n_tiles * 2 * 4
+    BlockMask's int32 block indices, two per tile of the layout, and the (N, H, L) lse; on the
+    CPU (``cpu_elements``: the elements of q, k and v together, and of the output) no lse, but
+    float32 copies of low-precision inputs and a float32 output (`_cpu_kernel`)."""
+    indices = n_tiles * 2 * 4
+    if cpu_elements is None:
+        return N * H * L * accumulation_bytes(dtype) + indices
+    inputs, output = cpu_elements
+    return (inputs * 4 if dtype != torch.float32 else 0) + output * 4 + indices
 
 
 def _indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +130,13 @@ def block_mask_from_layout(layout: BlockLayout, mask: Mask | None, device: torch
     mask_mod = None
     if mask is not None:
         structured = mask
+        # a mask without a batch (heads) axis is evaluated at b = 0 (h = 0) on every path, as
+        # `Mask.to_dense` does: a predicate that reads h without heads=H is one mask for all heads
+        one_row, one_head = states.shape[0] == 1, states.shape[1] == 1
 
         def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            b = torch.zeros_like(b) if one_row else b
+            h = torch.zeros_like(h) if one_head else h
             return structured.visible(b, h, q_idx, kv_idx, L, S)
 
         mask_mod = visible
@@ -126,13 +172,13 @@ def flex_attention_layout(
 
     Returns (output (N, H, L, Ev), lse (N, H, L) float32 with -inf on rows with no visible
     key, or None without ``need_lse``: compiled FlexAttention on CPU returns no lse).
-    ``compiled=False`` runs FlexAttention's eager reference (for checks on small sizes).
-    ``terms``: the score terms, applied as FlexAttention's score_mod.
+    ``compiled=False`` runs FlexAttention's eager reference (for checks on small sizes). While
+    torch.compile traces a CPU call, FlexAttention's own call runs, which Inductor compiles to
+    its CPU kernel (`_cpu_kernel`). ``terms``: the score terms, applied as FlexAttention's score_mod.
     """
     from torch.nn.attention import flex_attention as fa
 
     block_mask = block_mask_from_layout(layout, mask, q.device)
-    run = _compiled_flex() if compiled else fa.flex_attention
     gqa = k.shape[1] != q.shape[1]
     score_mod = None
     if terms is not None and terms.active:
@@ -151,6 +197,11 @@ def flex_attention_layout(
         score_mod = apply_terms
 
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": gqa, "score_mod": score_mod}
+    traced = torch.compiler.is_compiling()
+    if q.device.type == "cpu" and (compiled or traced):
+        assert not need_lse  # Inductor's CPU kernel returns none
+        return _cpu_kernel(q, k, v, kwargs, traced), None
+    run = _compiled_flex() if compiled else fa.flex_attention
     if not need_lse:
         return run(q, k, v, **kwargs), None
     if hasattr(fa, "AuxRequest"):
@@ -162,3 +213,42 @@ def flex_attention_layout(
     empty = lse == _NEG_INF  # (N, H, L)
     out = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
     return out, lse.float()
+
+
+def _cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any], traced: bool) -> torch.Tensor:
+    """FlexAttention on Inductor's CPU kernel, in float32: with bfloat16 inputs that kernel
+    miscomputes a score_mod that casts its result (PyTorch 2.15: ``.to(score.dtype)``, which
+    qkv's score terms end with, gave outputs 1.2 off against 0.003 without the cast, n = 1,024),
+    and the float32 kernel ran faster there too (8 documents, n = 4,096: 10 against 16 ms, AMD
+    EPYC without AMX). The output comes back in the inputs' dtype. ``traced``: torch.compile is
+    tracing the caller, whose graph takes FlexAttention's own call, through `_flex_output`;
+    else the kernel compiled once per process (`_compiled_flex`)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dtype = q.dtype
+    if dtype not in _CPU_KERNEL_DTYPES:  # backend='flex' asked for (auto checks `cpu_kernel_reason`)
+        raise ValueError(
+            f"backend='flex' on the CPU runs Inductor's FlexAttention kernel, which takes float32, bfloat16 and "
+            f"float16, not {dtype}; use backend='blocks' or 'auto'"
+        )
+    q, k, v = q.float(), k.float(), v.float()  # (N, H | G, L | S, E | Ev) each, as given
+    if traced:
+        return torch.ops.qkv.flex_output(flex_attention(q, k, v, **kwargs)).to(dtype)
+    return _compiled_flex()(q, k, v, **kwargs).to(dtype)
+
+
+@torch.library.custom_op("qkv::flex_output", mutates_args=())
+def _flex_output(out: torch.Tensor) -> torch.Tensor:
+    """A copy of FlexAttention's output, made by an operator of its own in a traced CPU graph.
+
+    Inductor fuses pointwise work that reads the output of its CPU FlexAttention kernel (qkv's
+    NaN rule, a cast, the caller's own code) into that kernel, whose C++ template then refuses
+    to render it: "Unsupported for `epilogue_nodes` in CppFlexAttentionTemplate" (PyTorch
+    2.15), a failed compile. An operator's output is a buffer of its own, which nothing fuses
+    into the kernel; the copy costs one pass over (N, H, L, Ev)."""
+    return out.clone()
+
+
+@_flex_output.register_fake
+def _(out: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(out)

@@ -57,6 +57,7 @@ __all__ = [
     "Backend",
     "decode_kernel",
     "decode_reason",
+    "flex_cpu_elements",
     "kernel_words",
 ]
 
@@ -268,7 +269,16 @@ def _blocks_memory(problem: AttentionProblem) -> int:
 
 def _flex_memory(problem: AttentionProblem) -> int:
     n_tiles = _tiles(problem, FLEX_BLOCK, FLEX_BLOCK)
-    return flex_extra_bytes(problem.q.dtype, N=problem.N, H=problem.H, L=problem.L, n_tiles=n_tiles)
+    return flex_extra_bytes(problem.q.dtype, N=problem.N, H=problem.H, L=problem.L, n_tiles=n_tiles,
+                            cpu_elements=flex_cpu_elements(problem))  # fmt: skip
+
+
+def flex_cpu_elements(problem: AttentionProblem) -> tuple[int, int] | None:
+    """For `flex_extra_bytes` on the CPU: the elements of q, k and v together, and of the output."""
+    if problem.q.device.type != "cpu":
+        return None
+    inputs = problem.q.numel() + problem.k.numel() + problem.v.numel()
+    return inputs, problem.N * problem.H * problem.L * problem.Ev
 
 
 def _blocks_entry(
