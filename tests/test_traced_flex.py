@@ -165,7 +165,7 @@ def test_rows_that_see_no_key_give_zero_and_pointwise_code_after_it_compiles() -
     np.testing.assert_allclose(out.double().numpy(), want, atol=2e-6, rtol=0)
 
 
-def test_a_score_mod_that_hides_whole_rows_gives_what_eager_gives() -> None:
+def test_a_score_mod_that_hides_whole_rows_gives_what_eager_gives(plans: list[dispatch.Plan]) -> None:
     # -inf on every key of the rows 100..149: no visible key there, as eagerly
     def hide_rows(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         hidden = (i >= 100) & (i < 150)
@@ -176,6 +176,7 @@ def test_a_score_mod_that_hides_whole_rows_gives_what_eager_gives() -> None:
     eager = qkv.attention(q, k, v, mask, score_mod=hide_rows)
     with torch.no_grad():
         compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask, score_mod=hide_rows), fullgraph=True)(q, k, v)
+    assert [p.path for p in plans] == ["blocks", "flex"]  # eager, then traced
     assert not eager[:, :, 100:150].any()
     torch.testing.assert_close(compiled, eager, atol=2e-6, rtol=0)
 
