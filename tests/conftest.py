@@ -6,6 +6,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,3 +58,21 @@ def _cli_console_widths() -> None:
 
     console.width = CLI_TABLE_WIDTH
     err_console.width = CLI_MESSAGE_WIDTH
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every Plan (`qkv.attention.dispatch.Plan`) `qkv.attention` chooses from now on, eager
+    or traced (traced calls at trace time)."""
+    from qkv.attention import dispatch, functional
+
+    seen: list[Any] = []
+    real = dispatch.choose_path
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        seen.append(plan)
+        return plan
+
+    monkeypatch.setattr(functional, "choose_path", spy)
+    return seen

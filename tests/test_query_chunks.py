@@ -21,7 +21,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.attention import dispatch, functional
+from qkv.attention import dispatch
 from qkv.backends import query_chunks
 
 H, G, E = 4, 2, 24
@@ -88,21 +88,6 @@ def _dense(mask: Any, batch: int, Lq: int, Sk: int) -> np.ndarray | None:
     if isinstance(mask, torch.Tensor):
         return mask.double().numpy() if mask.is_floating_point() else mask.numpy()
     return mask.to_dense(Lq, Sk).numpy()
-
-
-@pytest.fixture
-def plans(monkeypatch: pytest.MonkeyPatch) -> list[dispatch.Plan]:
-    """Every Plan `qkv.attention` chooses from now on (traced calls at trace time)."""
-    seen: list[dispatch.Plan] = []
-    real = dispatch.choose_path
-
-    def spy(*args: Any, **kwargs: Any) -> dispatch.Plan:
-        plan = real(*args, **kwargs)
-        seen.append(plan)
-        return plan
-
-    monkeypatch.setattr(functional, "choose_path", spy)
-    return seen
 
 
 @pytest.fixture

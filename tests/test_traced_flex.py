@@ -19,12 +19,17 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv import reference as R
-from qkv.attention import dispatch, execute, functional
+from qkv.attention import dispatch, execute
 from qkv.backends import flex, query_chunks
-
-H, G, E = 4, 2, 24
-L, S = 300, 260  # 78,000 pairs per head: above the tile paths' threshold
-SLOPE = 0.02
+from tests.test_query_chunks import (  # 300 x 260, beyond the tile paths' threshold
+    E,
+    G,
+    H,
+    L,
+    S,
+    _distance,
+    _distance_array,
+)
 
 pytestmark = pytest.mark.skipif(
     flex.cpu_kernel_reason(torch.float32) is not None,
@@ -37,19 +42,6 @@ def _fresh_dynamo() -> Any:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _distance(
-    score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
-) -> torch.Tensor:
-    return score - SLOPE * (h + 1) * (i - j).abs()
-
-
-def _distance_array(Lq: int, Sk: int) -> np.ndarray:
-    """_distance's term by hand, (1, H, L, S)."""
-    i = np.arange(Lq)[:, None]
-    j = np.arange(Sk)[None, :]
-    return -SLOPE * (np.arange(H) + 1)[None, :, None, None] * np.abs(i - j)[None, None]
 
 
 def _inputs(dtype: torch.dtype, batch: int = 2, Lq: int = L, Sk: int = S) -> tuple[torch.Tensor, ...]:
@@ -80,21 +72,6 @@ def _masks() -> dict[str, M.Mask]:
 
 
 @pytest.fixture
-def plans(monkeypatch: pytest.MonkeyPatch) -> list[dispatch.Plan]:
-    """Every Plan `qkv.attention` chooses from now on (traced calls at trace time)."""
-    seen: list[dispatch.Plan] = []
-    real = dispatch.choose_path
-
-    def spy(*args: Any, **kwargs: Any) -> dispatch.Plan:
-        plan = real(*args, **kwargs)
-        seen.append(plan)
-        return plan
-
-    monkeypatch.setattr(functional, "choose_path", spy)
-    return seen
-
-
-@pytest.fixture
 def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """For every call of `flex_attention_layout` from now on, whether torch.compile was tracing
     it (its graph then holds FlexAttention's own call): the kernel that ran, against the one
@@ -113,7 +90,7 @@ def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: M.Mask) -> np.ndarray:
     Lq, Sk = q.shape[2], k.shape[2]
     trace = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), mask.to_dense(Lq, Sk).numpy(),
-                        bias=_distance_array(Lq, Sk))  # fmt: skip
+                        bias=_distance_array(1, Lq, Sk))  # fmt: skip
     return trace.output
 
 
@@ -203,7 +180,7 @@ def test_the_nan_rule_and_the_overflow_refusal_hold() -> None:
 
 def test_symbolic_floats_keep_to_the_chunks(plans: list[dispatch.Plan]) -> None:
     # FlexAttention refuses a score_mod that reads a float torch.compile traces as a variable:
-    # with dynamic=True (this module's SLOPE), or once a float argument changed. The math path
+    # with dynamic=True (_distance's SLOPE), or once a float argument changed. The math path
     # takes those graphs (whole with symbolic sizes, by chunks with static ones), same values
     fn = torch.compile(lambda q, k, v, mask: qkv.attention(q, k, v, mask, score_mod=_distance), fullgraph=True, dynamic=True)
     for n in (300, 340):
