@@ -103,7 +103,6 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
     return torch.cat(parts, dim=-1)  # (N, H, L)
 
 
-
 # masks whose key intervals per query are tensor operations on their Python parameters
 _INTERVAL_MASKS = (Causal, SlidingWindow, PrefixLM, Varlen, Padded)
 
