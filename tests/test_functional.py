@@ -275,3 +275,55 @@ def test_a_decoding_step_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(qkv.masks.Causal, "to_dense", no_dense_mask)
     torch.testing.assert_close(qkv.attention(q, k, v, qkv.masks.causal()), expected)
     assert "hides no key" in qkv.explain(q, k, v, qkv.masks.causal()).reason
+
+
+def test_backend_flex_says_why_this_pytorch_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch 2.5 (the lowest release qkv takes) has FlexAttention, but its BlockMask has no
+    sequence lengths: backend='flex' ended in a TypeError from inside ``from_kv_blocks``. Now a
+    ValueError names the release it needs, before any work. On a later PyTorch the test gives
+    ``from_kv_blocks`` 2.5's parameters."""
+    from torch.nn.attention import flex_attention as fa
+
+    from qkv.attention.problem import describe_problem
+    from qkv.backends import flex
+    from qkv.backends.protocol import BACKENDS
+
+    if flex.flex_available():
+        def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,  # type: ignore[no-untyped-def]
+                           BLOCK_SIZE=128, mask_mod=None):
+            raise AssertionError("qkv built a BlockMask after saying this PyTorch cannot take it")
+
+        monkeypatch.setattr(fa.BlockMask, "from_kv_blocks", classmethod(from_kv_blocks))
+    assert not flex.flex_available()
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(ValueError, match=r"^backend='flex': .*seq_lengths.*\(PyTorch >= 2\.6\); use backend='blocks' or 'auto'$"):
+        qkv.attention(q, q, q, qkv.masks.causal(), backend="flex")
+    words = BACKENDS["flex"].describe(describe_problem(q, q, q, qkv.masks.causal(), None, 0.0))
+    assert words.endswith("(it does not run: " + flex.FLEX_NEEDS + ")")
+    # 'auto' keeps to its other paths, with and without gradients
+    out = qkv.attention(q, q, q, qkv.masks.causal())
+    expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_backend_flex_on_a_cpu_without_avx2_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's CPU FlexAttention kernel needs AVX2 vector code (PyTorch refuses it where its
+    CPU capability is DEFAULT): backend='flex' says so before any work instead of failing in a
+    compile, and 'auto' keeps to its other paths."""
+    import dataclasses
+
+    from qkv.attention.problem import describe_problem
+    from qkv.backends import flex
+    from qkv.backends.protocol import BACKENDS
+
+    if not flex.flex_available():
+        pytest.skip(f"this PyTorch cannot run qkv's FlexAttention at all: {flex.FLEX_NEEDS} (the test above)")
+    plain = dataclasses.replace(flex.cpu_features(), capability="DEFAULT")
+    monkeypatch.setattr(flex, "cpu_features", lambda: plain)
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: pytest.fail("qkv compiled FlexAttention after saying it cannot run"))
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(ValueError, match=r"^backend='flex' on the CPU runs Inductor's FlexAttention kernel: .*needs AVX2 vector code; "
+                                         r"PyTorch's CPU capability is DEFAULT; use backend='blocks' or 'auto'$"):
+        qkv.attention(q, q, q, qkv.masks.causal(), backend="flex")
+    assert "needs AVX2" in BACKENDS["flex"].describe(describe_problem(q, q, q, qkv.masks.causal(), None, 0.0))
+    torch.testing.assert_close(qkv.attention(q, q, q, qkv.masks.causal()), F.scaled_dot_product_attention(q, q, q, is_causal=True))

@@ -56,7 +56,7 @@ from qkv.backends.dense import (
     fused_lse_available,
     wide_backward_wins,
 )
-from qkv.backends.flex import FLEX_BLOCK, cpu_kernel_reason, flex_available, flex_suits
+from qkv.backends.flex import FLEX_BLOCK, FLEX_NEEDS, cpu_kernel_reason, flex_available, flex_suits
 from qkv.backends.protocol import BACKWARD_KERNELS, FORWARD_KERNELS, decode_kernel, decode_reason
 from qkv.backends.query_chunks import chunk_rows
 from qkv.masks import (
@@ -898,9 +898,12 @@ def _sparse_plan(
             raise ValueError("backend='blocks' needs PyTorch's CPU flash-attention kernel (PyTorch >= 2.3)")
     else:
         if not flex_available():
-            raise ValueError("backend='flex' needs PyTorch's FlexAttention (PyTorch >= 2.5)")
+            raise ValueError(f"backend='flex': {FLEX_NEEDS}; use backend='blocks' or 'auto'")
         if device.type == "cpu" and grad:
             raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
+        kernel_refusal = cpu_kernel_reason(None, tested_release=False) if device.type == "cpu" else None
+        if kernel_refusal is not None:  # the dtype the kernel takes is checked where it runs (`flex._cpu_kernel`)
+            raise ValueError(f"backend='flex' on the CPU runs Inductor's FlexAttention kernel: {kernel_refusal}; use backend='blocks' or 'auto'")
     if layout is None and not deferred and _too_large_to_evaluate(problem):
         engine = "the CPU block engine" if path == "blocks" else "FlexAttention"
         reason, deferred = f"{reason}; {_deferred_reason(problem, engine)}", True

@@ -1,6 +1,6 @@
 """FlexAttention with a ``BlockMask`` built from qkv's own block layout (the CUDA path).
 
-PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, PyTorch >= 2.5) compiles a
+PyTorch's FlexAttention (``torch.nn.attention.flex_attention``; qkv uses it from PyTorch 2.6) compiles a
 fused kernel that skips the blocks a ``BlockMask`` declares empty, runs "full" blocks
 without calling the mask and "partial" blocks with ``mask_mod``. Its own
 ``create_block_mask`` finds the blocks by evaluating ``mask_mod`` on all L x S points; qkv
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 from typing import Any
 
@@ -37,7 +38,8 @@ from qkv.native.machine import cpu_features
 from qkv.scores import ScoreTerms
 
 __all__ = [
-    "FLEX_BLOCK", "block_mask_from_layout", "cpu_kernel_reason", "flex_attention_layout", "flex_available", "flex_extra_bytes",
+    "FLEX_BLOCK", "FLEX_NEEDS", "block_mask_from_layout", "cpu_kernel_reason", "flex_attention_layout", "flex_available",
+    "flex_extra_bytes",
 ]
 
 # FlexAttention's kernels are tuned for, and its BlockMask defaults to, 128 x 128 tiles.
@@ -46,41 +48,54 @@ FLEX_BLOCK = 128
 _NEG_INF = float("-inf")
 
 
+# why qkv cannot use this PyTorch's FlexAttention (`flex_available`)
+FLEX_NEEDS = "it needs PyTorch's FlexAttention with BlockMask.from_kv_blocks(seq_lengths=...) (PyTorch >= 2.6)"
+
+
+@torch.compiler.assume_constant_result
 def flex_available() -> bool:
-    """Whether this PyTorch ships FlexAttention with ``BlockMask.from_kv_blocks``."""
+    """Whether this PyTorch's FlexAttention takes the BlockMask qkv builds: one from
+    ``BlockMask.from_kv_blocks`` with the true sequence lengths (``seq_lengths``, PyTorch 2.6
+    on). PyTorch 2.5 has FlexAttention, but its BlockMask knows only whole blocks, and qkv's
+    call failed there with a TypeError from inside. A constant to torch.compile."""
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
         return False
-    return hasattr(BlockMask, "from_kv_blocks")
+    from_kv_blocks = getattr(BlockMask, "from_kv_blocks", None)
+    return from_kv_blocks is not None and "seq_lengths" in inspect.signature(from_kv_blocks).parameters
 
 
-# Inductor's CPU kernel for FlexAttention (a C++ template, forward only) came with PyTorch 2.6;
-# qkv routes to it from the release its tests run it on, 2.15 (a failure there is a failed
-# compile, not a slower call, so untested releases keep to the math path's chunks)
+# Inductor's CPU kernel for FlexAttention (a C++ template, forward only) came with PyTorch 2.6,
+# as did the BlockMask qkv builds (`flex_available`); 'auto' routes to it from the release
+# qkv's tests run it on, 2.15 (a failure there is a failed compile, not a slower call, so
+# untested releases keep to the math path's chunks); backend='flex', asked for by name, runs
+# it wherever it exists
 _CPU_KERNEL_SINCE = (2, 15)
 # the dtypes it takes
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def cpu_kernel_reason(dtype: torch.dtype) -> str | None:
+def cpu_kernel_reason(dtype: torch.dtype | None, *, tested_release: bool = True) -> str | None:
     """Why torch.compile cannot run FlexAttention's CPU kernel for ``dtype`` here, or None.
 
     Inductor lowers FlexAttention on the CPU to a C++ kernel that skips the BlockMask's empty
     tiles. It has no backward pass and returns no log-sum-exp, and it needs AVX2 vector code:
     PyTorch refuses it on macOS and where its CPU capability is ``DEFAULT``
-    (``ATEN_CPU_CAPABILITY=default``)."""
+    (``ATEN_CPU_CAPABILITY=default``). ``tested_release``: also refuse PyTorch releases before
+    the one qkv's tests run the kernel on (what 'auto' asks; backend='flex' asks without).
+    ``dtype`` None: the machine and the release only."""
     if not flex_available():
-        return "it needs PyTorch's FlexAttention (PyTorch >= 2.5)"
+        return FLEX_NEEDS
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if version < _CPU_KERNEL_SINCE:
+    if tested_release and version < _CPU_KERNEL_SINCE:
         return f"qkv runs Inductor's CPU FlexAttention kernel from PyTorch 2.15 (tested there), this is {torch.__version__}"
     if sys.platform == "darwin":
         return "Inductor has no CPU FlexAttention kernel on macOS"
     capability = cpu_features().capability  # probed at import: a query torch.compile cannot trace
     if capability not in ("AVX2", "AVX512", "AMX"):
         return f"Inductor's CPU FlexAttention kernel needs AVX2 vector code; PyTorch's CPU capability is {capability}"
-    if dtype not in _CPU_KERNEL_DTYPES:
+    if dtype is not None and dtype not in _CPU_KERNEL_DTYPES:
         return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
     return None
 

@@ -39,7 +39,14 @@ from qkv.backends.dense import (
     math_attention,
     math_extra_bytes,
 )
-from qkv.backends.flex import FLEX_BLOCK, flex_attention_layout, flex_available, flex_extra_bytes
+from qkv.backends.flex import (
+    FLEX_BLOCK,
+    FLEX_NEEDS,
+    cpu_kernel_reason,
+    flex_attention_layout,
+    flex_available,
+    flex_extra_bytes,
+)
 from qkv.masks import Mask
 from qkv.native import build as compiled
 from qkv.native import decode as native_decode
@@ -200,13 +207,15 @@ def _flex_reason(problem: AttentionProblem) -> str | None:
     if switches.is_off("flex"):
         return switches.off_reason("flex")
     if not flex_available():
-        return "it needs PyTorch's FlexAttention (PyTorch >= 2.5)"
+        return FLEX_NEEDS
     if isinstance(problem.mask, torch.Tensor):
         return "it takes a qkv.masks object or None, not a tensor mask"
     if problem.dropout > 0.0:
         return f"it has no dropout (got dropout={problem.dropout})"
-    if problem.q.device.type == "cpu" and _grad(problem):
-        return "FlexAttention has no backward pass on CPU"
+    if problem.q.device.type == "cpu":
+        if _grad(problem):
+            return "FlexAttention has no backward pass on CPU"
+        return cpu_kernel_reason(problem.q.dtype, tested_release=False)
     return None
 
 
