@@ -61,7 +61,8 @@ def test_alibi_slopes_by_hand() -> None:
 @pytest.mark.parametrize("H", [1, 5, 8, 12, 40])
 def test_alibi_slopes_match_transformers_bloom(H: int) -> None:
     bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
-    theirs = bloom._get_alibi_slopes(H, torch.device("cpu"))
+    # (H, 1, 2): each head's slope times the positions 0 and 1 of an unpadded sequence
+    theirs = bloom.build_alibi_tensor(torch.ones(1, 2), H, torch.float32)[:, 0, 1]
     torch.testing.assert_close(Bi.alibi_slopes(H).float(), theirs, rtol=1e-6, atol=0)
 
 

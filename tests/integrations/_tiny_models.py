@@ -7,6 +7,8 @@ same weights are loaded into the eager, sdpa and qkv variants of a model.
 from __future__ import annotations
 
 import copy
+import inspect
+from typing import Any
 
 import torch
 import transformers
@@ -109,3 +111,11 @@ def padded_batch(length: int, pads: tuple[int, ...], side: str) -> tuple[torch.T
             else:
                 mask[row, length - pad :] = 0
     return ids, mask
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``model`` and its ``generate``: ``cache`` from
+    transformers 5.21 (the release Python 3.11 starts at), ``past_key_values`` before it (Python
+    3.10 resolves transformers 5.20); the other name is ignored or refused there."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}

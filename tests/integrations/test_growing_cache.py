@@ -22,11 +22,11 @@ def test_greedy_generate_equals_a_dynamic_cache_on_eager(family: str, impl: str)
     ids, mask = tiny.padded_batch(7, (0, 3), "left")
     expected = models["eager"].generate(
         ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-        cache=transformers.DynamicCache(config=models["eager"].config),
+        **tiny.cache_argument(models["eager"], transformers.DynamicCache(config=models["eager"].config)),
     )  # fmt: skip
     cache = growing_cache(models[impl].config)
     got = models[impl].generate(
-        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, cache=cache
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, **tiny.cache_argument(models[impl], cache)
     )
     assert torch.equal(got, expected)
     kinds = {type(layer).__name__ for layer in cache.layers}

@@ -332,7 +332,7 @@ def test_a_tracked_cache_skips_the_cache_scan_and_generates_as_eager(
     scanned: list[tuple[int, ...]] = []
     original = problem._largest_magnitudes
     monkeypatch.setattr(problem, "_largest_magnitudes", lambda ts: scanned.extend(t.shape for t in ts) or original(ts))
-    given = {} if cache is None else {"cache": cache}
+    given = {} if cache is None else tiny.cache_argument(models[NAME], cache)
     ours = models[NAME].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **given)
     assert torch.equal(ours, eager)
     steps = [shape for shape in scanned if shape[-2] == 1 and shape[1] == 4]  # the query (B, H, 1, E) of a decoding step
@@ -386,13 +386,13 @@ def test_a_cache_written_in_place_between_steps_is_scanned_again(kind: str) -> N
             cache = growing_cache(config)
         with torch.no_grad():
             mask = torch.ones(2, prompt, dtype=torch.long)
-            models[impl](input_ids=ids, attention_mask=mask, cache=cache)
+            models[impl](input_ids=ids, attention_mask=mask, **tiny.cache_argument(models[impl], cache))
             mask = torch.ones(2, prompt + 1, dtype=torch.long)
-            models[impl](input_ids=ids[:, :1], attention_mask=mask, cache=cache)  # tracked from here on
+            models[impl](input_ids=ids[:, :1], attention_mask=mask, **tiny.cache_argument(models[impl], cache))  # tracked from here on
             cache.layers[0].keys[0, :, 3, :] = float("nan")
             cache.layers[1].keys[1, :, 5, :] = 1e30
             mask = torch.ones(2, prompt + 2, dtype=torch.long)
-            logits[impl] = models[impl](input_ids=ids[:, 1:2], attention_mask=mask, cache=cache).logits
+            logits[impl] = models[impl](input_ids=ids[:, 1:2], attention_mask=mask, **tiny.cache_argument(models[impl], cache)).logits
     assert torch.isnan(logits["eager"][0]).all() and torch.isnan(logits[NAME][0]).all()
     torch.testing.assert_close(logits[NAME][1], logits["eager"][1], **TOL)
     layer = cache.layers[1]
@@ -406,10 +406,10 @@ def test_the_hook_leaves_the_cache_alone_once_the_model_runs_on_another_implemen
     model = models[NAME]
     model(input_ids=ids, attention_mask=mask)  # installs the hooks
     ours, theirs = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
-    model(input_ids=ids, attention_mask=mask, cache=ours)
+    model(input_ids=ids, attention_mask=mask, **tiny.cache_argument(model, ours))
     assert getattr(ours, "_qkv_tracks_bounds", False)
     model.set_attn_implementation("eager")
-    model(input_ids=ids, attention_mask=mask, cache=theirs)
+    model(input_ids=ids, attention_mask=mask, **tiny.cache_argument(model, theirs))
     assert not getattr(theirs, "_qkv_tracks_bounds", False)
 
 

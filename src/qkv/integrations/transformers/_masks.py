@@ -70,6 +70,11 @@ class StructuredMask:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
+    def contiguous(self) -> StructuredMask:
+        """Itself: transformers before 5.21 makes each prepared mask contiguous before handing
+        it back (``generate`` with a static cache); a structured mask has no memory layout."""
+        return self
+
     def __repr__(self) -> str:
         shown = "no mask" if self.mask is None else self.mask.describe()
         dense = "" if self.recognised else ", not recognised: dense"
