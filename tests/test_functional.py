@@ -278,10 +278,10 @@ def test_a_decoding_step_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_backend_flex_says_why_this_pytorch_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PyTorch 2.5 (the lowest release qkv takes) has FlexAttention, but its BlockMask has no
-    sequence lengths: backend='flex' ended in a TypeError from inside ``from_kv_blocks``. Now a
-    ValueError names the release it needs, before any work. On a later PyTorch the test gives
-    ``from_kv_blocks`` 2.5's parameters."""
+    """PyTorch 2.5 (below qkv's range, which an install may ignore) has FlexAttention, but its
+    BlockMask has no sequence lengths: backend='flex' ended in a TypeError from inside
+    ``from_kv_blocks``. Now a ValueError names the release it needs, before any work. The test
+    gives ``from_kv_blocks`` 2.5's parameters."""
     from torch.nn.attention import flex_attention as fa
 
     from qkv.attention.problem import describe_problem

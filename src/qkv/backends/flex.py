@@ -56,8 +56,9 @@ FLEX_NEEDS = "it needs PyTorch's FlexAttention with BlockMask.from_kv_blocks(seq
 def flex_available() -> bool:
     """Whether this PyTorch's FlexAttention takes the BlockMask qkv builds: one from
     ``BlockMask.from_kv_blocks`` with the true sequence lengths (``seq_lengths``, PyTorch 2.6
-    on). PyTorch 2.5 has FlexAttention, but its BlockMask knows only whole blocks, and qkv's
-    call failed there with a TypeError from inside. A constant to torch.compile."""
+    on; qkv's range starts there). PyTorch 2.5 has FlexAttention, but its BlockMask knows only
+    whole blocks, and qkv's call failed there with a TypeError from inside. A constant to
+    torch.compile."""
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
