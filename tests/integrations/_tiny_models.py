@@ -115,7 +115,7 @@ def padded_batch(length: int, pads: tuple[int, ...], side: str) -> tuple[torch.T
 
 def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model`` and its ``generate``: ``cache`` from
-    transformers 5.21 (the release Python 3.11 starts at), ``past_key_values`` before it (Python
-    3.10 resolves transformers 5.20); the other name is ignored or refused there."""
+    transformers 5.24, ``past_key_values`` before it (Python 3.10 resolves transformers 5.20);
+    the other name is ignored or refused there."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}

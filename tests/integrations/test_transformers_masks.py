@@ -84,7 +84,7 @@ def test_cache_steps_are_bottom_right_causal() -> None:
 def test_packed_sequences_become_documents() -> None:
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     packed = hf.find_packed_sequence_indices(position_ids)
-    # transformers 5.21 started reading the base term on per-sequence positions; 5.20 (what Python
+    # transformers 5.23 started reading the base term on per-sequence positions; 5.20 (what Python
     # 3.10 resolves) applies it on the packed positions, which the document term makes equal
     remap = getattr(hf, "remap_positions_for_packed_sequence", lambda base, positions: base)
     for base in (hf.causal_mask_function, hf.sliding_window_causal_mask_function(2)):

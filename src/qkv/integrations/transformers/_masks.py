@@ -71,8 +71,9 @@ class StructuredMask:
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
     def contiguous(self) -> StructuredMask:
-        """Itself: transformers before 5.21 makes each prepared mask contiguous before handing
-        it back (``generate`` with a static cache); a structured mask has no memory layout."""
+        """Itself: transformers before 5.24 (5.20 on Python 3.10) makes each prepared mask
+        contiguous before handing it back (``generate`` with a static cache); a structured mask
+        has no memory layout."""
         return self
 
     def __repr__(self) -> str:
