@@ -278,7 +278,9 @@ def test_the_kernel_reason_names_what_is_missing(monkeypatch: pytest.MonkeyPatch
     assert "2.15" in str(flex.cpu_kernel_reason(torch.float32))
 
 
-def test_backend_flex_on_the_cpu_runs_low_precision_in_float32_and_names_a_dtype_it_cannot_take() -> None:
+def test_backend_flex_on_the_cpu_runs_low_precision_in_float32_and_names_a_dtype_it_cannot_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # backend='flex' eagerly: FlexAttention compiled once per process, on the same float32
     # kernel (before, bfloat16 with this score_mod came out 4.8 off)
     mask = M.causal()
@@ -287,5 +289,7 @@ def test_backend_flex_on_the_cpu_runs_low_precision_in_float32_and_names_a_dtype
         out = qkv.attention(q, k, v, mask, score_mod=_distance, backend="flex")
     assert out.dtype == torch.bfloat16
     np.testing.assert_allclose(out.double().numpy(), _reference(q, k, v, mask), atol=1.6e-2, rtol=0)
-    with pytest.raises(ValueError, match=r"not torch\.float64; use backend='blocks' or 'auto'"):
+    # refused before any work: no BlockMask is built
+    monkeypatch.setattr(flex, "block_mask_from_layout", lambda *args: pytest.fail("a BlockMask was built before the refusal"))
+    with pytest.raises(ValueError, match=r"not torch\.float64; use backend='blocks' or 'auto'$"):
         qkv.attention(*_inputs(torch.float64, batch=1), mask, score_mod=_distance, backend="flex")

@@ -96,9 +96,14 @@ def cpu_kernel_reason(dtype: torch.dtype | None, *, tested_release: bool = True)
     capability = cpu_features().capability  # probed at import: a query torch.compile cannot trace
     if capability not in ("AVX2", "AVX512", "AMX"):
         return f"Inductor's CPU FlexAttention kernel needs AVX2 vector code; PyTorch's CPU capability is {capability}"
-    if dtype is not None and dtype not in _CPU_KERNEL_DTYPES:
-        return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
-    return None
+    return None if dtype is None else _dtype_refusal(dtype)
+
+
+def _dtype_refusal(dtype: torch.dtype) -> str | None:
+    """Why Inductor's CPU kernel cannot take ``dtype``, or None."""
+    if dtype in _CPU_KERNEL_DTYPES:
+        return None
+    return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
 
 
 # FlexAttention's compiled GPU kernels are built and tested for these dtypes and for head
@@ -194,6 +199,11 @@ def flex_attention_layout(
     """
     from torch.nn.attention import flex_attention as fa
 
+    traced = torch.compiler.is_compiling()
+    on_cpu_kernel = q.device.type == "cpu" and (compiled or traced)
+    refusal = _dtype_refusal(q.dtype) if on_cpu_kernel else None
+    if refusal is not None:  # backend='flex' asked for by name ('auto' checks `cpu_kernel_reason`); before any work
+        raise ValueError(f"backend='flex' on the CPU runs Inductor's FlexAttention kernel: {refusal}; use backend='blocks' or 'auto'")
     block_mask = block_mask_from_layout(layout, mask, q.device)
     gqa = k.shape[1] != q.shape[1]
     score_mod = None
@@ -213,8 +223,7 @@ def flex_attention_layout(
         score_mod = apply_terms
 
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": gqa, "score_mod": score_mod}
-    traced = torch.compiler.is_compiling()
-    if q.device.type == "cpu" and (compiled or traced):
+    if on_cpu_kernel:
         assert not need_lse  # Inductor's CPU kernel returns none
         return _cpu_kernel(q, k, v, kwargs, traced), None
     run = _compiled_flex() if compiled else fa.flex_attention
@@ -241,12 +250,7 @@ def _cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[
     else the kernel compiled once per process (`_compiled_flex`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    dtype = q.dtype
-    if dtype not in _CPU_KERNEL_DTYPES:  # backend='flex' asked for (auto checks `cpu_kernel_reason`)
-        raise ValueError(
-            f"backend='flex' on the CPU runs Inductor's FlexAttention kernel, which takes float32, bfloat16 and "
-            f"float16, not {dtype}; use backend='blocks' or 'auto'"
-        )
+    dtype = q.dtype  # one `_dtype_refusal` accepts (`flex_attention_layout`)
     q, k, v = q.float(), k.float(), v.float()  # (N, H | G, L | S, E | Ev) each, as given
     if traced:
         return torch.ops.qkv.flex_output(flex_attention(q, k, v, **kwargs)).to(dtype)
