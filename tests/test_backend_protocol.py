@@ -276,6 +276,40 @@ def test_the_switch_belongs_to_the_thread_that_set_it() -> None:
     assert seen == [False]
 
 
+def test_a_compiled_call_reads_its_own_threads_switches(plans: list[Any]) -> None:
+    # another thread's open block must not reach a compiled call here, and a block opened here
+    # must make the next compiled call trace again (Dynamo guards on the count of open blocks)
+    (q, k, v), mask, _ = _case("sliding window")
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, mask)
+
+    compiled_fn = torch.compile(fn, backend="eager", fullgraph=True)
+    opened, release = threading.Event(), threading.Event()
+
+    def hold_a_block_open() -> None:
+        with qkv.backends.disabled("blocks"):
+            opened.set()
+            release.wait(timeout=60)
+
+    torch._dynamo.reset()
+    worker = threading.Thread(target=hold_a_block_open)
+    worker.start()
+    try:
+        assert opened.wait(timeout=60)
+        out = compiled_fn(q, k, v)
+        with qkv.backends.disabled("blocks"):
+            switched = compiled_fn(q, k, v)
+    finally:
+        release.set()
+        worker.join()
+        torch._dynamo.reset()
+    assert [plan.path for plan in plans] == ["blocks", "fused"]  # planned while Dynamo traced
+    expected = _reference(q, k, v, mask, {})
+    for result in (out, switched):
+        assert (result.double() - expected).abs().max().item() < _tolerance(q.dtype)
+
+
 def test_no_module_level_switches_remain() -> None:
     from qkv.distributed import blockwise
     from qkv.models import batches

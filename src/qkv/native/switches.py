@@ -6,6 +6,12 @@ sees its own, and nested ``with`` blocks restore the outer set on exit, whatever
 inside. Switching a name off changes what `qkv.attention.dispatch.choose_path` plans (and so
 what `qkv.explain` prints); each kernel's ``unavailable_reason`` then says
 ``it is switched off (qkv.backends.disabled("name"))``.
+
+A process-wide count of the ``with`` blocks open in any thread sits beside the ContextVar,
+and the set is read only while that count is above 0. Dynamo before PyTorch 2.14 cannot
+trace ``ContextVar.get`` (a graph break, so ``fullgraph=True`` fails): with no block open, a
+compiled call reads only the count, and Dynamo guards on it, so opening a block anywhere
+makes the next compiled call trace again and read its own thread's set.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from threading import Lock
 
 __all__ = ["NAMES", "disabled", "is_off", "off_reason", "switched_off"]
 
@@ -38,6 +45,14 @@ NAMES: dict[str, str] = {
 }
 
 _OFF: ContextVar[frozenset[str]] = ContextVar("qkv_switched_off", default=frozenset())
+_open_blocks = 0  # `disabled` blocks open in any thread
+_open_blocks_lock = Lock()
+
+
+def _count_open_blocks(change: int) -> None:
+    global _open_blocks
+    with _open_blocks_lock:
+        _open_blocks += change
 
 
 @contextmanager
@@ -59,21 +74,23 @@ def disabled(*names: str) -> Iterator[None]:
             f"known: {', '.join(NAMES)}"
         )
     token = _OFF.set(_OFF.get() | frozenset(names))
+    _count_open_blocks(+1)
     try:
         yield
     finally:
+        _count_open_blocks(-1)
         _OFF.reset(token)
 
 
 def is_off(name: str) -> bool:
     """Whether ``name`` is switched off here (`disabled`)."""
     assert name in NAMES, name  # a reader's own misspelling would otherwise never be off
-    return name in _OFF.get()
+    return name in switched_off()
 
 
 def switched_off() -> frozenset[str]:
     """The names switched off here."""
-    return _OFF.get()
+    return _OFF.get() if _open_blocks else frozenset()
 
 
 def off_reason(name: str) -> str | None:
