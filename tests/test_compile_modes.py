@@ -635,23 +635,26 @@ def test_operators_pass_opcheck() -> None:
     sinks = t["sinks"].view(1, H).clone().requires_grad_(True)
     ids = _ids(ENGINE_N).view(1, -1)
     window, documents = "('!',('sliding_window',32,0,'bottom-right',),)", "('!',('documents','@',None,),)"
+    impl = "opcheck"  # the digest argument (`ops._IMPL`): the operators do not read it
     samples = [
-        (None, [], [], window, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True),
-        (sinks, [ids], [], documents, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True),
-        (None, [], [slopes], "('!',('causal','bottom-right',),)", "('!',('alibi','@',),)", 0.3, 3.0, "score_tiles", "scored_per_call", True),
-        (None, [], [], "None", "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", False),
+        (None, [], [], window, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True, impl),
+        (sinks, [ids], [], documents, "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", True, impl),
+        (None, [], [slopes], "('!',('causal','bottom-right',),)", "('!',('alibi','@',),)", 0.3, 3.0, "score_tiles", "scored_per_call",
+         True, impl),
+        (None, [], [], "None", "None", 0.3, None, "cpu_flash_tiles", "engine_per_call", False, impl),
     ]
     for rest in samples:
-        q_, k_, v_ = (x.clone().requires_grad_(rest[-1]) for x in (q, k, v))
+        need_grad = rest[-2]
+        q_, k_, v_ = (x.clone().requires_grad_(need_grad) for x in (q, k, v))
         torch.library.opcheck(torch.ops.qkv.blocks_forward.default, (q_, k_, v_, *rest))
     # the backward operator on a forward's saved outputs, with the lse's gradient and the sinks'
     out, lse, shift, rest_, p_sink, rows, nonfinite = torch.ops.qkv.blocks_forward(q, k, v, sinks.detach(), [ids], [], documents, "None", 0.3,
-                                                                  None, "cpu_flash_tiles", "engine_per_call", True)
+                                                                  None, "cpu_flash_tiles", "engine_per_call", True, impl)
     grad_out, grad_lse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
     torch.library.opcheck(torch.ops.qkv.blocks_backward.default, (
         grad_out, grad_lse, q, k, v, out, lse, shift, rest_, sinks.detach(), p_sink, rows, nonfinite, [ids], [], documents, "None",
         0.3, None,
-        "cpu_flash_tiles", "engine_per_call", True, [],
+        "cpu_flash_tiles", "engine_per_call", True, [], impl,
     ))
 
 

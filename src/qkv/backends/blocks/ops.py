@@ -108,19 +108,21 @@ _BIASES = {"alibi": ALiBi, "relative": Relative, "dense_bias": DenseBias, "sum":
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool need_grad, "
-    "str impl='') -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "str impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor shift, "
     "Tensor rest, Tensor? sinks, Tensor p_sink, Tensor rows, Tensor nonfinite, Tensor[] mask_tensors, Tensor[] bias_tensors, str mask_spec, "
     "str bias_spec, float scale, float? softcap, str forward_kernel, str backward_kernel, bool sinks_grad, "
-    "bool[] bias_grads, str impl='') -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
+    "bool[] bias_grads, str impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
 # The operators' last argument, ``impl``: a digest of this file, where their fake kernels and
 # autograd formula live. TorchInductor's caches key a compiled graph by its operators' names and
 # arguments, not by the Python behind them; with the digest in the graph, a changed operator
 # (an upgrade of qkv) compiles anew instead of running code made for the old one's output
-# layout (which fails its size asserts). The operators do not read it.
+# layout (which fails its size asserts). The operators do not read it. It has no default: with
+# it omitted, PyTorch 2.10 expects one gradient fewer from the autograd formula than the formula
+# gives (the formula cannot tell how many arguments came), and the backward fails.
 _IMPL = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
@@ -443,7 +445,7 @@ def _with_intervals(kernel: str, plan: BlockPlan) -> str:
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mask_tensors: Sequence[torch.Tensor],
     bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str, scale: float, softcap: float | None,
-    forward_kernel: str, backward_kernel: str, need_grad: bool, impl: str = "",
+    forward_kernel: str, backward_kernel: str, need_grad: bool, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output (N, H, L, Ep): float32 or wider with ``need_grad``, else q's dtype; lse (N, H, L);
     shift, rest (N, H, L) with score terms and ``need_grad``, else empty; p_sink (N, H, L) with
@@ -516,7 +518,7 @@ def _forward_op(
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad, impl=""):  # type: ignore[no-untyped-def]
+def _forward_fake(q, k, v, sinks, mask_tensors, bias_tensors, mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, need_grad, impl):  # type: ignore[no-untyped-def]
     N, H, L, Ep = q.shape
     acc = accumulation_dtype(q.dtype)
     with_terms = bias_spec != "None" or softcap is not None  # the lse in two parts, shift + rest
@@ -539,7 +541,7 @@ def _backward_op(
     lse: torch.Tensor, shift: torch.Tensor, rest: torch.Tensor, sinks: torch.Tensor | None, p_sink: torch.Tensor,
     rows: torch.Tensor, nonfinite: torch.Tensor, mask_tensors: Sequence[torch.Tensor], bias_tensors: Sequence[torch.Tensor], mask_spec: str, bias_spec: str,
     scale: float, softcap: float | None, forward_kernel: str, backward_kernel: str, sinks_grad: bool,
-    bias_grads: Sequence[bool], impl: str = "",
+    bias_grads: Sequence[bool], impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv (N, H, *, Ep) in q's, k's, v's dtypes; d sinks (sinks' shape) or empty; the
     bias tensors' gradients, empty where not asked for) from the forward's saved outputs."""
@@ -603,7 +605,7 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, shift, rest, sinks, p_sink, rows, nonfinite, mask_tensors, bias_tensors,  # type: ignore[no-untyped-def]
-                   mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, sinks_grad, bias_grads, impl=""):
+                   mask_spec, bias_spec, scale, softcap, forward_kernel, backward_kernel, sinks_grad, bias_grads, impl):
     d_sinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     d_bias = [t.new_empty(t.shape if need else (0,)) for t, need in zip(bias_tensors, bias_grads, strict=True)]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks, d_bias
