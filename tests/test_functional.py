@@ -325,3 +325,32 @@ def test_backend_flex_on_a_cpu_without_avx2_says_so(monkeypatch: pytest.MonkeyPa
         qkv.attention(q, q, q, qkv.masks.causal(), backend="flex")
     assert "needs AVX2" in BACKENDS["flex"].describe(describe_problem(q, q, q, qkv.masks.causal(), None, 0.0))
     torch.testing.assert_close(qkv.attention(q, q, q, qkv.masks.causal()), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+@pytest.mark.parametrize("name", ["no mask", "causal", "sliding window"])
+def test_torch_compile_with_graph_breaks_allowed_traces_on_every_supported_release(name: str) -> None:
+    """torch.compile's default (graph breaks allowed) follows qkv.attention on every PyTorch
+    that qkv installs with, forward and backward: on the oldest releases Dynamo breaks the
+    graph where it cannot follow qkv's Python, and must never fail there (PyTorch 2.6 has no
+    ``torch.compiler.is_exporting``). One graph is checked by tests/test_compile_modes.py.
+    Expected: PyTorch's SDPA with the same mask written out."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 200, 16, generator=gen, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 200, 16, generator=gen)
+    position = torch.arange(200)
+    seen = position[None, :] <= position[:, None]  # (L, S) causal
+    mask, dense = {
+        "no mask": (None, None),
+        "causal": (qkv.masks.causal(), seen),
+        "sliding window": (qkv.masks.sliding_window(32), seen & (position[None, :] >= position[:, None] - 32)),
+    }[name]
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(lambda q, k, v: qkv.attention(q, k, v, mask), backend="eager")(q, k, v)
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    finally:
+        torch._dynamo.reset()
+    expected_out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    expected = (expected_out, *torch.autograd.grad(expected_out, (q, k, v), grad))
+    for result, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-5)

@@ -21,6 +21,8 @@
   fake tensor mode traces (`real_tensors`: the block engine's planner inside dispatch);
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
   itself detected (`qkv.native.machine`'s tier); a release without one claims less;
+- ``torch.compiler.is_exporting`` (public, but only from PyTorch 2.7): `is_exporting` answers
+  False on 2.6, where torch.export's trace takes torch.compile's choices;
 - ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
   ``torch.nn.modules.module``): whether ``module(x)`` would run a hook.
 
@@ -48,6 +50,7 @@ __all__ = [
     "has_cpu_flash_attention",
     "hooks_would_run",
     "host_unreadable",
+    "is_exporting",
     "is_wrapped_tensor",
     "mode_active",
     "onednn_linear_pointwise",
@@ -57,6 +60,15 @@ __all__ = [
     "traced_floats_symbolic",
     "under_torch_func",
 ]
+
+_torch_is_exporting = getattr(torch.compiler, "is_exporting", None)
+
+
+def is_exporting() -> bool:
+    """``torch.compiler.is_exporting()``; False on PyTorch 2.6, which has no such function
+    (there, reading it while Dynamo traces is an internal error, graph breaks allowed or not)."""
+    return _torch_is_exporting is not None and _torch_is_exporting()
+
 
 # The torch release these names and schemas were checked against; pyproject.toml allows < 2.16.
 CHECKED_WITH = "2.15"
@@ -244,7 +256,7 @@ def require(condition: torch.Tensor, message: str) -> torch.Tensor:
     otherwise. The caller multiplies a tensor it uses by the gate: compilers drop an operator
     whose result nothing reads (``torch._assert_async`` is kept, but Inductor's CPU code
     terminates the process on it instead of raising)."""
-    if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():
+    if is_exporting() and torch.onnx.is_in_onnx_export():
         # ONNX has no operator for this check: an ONNX graph carries none (documented in qkv.attention)
         return torch.ones((), dtype=torch.float32, device=condition.device)
     return _check_op(condition.detach(), message)
@@ -291,7 +303,7 @@ def finite_entries(x: torch.Tensor) -> torch.Tensor:
     PyTorch's own operators (ONNX and AOTInductor know no Python operator). So do eager vmap and
     grad: torch.func's transforms do not differentiate a ``torch.library`` operator's autograd
     formula."""
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    if torch.compiler.is_compiling() and not is_exporting():
         return _finite_entries_op(x)
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 

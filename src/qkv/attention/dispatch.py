@@ -562,7 +562,7 @@ def _wide_backward(problem: AttentionProblem) -> bool:
     torch.compile (its autograd Function traces whole). Exports keep SDPA (ONNX knows it, not
     the CPU flash operators), and so does vmap (those operators have no batching rule)."""
     q = problem.q
-    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    compiling = torch.compiler.is_compiling() and not private_torch.is_exporting()
     return (
         needs_grad(problem) and problem.dropout == 0.0 and not _learned_float_mask(problem)
         and (compiling or not private_torch.host_unreadable(q, problem.k, problem.v))
@@ -714,7 +714,7 @@ def _query_chunks(problem: AttentionProblem, return_weights: bool) -> int | None
     or None for the whole formula. By chunks: while torch.compile traces (not an export, whose
     graphs keep PyTorch's operators only), from `_SPARSE_MIN_PAIRS` pairs per head, with two
     chunks or more, and no weights or dropout (both L x S)."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not torch.compiler.is_compiling() or private_torch.is_exporting():
         return None
     if return_weights or problem.dropout > 0.0 or switches.is_off("math_chunks"):
         return None
@@ -1082,7 +1082,7 @@ def _traced_flex(problem: AttentionProblem, return_weights: bool, return_lse: bo
     an interval mask (causal, windows) too, whose chunks skip the keys it hides (the kernel
     and the chunks ran within a factor of 2 of each other there, either ahead by dtype)."""
     mask = problem.mask
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting() or problem.q.device.type != "cpu":
+    if not torch.compiler.is_compiling() or private_torch.is_exporting() or problem.q.device.type != "cpu":
         return None
     if not isinstance(mask, Mask) or not _data_decided(mask, problem.L, problem.S) or _too_large_to_evaluate(problem):
         return None
