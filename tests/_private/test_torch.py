@@ -103,3 +103,22 @@ def test_cpu_feature_queries_answer_or_claim_nothing(feature: str) -> None:
         assert private_torch.cpu_supports(feature) is False
         return
     assert private_torch.cpu_supports(feature) == bool(query())
+
+
+def test_nonfinite_rows_under_inductor_finds_every_nonfinite_row() -> None:
+    # Inductor before PyTorch 2.14 folded x * 0 to 0, and the traced test found no row; the
+    # expected rows are written out by hand
+    x = torch.full((2, 5, 8), 3e38)  # huge but finite: no row
+    x[0, 1, 2], x[0, 3, 7], x[1, 0, 0], x[1, 4, 5] = float("nan"), float("inf"), float("-inf"), float("nan")
+    x[1, 4, 6] = float("inf")
+    expected = torch.zeros(2, 5, dtype=torch.bool)
+    expected[0, 1] = expected[0, 3] = expected[1, 0] = expected[1, 4] = True
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(private_torch.nonfinite_rows, fullgraph=True)
+        found, empty_rows = compiled(x), compiled(torch.empty(2, 5, 0))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(found, expected)
+    assert torch.equal(private_torch.nonfinite_rows(x), expected)  # eager's bool test
+    assert torch.equal(empty_rows, torch.zeros(2, 5, dtype=torch.bool))

@@ -310,11 +310,14 @@ def finite_entries(x: torch.Tensor) -> torch.Tensor:
 
 def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     """(...,) bool: whether each row of x (..., E) holds a NaN or an infinity. While traced it is
-    found by a float sum (a row of x * 0 sums to NaN exactly then), which Inductor fuses into
-    one read of x; ``~isfinite(x).all(-1)`` would first write a bool tensor of x's size (see
-    `finite_entries`)."""
+    found by a float reduction (a row's largest magnitude is NaN or infinite exactly then),
+    which Inductor fuses into one read of x; ``~isfinite(x).all(-1)`` would first write a bool
+    tensor of x's size (see `finite_entries`). Not ``isnan((x * 0).sum(-1))``: Inductor before
+    PyTorch 2.14 folds ``x * 0`` to 0, and the NaN rule found no row."""
     if host_unreadable(x):
-        return torch.isnan((x * 0).sum(dim=-1))
+        if x.shape[-1] == 0:  # no entries: every row is finite (amax refuses an empty row)
+            return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
+        return ~torch.isfinite(x.abs().amax(dim=-1))
     return ~torch.isfinite(x).all(dim=-1)
 
 
