@@ -106,7 +106,7 @@ def test_cpu_feature_queries_answer_or_claim_nothing(feature: str) -> None:
 
 
 def test_nonfinite_rows_under_inductor_finds_every_nonfinite_row() -> None:
-    # Inductor before PyTorch 2.14 folded x * 0 to 0, and the traced test found no row; the
+    # Inductor in PyTorch 2.10, 2.12 and 2.13 folded x * 0 to 0, and the traced test found no row; the
     # expected rows are written out by hand
     x = torch.full((2, 5, 8), 3e38)  # huge but finite: no row
     x[0, 1, 2], x[0, 3, 7], x[1, 0, 0], x[1, 4, 5] = float("nan"), float("inf"), float("-inf"), float("nan")
@@ -122,3 +122,25 @@ def test_nonfinite_rows_under_inductor_finds_every_nonfinite_row() -> None:
     assert torch.equal(found, expected)
     assert torch.equal(private_torch.nonfinite_rows(x), expected)  # eager's bool test
     assert torch.equal(empty_rows, torch.zeros(2, 5, dtype=torch.bool))
+
+
+def test_is_exporting_answers_true_only_while_torch_export_traces() -> None:
+    # Dynamo in PyTorch 2.7 to 2.10 answered torch.compiler.is_exporting() with True inside any
+    # torch.compile; qkv's answer must be False there, and True under both kinds of export.
+    # The answer is baked into what each mode returns: x + 1 while exporting, x + 2 otherwise.
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + (1.0 if private_torch.is_exporting() else 2.0)
+
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(Probe(), backend="eager", fullgraph=True)(x)
+        exported = torch.export.export(Probe(), (x,), strict=False).module()(x)
+        strictly_exported = torch.export.export(Probe(), (x,), strict=True).module()(x)
+    finally:
+        torch._dynamo.reset()
+    assert Probe()(x).tolist() == [2.0] * 3 and compiled.tolist() == [2.0] * 3
+    # PyTorch 2.6 has no export flag: there an export answers False too (documented)
+    while_exporting = 1.0 if hasattr(torch.compiler, "_is_exporting_flag") else 2.0
+    assert exported.tolist() == [while_exporting] * 3 and strictly_exported.tolist() == [while_exporting] * 3

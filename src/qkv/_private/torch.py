@@ -21,8 +21,8 @@
   fake tensor mode traces (`real_tensors`: the block engine's planner inside dispatch);
 - ``torch.cpu._is_avx2_supported`` ... ``_is_amx_fp16_supported``: the CPU features PyTorch
   itself detected (`qkv.native.machine`'s tier); a release without one claims less;
-- ``torch.compiler.is_exporting`` (public, but only from PyTorch 2.7): `is_exporting` answers
-  False on 2.6, where torch.export's trace takes torch.compile's choices;
+- ``torch.compiler._is_exporting_flag``: whether torch.export is tracing, the flag behind
+  ``torch.compiler.is_exporting()``, read directly (`is_exporting`);
 - ``nn.Module``'s hook dictionaries (``module._forward_hooks`` ... and the global ones in
   ``torch.nn.modules.module``): whether ``module(x)`` would run a hook.
 
@@ -61,13 +61,14 @@ __all__ = [
     "under_torch_func",
 ]
 
-_torch_is_exporting = getattr(torch.compiler, "is_exporting", None)
-
-
 def is_exporting() -> bool:
-    """``torch.compiler.is_exporting()``; False on PyTorch 2.6, which has no such function
-    (there, reading it while Dynamo traces is an internal error, graph breaks allowed or not)."""
-    return _torch_is_exporting is not None and _torch_is_exporting()
+    """Whether torch.export (or an ONNX export through it) is tracing: what
+    ``torch.compiler.is_exporting()`` answers on PyTorch 2.15, eager or traced, on every release.
+    The function itself will not do: Dynamo in 2.7 to 2.10 answers True inside any
+    torch.compile (qkv then took its export variants there), and 2.6 has none (reading it
+    while Dynamo traces is an internal error). 2.6 has no flag either (False), and 2.7's strict
+    export (Dynamo's) does not set it: there qkv takes torch.compile's choices."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
 # The torch release these names and schemas were checked against; pyproject.toml allows < 2.16.
@@ -312,8 +313,9 @@ def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     """(...,) bool: whether each row of x (..., E) holds a NaN or an infinity. While traced it is
     found by a float reduction (a row's largest magnitude is NaN or infinite exactly then),
     which Inductor fuses into one read of x; ``~isfinite(x).all(-1)`` would first write a bool
-    tensor of x's size (see `finite_entries`). Not ``isnan((x * 0).sum(-1))``: Inductor before
-    PyTorch 2.14 folds ``x * 0`` to 0, and the NaN rule found no row."""
+    tensor of x's size (see `finite_entries`). Not ``isnan((x * 0).sum(-1))``: Inductor in
+    PyTorch 2.10, 2.12 and 2.13 folds ``x * 0`` to 0 (2.6, 2.14 and 2.15 do not), and the NaN
+    rule found no row."""
     if host_unreadable(x):
         if x.shape[-1] == 0:  # no entries: every row is finite (amax refuses an empty row)
             return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)

@@ -444,7 +444,7 @@ def normalize_mask(
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     target = (*batch_shape, H, L, S)
-    # m != 1 and m != t, not m not in (1, t): Dynamo before PyTorch 2.14 gets `in` wrong when
+    # m != 1 and m != t, not m not in (1, t): Dynamo in PyTorch 2.10 to 2.13 gets `in` wrong when
     # t is a symbolic size (torch.compile(dynamic=True) raised this error on a valid mask)
     if mask.ndim > len(target) or any(
         m != 1 and m != t for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
