@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["positive_int"]
+from collections.abc import Sequence
+
+__all__ = ["broadcasts", "positive_int"]
 
 
 def positive_int(value: object, name: str) -> int:
@@ -18,3 +20,27 @@ def positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target``: no more dimensions, and each
+    trailing size 1 or the target's.
+
+    A plain loop over indices, of ``!=``, because it runs while torch.compile traces, where
+    sizes may be symbolic: Dynamo in PyTorch 2.7 to 2.9 cannot follow ``any()`` over a
+    generator there, 2.9's treats ``zip(..., strict=False)`` of unequal lengths as an error,
+    and 2.10 to 2.13 got ``size not in (1, t)`` wrong for a symbolic t (a valid mask was
+    refused under ``dynamic=True``).
+
+    >>> broadcasts((1, 4), (2, 3, 4))
+    True
+    >>> broadcasts((3, 1), (2, 4, 1))
+    False
+    """
+    skipped = len(target) - len(shape)  # the target's leading dimensions that shape lacks
+    if skipped < 0:
+        return False
+    for i in range(len(shape)):  # noqa: SIM110  (a loop, not all() over a generator: see above)
+        if shape[i] != 1 and shape[i] != target[skipped + i]:
+            return False
+    return True

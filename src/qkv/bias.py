@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from qkv._checks import positive_int
+from qkv._checks import broadcasts, positive_int
 from qkv._private import torch as private_torch
 
 __all__ = [
@@ -464,9 +464,7 @@ class Dense(Bias):
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         t = self.tensor
         target = (*batch_shape, H, L, S)
-        if t.ndim > len(target) or any(
-            m not in (1, n) for m, n in zip(reversed(t.shape), reversed(target), strict=False)
-        ):
+        if not broadcasts(t.shape, target):
             raise ValueError(f"bias of shape {tuple(t.shape)} does not broadcast to (*batch, H, L, S) = {target}")
         full = t.reshape((1,) * (len(target) - t.ndim) + tuple(t.shape))  # (*batch | 1, H | 1, L | 1, S | 1)
         lead = full.shape[: len(batch_shape)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._checks import broadcasts
 from qkv.bias import Bias
 
 __all__ = ["ScoreMod", "ScoreTerms", "check_softcap"]
@@ -27,7 +28,7 @@ __all__ = ["ScoreMod", "ScoreTerms", "check_softcap"]
 
 def _broadcasts(x: torch.Tensor, into: torch.Tensor) -> bool:
     """Whether x broadcasts to into's shape (so that into += x is allowed)."""
-    return x.ndim <= into.ndim and all(a in (1, b) for a, b in zip(reversed(x.shape), reversed(into.shape), strict=False))
+    return broadcasts(x.shape, into.shape)
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from qkv._checks import broadcasts
 from qkv._private import torch as private_torch
 from qkv.attention.bounds import KVBounds
 from qkv.backends import overflow
@@ -142,9 +143,7 @@ def describe_problem(
             f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
         )
     batch_shape = tuple(q.shape[:-3])
-    if tuple(k.shape[:-3]) != tuple(v.shape[:-3]) or any(
-        n not in (1, m) for n, m in zip(k.shape[:-3], batch_shape, strict=True)
-    ):
+    if tuple(k.shape[:-3]) != tuple(v.shape[:-3]) or not broadcasts(k.shape[:-3], batch_shape):
         raise ValueError(
             f"q, k and v must share their batch dimensions (k and v may have size 1 there, "
             f"broadcast to q's), got {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])} and {tuple(v.shape[:-3])}"
@@ -225,9 +224,7 @@ def _check_sinks(sinks: object, q: torch.Tensor, batch_shape: tuple[int, ...], H
     if sinks.device != q.device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     target = (*batch_shape, H)
-    if sinks.ndim == 0 or sinks.ndim > len(target) or any(
-        n not in (1, t) for n, t in zip(reversed(sinks.shape), reversed(target), strict=False)
-    ):
+    if sinks.ndim == 0 or not broadcasts(sinks.shape, target):
         raise ValueError(f"sinks must have shape (H,) = ({H},) or be broadcastable to (*batch, H) = {target}, got {tuple(sinks.shape)}")
     if private_torch.host_unreadable(sinks):
         gate = private_torch.require(torch.isfinite(sinks.detach()).all(), "qkv.attention: sinks must be finite")
@@ -444,11 +441,7 @@ def normalize_mask(
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     target = (*batch_shape, H, L, S)
-    # m != 1 and m != t, not m not in (1, t): Dynamo in PyTorch 2.10 to 2.13 gets `in` wrong when
-    # t is a symbolic size (torch.compile(dynamic=True) raised this error on a valid mask)
-    if mask.ndim > len(target) or any(
-        m != 1 and m != t for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
-    ):
+    if not broadcasts(mask.shape, target):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (*batch, H, L, S) = {target}")
     if mask.is_floating_point():
         mask = _check_float_mask(mask)
