@@ -26,10 +26,6 @@ from qkv.bias import Bias
 __all__ = ["ScoreMod", "ScoreTerms", "check_softcap"]
 
 
-def _broadcasts(x: torch.Tensor, into: torch.Tensor) -> bool:
-    """Whether x broadcasts to into's shape (so that into += x is allowed)."""
-    return broadcasts(x.shape, into.shape)
-
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # FLOPs per pair of a softcap: a division, a tanh (counted as one), a multiplication.
@@ -121,7 +117,8 @@ class ScoreTerms:
                 s = torch.tanh(s / self.softcap) * self.softcap
         if self.bias is not None:
             terms = self.bias.terms(b, h, q_idx, kv_idx, self.q_pos(b, q_idx)).to(s.dtype)
-            s = s.add_(terms) if inplace and _broadcasts(terms, s) else s + terms
+            # in place only where terms broadcast to s (s += terms keeps s's shape)
+            s = s.add_(terms) if inplace and broadcasts(terms.shape, s.shape) else s + terms
         if self.score_mod is not None:
             modified = self.score_mod(s, b, h, q_idx, kv_idx)
             if not isinstance(modified, torch.Tensor) or not modified.is_floating_point():
