@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv._checks import broadcasts
 from qkv._private import torch as private_torch
 from qkv.backends import sinks as sinks_module
 from qkv.backends.blocks import calls
@@ -42,7 +43,7 @@ from qkv.backends.blocks.planner import BlockPlan, Call
 from qkv.backends.softmax import accumulation_dtype
 from qkv.bias import Bias
 from qkv.masks import Mask
-from qkv.scores import ScoreMod, ScoreTerms, _broadcasts
+from qkv.scores import ScoreMod, ScoreTerms
 
 __all__ = ["closes_over_grad", "scored_block_attention"]
 
@@ -166,7 +167,7 @@ def _bias_tile(run: _ScoredRun, call: Call, H: int, acc: torch.dtype) -> tuple[t
         tile = bias.terms(b, h, rows, keys, terms.q_pos(b, rows)).to(acc)  # (items | 1, H | 1, q_len, width)
     if call.masked:
         mask_bias, _ = calls.mask_tile(run.masks, call, acc)
-        tile = tile.add_(mask_bias) if _owned(tile, bias) and _broadcasts(mask_bias, tile) else tile + mask_bias
+        tile = tile.add_(mask_bias) if _owned(tile, bias) and broadcasts(mask_bias.shape, tile.shape) else tile + mask_bias
     tile = tile.expand(tile.shape[0], H, call.q_len, call.width)
     # a bias of -inf hides keys as the mask does: rows are empty by either
     top = tile.amax(dim=-1)  # (items | 1, H, q_len)
