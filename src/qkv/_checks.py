@@ -29,8 +29,8 @@ def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
     A plain loop over indices, of ``!=``, because it runs while torch.compile traces, where
     sizes may be symbolic: Dynamo in PyTorch 2.7 to 2.9 cannot follow ``any()`` over a
     generator there, 2.9's treats ``zip(..., strict=False)`` of unequal lengths as an error,
-    and 2.10 to 2.13 got ``size not in (1, t)`` wrong for a symbolic t (a valid mask was
-    refused under ``dynamic=True``).
+    and under 2.10 to 2.13 the former ``any(m not in (1, t) for ...)`` refused a valid mask
+    with ``dynamic=True`` (in qkv's trace; a two-line reproduction passes there).
 
     >>> broadcasts((1, 4), (2, 3, 4))
     True
