@@ -901,9 +901,8 @@ def _sparse_plan(
             raise ValueError(f"backend='flex': {FLEX_NEEDS}; use backend='blocks' or 'auto'")
         if device.type == "cpu" and grad:
             raise ValueError("FlexAttention has no backward pass on CPU; use backend='blocks' (or 'auto') for gradients")
-        # named by the caller: the machine and the dtype, not the release 'auto' waits for
-        kernel_refusal = cpu_kernel_reason(problem.q.dtype, tested_release=False) if device.type == "cpu" else None
-        if kernel_refusal is not None:
+        kernel_refusal = cpu_kernel_reason(None, tested_release=False) if device.type == "cpu" else None
+        if kernel_refusal is not None:  # the dtype the kernel takes is checked where it runs (`flex._cpu_kernel`)
             raise ValueError(f"backend='flex' on the CPU runs Inductor's FlexAttention kernel: {kernel_refusal}; use backend='blocks' or 'auto'")
     if layout is None and not deferred and _too_large_to_evaluate(problem):
         engine = "the CPU block engine" if path == "blocks" else "FlexAttention"

@@ -96,9 +96,14 @@ def cpu_kernel_reason(dtype: torch.dtype | None, *, tested_release: bool = True)
     capability = cpu_features().capability  # probed at import: a query torch.compile cannot trace
     if capability not in ("AVX2", "AVX512", "AMX"):
         return f"Inductor's CPU FlexAttention kernel needs AVX2 vector code; PyTorch's CPU capability is {capability}"
-    if dtype is not None and dtype not in _CPU_KERNEL_DTYPES:
-        return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
-    return None
+    return None if dtype is None else _dtype_refusal(dtype)
+
+
+def _dtype_refusal(dtype: torch.dtype) -> str | None:
+    """Why Inductor's CPU kernel cannot take ``dtype``, or None."""
+    if dtype in _CPU_KERNEL_DTYPES:
+        return None
+    return f"Inductor's CPU FlexAttention kernel takes float32, bfloat16 and float16, not {dtype}"
 
 
 # FlexAttention's compiled GPU kernels are built and tested for these dtypes and for head
@@ -195,8 +200,10 @@ def flex_attention_layout(
     from torch.nn.attention import flex_attention as fa
 
     traced = torch.compiler.is_compiling()
-    # the Plan took the CPU kernel only where `cpu_kernel_reason` allowed it, dtype included
     on_cpu_kernel = q.device.type == "cpu" and (compiled or traced)
+    refusal = _dtype_refusal(q.dtype) if on_cpu_kernel else None
+    if refusal is not None:  # backend='flex' asked for by name ('auto' checks `cpu_kernel_reason`); before any work
+        raise ValueError(f"backend='flex' on the CPU runs Inductor's FlexAttention kernel: {refusal}; use backend='blocks' or 'auto'")
     block_mask = block_mask_from_layout(layout, mask, q.device)
     gqa = k.shape[1] != q.shape[1]
     score_mod = None
@@ -243,7 +250,7 @@ def _cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[
     else the kernel compiled once per process (`_compiled_flex`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    dtype = q.dtype  # one `cpu_kernel_reason` accepts (the Plan checked it)
+    dtype = q.dtype  # one `_dtype_refusal` accepts (`flex_attention_layout`)
     q, k, v = q.float(), k.float(), v.float()  # (N, H | G, L | S, E | Ev) each, as given
     if traced:
         return torch.ops.qkv.flex_output(flex_attention(q, k, v, **kwargs)).to(dtype)
