@@ -325,14 +325,17 @@ def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def autograd_inside_operator() -> Iterator[None]:
-    """Autograd recording again inside a ``torch.library`` operator's implementation, which the
+    """Autograd available again inside a ``torch.library`` operator's implementation, which the
     dispatcher runs with the autograd keys excluded (``torch.enable_grad`` alone does not bring
-    them back): for a backward operator that differentiates tile by tile with torch.autograd.grad."""
+    them back): for a backward operator that differentiates tile by tile with torch.autograd.grad.
+    Grad mode is off in the block, as in an autograd Function's backward: the code inside turns it
+    on around what it differentiates. On, every op on the operator's inputs (q, k, v require grad
+    there) would record a graph: a scored backward at n = 1,024 took about 5 % longer."""
     keys = torch._C.DispatchKey
     excluded = torch._C._dispatch_tls_local_exclude_set()
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
         excluded = excluded.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.no_grad():
         yield
 
 
