@@ -134,19 +134,32 @@ def test_nan_rule_and_overflow_refusal_hold_under_inductor() -> None:
         qkv.attention(big_q * 1e19, big_k * 1e19, v, qkv.masks.causal())
 
 
-def test_dynamic_shapes_trace_whole_and_equal_the_math_path() -> None:
+# name -> the keyword arguments of qkv.attention for one tensor t of n entries (n a multiple of 8),
+# built inside the traced function: its sizes are symbolic under dynamic=True
+DYNAMIC_CASES: dict[str, Callable[[torch.Tensor], dict[str, Any]]] = {
+    "documents & window": lambda t: {"mask": qkv.masks.documents(t.long() // 8) & qkv.masks.sliding_window(5)},
+    "bool tensor mask": lambda t: {"mask": t[:, None] >= t[None, :] - 3},  # (n, n): key j visible up to 3 after i
+    "key padding": lambda t: {"mask": qkv.masks.key_padding((t < t.shape[0] - 5).view(1, -1))},
+    "alibi slopes": lambda t: {"mask": qkv.masks.causal(), "bias": qkv.bias.alibi(torch.linspace(0.5, 0.1, H, dtype=t.dtype))},
+    "dense bias": lambda t: {"bias": (t[:, None] - t[None, :]).abs().neg() * 0.1},  # (n, n)
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC_CASES))
+def test_dynamic_shapes_trace_whole_and_equal_the_math_path(name: str) -> None:
     """torch.compile(dynamic=True) traces whole at two lengths (symbolic sizes reach SDPA's
-    enable_gqa and the masks' descriptions). The lengths are still specialized (Dynamo
-    recompiles per length: the dispatch rules compare L and S as Python ints)."""
+    enable_gqa, the masks' and biases' shape checks and their descriptions). The lengths are
+    still specialized (Dynamo recompiles per length: the dispatch rules compare L and S as
+    Python ints)."""
     compiled = torch.compile(
-        lambda q, k, v, ids: qkv.attention(q, k, v, qkv.masks.documents(ids) & qkv.masks.sliding_window(5)),
+        lambda q, k, v, t: qkv.attention(q, k, v, **DYNAMIC_CASES[name](t)),
         backend="aot_eager", dynamic=True, fullgraph=True,  # a graph break would raise
     )
-    for n in (24, 36):
+    for n in (24, 40):
         q, k, v = _inputs(torch.float64, n=n)
-        ids = torch.arange(n) // 8  # documents of 8 tokens
-        expected = qkv.attention(q, k, v, qkv.masks.documents(ids) & qkv.masks.sliding_window(5), backend="math")
-        torch.testing.assert_close(compiled(q, k, v, ids), expected, atol=1e-12, rtol=0)
+        t = torch.arange(n, dtype=torch.float64)
+        expected = qkv.attention(q, k, v, backend="math", **DYNAMIC_CASES[name](t))
+        torch.testing.assert_close(compiled(q, k, v, t), expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["no mask", "sliding_window", "documents", "varlen"])

@@ -22,6 +22,20 @@ def positive_int(value: object, name: str) -> int:
     return value
 
 
+def size_broadcasts(size: int, target: int) -> bool:
+    """Whether one dimension of ``size`` broadcasts to ``target``: 1 or equal.
+
+    Two ``==``, never ``size in (1, target)``: while torch.compile traces with
+    ``dynamic=True``, Dynamo in PyTorch 2.10 to 2.13 takes ``4 not in (1, H)`` as true for a
+    symbolic H that is 4 (``4 not in (None, H)`` too; 2.14 and 2.15 answer right), and would
+    raise on a valid input. qkv writes every check of a size that may be symbolic this way.
+
+    >>> size_broadcasts(1, 7), size_broadcasts(7, 7), size_broadcasts(3, 7)
+    (True, True, False)
+    """
+    return size == 1 or size == target
+
+
 def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
     """Whether a tensor of ``shape`` broadcasts to ``target``: no more dimensions, and each
     trailing size 1 or the target's.
@@ -29,8 +43,7 @@ def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
     A plain loop over indices, of ``!=``, because it runs while torch.compile traces, where
     sizes may be symbolic: Dynamo in PyTorch 2.7 to 2.9 cannot follow ``any()`` over a
     generator there, 2.9's treats ``zip(..., strict=False)`` of unequal lengths as an error,
-    and under 2.10 to 2.13 the former ``any(m not in (1, t) for ...)`` refused a valid mask
-    with ``dynamic=True`` (in qkv's trace; a two-line reproduction passes there).
+    and 2.10 to 2.13 answer ``in`` wrongly on symbolic sizes (`size_broadcasts`).
 
     >>> broadcasts((1, 4), (2, 3, 4))
     True

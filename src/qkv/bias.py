@@ -100,7 +100,7 @@ class Bias(ABC):
         the mismatch), defaults resolved (ALiBi's slopes for H heads), tensors brought to one
         flattened batch axis."""
         del batch_shape, L, S
-        if self.heads not in (None, H):
+        if self.heads is not None and self.heads != H:  # not `in (None, H)`: H may be symbolic (qkv._checks.size_broadcasts)
             raise ValueError(f"{self.describe()} covers {self.heads} heads, the queries have H={H}")
         return self
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qkv import bias as qbias
+from qkv._checks import size_broadcasts
 
 __all__ = ["RowALiBi", "alibi_from_slopes"]
 
@@ -47,7 +48,7 @@ class RowALiBi(qbias.Bias):
         n = 1
         for size in batch_shape:
             n *= size
-        if self.rows is None and self.slopes.shape[0] not in (1, n):
+        if self.rows is None and not size_broadcasts(self.slopes.shape[0], n):
             raise ValueError(f"alibi_slopes has {self.slopes.shape[0]} rows, the inputs have batch {n}")
         if self.rows is not None and self.rows.shape[0] != L:
             raise ValueError(f"alibi_slopes' row table has {self.rows.shape[0]} queries, the inputs have L={L}")

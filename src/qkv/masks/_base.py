@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from qkv._checks import positive_int
+from qkv._checks import positive_int, size_broadcasts
 from qkv.masks._layout import EMPTY, FULL, BlockLayout, compose_states
 
 Align = Literal["bottom-right", "top-left"]
@@ -117,9 +117,10 @@ class Mask(ABC):
 
     def validate(self, batch: int, heads: int, L: int, S: int) -> None:
         """Raise ValueError when the mask cannot apply to a (batch, heads, L, S) problem."""
-        if self.batch not in (None, 1, batch):
+        # size_broadcasts, not `in (None, 1, batch)`: the sizes may be symbolic while torch.compile traces
+        if self.batch is not None and not size_broadcasts(self.batch, batch):
             raise ValueError(f"{self.describe()} has batch size {self.batch}, the inputs have {batch}")
-        if self.heads not in (None, 1, heads):
+        if self.heads is not None and not size_broadcasts(self.heads, heads):
             raise ValueError(f"{self.describe()} covers {self.heads} heads, the inputs have {heads}")
         self.check_size(L, S)
 

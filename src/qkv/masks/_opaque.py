@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv._checks import size_broadcasts
 from qkv.masks._base import Device, Mask, batch_index, check_count, index_grid
 from qkv.masks._layout import states_from_dense
 
@@ -142,7 +143,7 @@ class Dense(Mask):
 
     def check_size(self, L: int, S: int) -> None:
         t = self.tensor
-        if t.shape[-2] not in (1, L) or t.shape[-1] not in (1, S):
+        if not (size_broadcasts(t.shape[-2], L) and size_broadcasts(t.shape[-1], S)):
             raise ValueError(f"dense mask of shape {tuple(t.shape)} does not broadcast to (..., {L}, {S})")
 
     def to_dense(self, L: int, S: int, *, device: Device = None) -> torch.Tensor:
