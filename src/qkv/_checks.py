@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["broadcasts", "positive_int"]
+__all__ = ["broadcasts", "positive_int", "size_broadcasts"]
 
 
 def positive_int(value: object, name: str) -> int:
@@ -54,6 +54,6 @@ def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
     if skipped < 0:
         return False
     for i in range(len(shape)):  # noqa: SIM110  (a loop, not all() over a generator: see above)
-        if shape[i] != 1 and shape[i] != target[skipped + i]:
+        if not size_broadcasts(shape[i], target[skipped + i]):
             return False
     return True

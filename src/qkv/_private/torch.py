@@ -330,7 +330,7 @@ def autograd_inside_operator() -> Iterator[None]:
     them back): for a backward operator that differentiates tile by tile with torch.autograd.grad.
     Grad mode is off in the block, as in an autograd Function's backward: the code inside turns it
     on around what it differentiates. On, every op on the operator's inputs (q, k, v require grad
-    there) would record a graph: a scored backward at n = 1,024 took about 5 % longer."""
+    there) would record a graph: a scored backward at n = 1,024 took 7 % longer (7.04 against 6.60 ms)."""
     keys = torch._C.DispatchKey
     excluded = torch._C._dispatch_tls_local_exclude_set()
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
