@@ -162,6 +162,53 @@ def test_dynamic_shapes_trace_whole_and_equal_the_math_path(name: str) -> None:
         torch.testing.assert_close(compiled(q, k, v, t), expected, atol=1e-12, rtol=0)
 
 
+# name -> the keyword arguments of qkv.attention for (L, S) from q.shape and k.shape (symbolic
+# under dynamic shapes) and a tensor t of S entries, at the block engine's sizes (from 256 x 256
+# pairs per head its operators take structured masks while torch.compile traces)
+ENGINE_DYNAMIC_CASES: dict[str, Callable[[int, int, torch.Tensor], dict[str, Any]]] = {
+    "sliding_window": lambda L, S, t: {"mask": qkv.masks.sliding_window(40)},
+    "window from the length": lambda L, S, t: {"mask": qkv.masks.sliding_window(L // 8)},
+    "documents": lambda L, S, t: {"mask": qkv.masks.documents(t.long() // 100)},
+    "varlen from the length": lambda L, S, t: {"mask": qkv.masks.varlen([L // 2, L - L // 2], causal=True)},
+    "key padding & window": lambda L, S, t: {"mask": qkv.masks.key_padding((t < S - 9).view(1, -1)) & qkv.masks.sliding_window(64)},
+}
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic=True", "automatic"])
+@pytest.mark.parametrize("name", list(ENGINE_DYNAMIC_CASES))
+def test_dynamic_shapes_at_the_block_engines_sizes(name: str, dynamic: bool | None) -> None:
+    """Symbolic sizes reach the traced dispatch of structured masks: under dynamic=True, and
+    under automatic dynamic shapes once a second length recompiles (formerly: "argument
+    conversion failed" from the planned share, or a format spec given a symbolic size). Each
+    length equals the float64 math path, forward and gradients."""
+    ops: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.backends.debugging.aot_eager(gm, inputs)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, **ENGINE_DYNAMIC_CASES[name](q.shape[-2], k.shape[-2], t))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=recording, dynamic=dynamic, fullgraph=True)
+    sizes = [(320, 320), (288, 288)] if name.startswith("varlen") else [(320, 320), (288, 288), (272, 320)]
+    for L_, S_ in sizes:
+        q, k, v = _inputs(torch.float32, seed=L_, n=S_)
+        q = q[:, :, :L_]
+        t = torch.arange(S_, dtype=torch.float32)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = compiled(*leaves, t)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        wide = [x.double().requires_grad_(True) for x in (q, k, v)]
+        expected = qkv.attention(*wide, backend="math", **ENGINE_DYNAMIC_CASES[name](L_, S_, t))
+        expected_grads = torch.autograd.grad(expected.square().sum(), wide)
+        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    assert any("qkv.blocks_forward" in op for op in ops), "no graph took the block engine: the sizes test nothing"
+
+
 @pytest.mark.parametrize("name", ["no mask", "sliding_window", "documents", "varlen"])
 def test_nan_rows_under_compile_are_the_rows_that_read_a_bad_entry(name: str) -> None:
     q, k, v = _inputs(torch.float32)

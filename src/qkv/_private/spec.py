@@ -37,8 +37,13 @@ def encode(value: object, tensors: list[torch.Tensor]) -> str | None:
     """``value`` (a plain value, a tensor, a tuple, or an object with ``spec_fields``) as a
     Python literal, its tensors appended to ``tensors`` in order; None when some object in it
     cannot be rebuilt from text."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, float, str)):
         return repr(value)
+    if isinstance(value, int):
+        # an f-string, not repr: Dynamo has no repr for a size it traces as symbolic (a window or
+        # lengths computed from q.shape under dynamic shapes); formatting makes it a constant,
+        # guarded on, as a spec must be. For an int the two texts are the same
+        return f"{value}"
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return repr(TENSOR)

@@ -58,6 +58,7 @@ __all__ = [
     "require",
     "softmax_backward",
     "traced_floats_symbolic",
+    "traced_sizes_symbolic",
     "under_torch_func",
 ]
 
@@ -190,6 +191,17 @@ def host_unreadable(*tensors: object) -> bool:
     )
 
 
+def _trace_symbols() -> list:
+    """The symbols of the shape environment of the graph torch.compile is tracing now (none
+    outside a trace)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    fake_mode = None if context is None else context.fake_mode
+    shape_env = None if fake_mode is None else fake_mode.shape_env
+    return [] if shape_env is None else list(shape_env.var_to_range)
+
+
 @torch.compiler.assume_constant_result
 def traced_floats_symbolic() -> bool:
     """Whether the graph torch.compile is tracing now holds a symbolic float (a Python float it
@@ -197,15 +209,22 @@ def traced_floats_symbolic() -> bool:
     recompiled). FlexAttention refuses a score_mod that reads one ("can only be of Tensor, int,
     SymInt"), a failed compile (`qkv.attention.dispatch._traced_flex`). Run when called, not
     traced (a constant to Dynamo): it reads the trace's own shape environment."""
-    from torch._guards import TracingContext
     from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-    context = TracingContext.try_get()
-    fake_mode = None if context is None else context.fake_mode
-    shape_env = None if fake_mode is None else fake_mode.shape_env
-    if shape_env is None:
-        return False
-    return any(symbol_is_type(symbol, (SymT.FLOAT, SymT.UNBACKED_FLOAT)) for symbol in shape_env.var_to_range)
+    return any(symbol_is_type(symbol, (SymT.FLOAT, SymT.UNBACKED_FLOAT)) for symbol in _trace_symbols())
+
+
+@torch.compiler.assume_constant_result
+def traced_sizes_symbolic() -> bool:
+    """Whether the graph torch.compile is tracing now holds a symbolic size or int (with
+    ``dynamic=True``, or once a size changed and it recompiled with automatic dynamic shapes).
+    Dynamo shows a symbolic size to traced code as an int (``type(n) is int`` holds), so code
+    that must not feed one to a constant function or a format spec asks this instead. Run when
+    called, not traced (a constant to Dynamo). It answers for the whole graph, not one size: a
+    graph with a symbolic batch size counts too."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    return any(symbol_is_type(symbol, (SymT.SIZE, SymT.UNBACKED_INT)) for symbol in _trace_symbols())
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -1140,7 +1140,7 @@ def _engine_refusal(problem: AttentionProblem, visited: float | None, has_interv
     if interval_bf16.unavailable_reason(q.dtype, q.device, has_intervals) is None:
         return None
     sizes = (problem.N, problem.H, problem.L, problem.S, max(problem.E, problem.Ev))
-    if not all(type(n) is int for n in sizes) or not crossover.decides(problem.L, problem.S):
+    if _symbolic_sizes(sizes) or not crossover.decides(problem.L, problem.S):
         return None  # symbolic sizes (dynamic shapes), or beyond the model's range: the share threshold decides
     share = 0.0 if visited is None else visited
     engine, dense = crossover.engine_ms(*sizes, share), crossover.dense_ms(*sizes)
@@ -1151,6 +1151,15 @@ def _engine_refusal(problem: AttentionProblem, visited: float | None, has_interv
         f"at this size the CPU block engine's fixed cost outweighs the work it skips: an estimated "
         f"{engine:.1f} ms {work}, against {dense:.1f} ms for SDPA"
     )
+
+
+def _symbolic_sizes(sizes: tuple[int, ...]) -> bool:
+    """Whether some of these sizes may be symbolic: torch.export's non-strict tracing hands
+    SymInts, and Dynamo shows its symbolic sizes as ints, so for it the trace's shape
+    environment answers (`private_torch.traced_sizes_symbolic`). False on eager calls."""
+    if not all(type(n) is int for n in sizes):
+        return True
+    return torch.compiler.is_compiling() and private_torch.traced_sizes_symbolic()
 
 
 def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: bool) -> Plan | None:
@@ -1172,11 +1181,15 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
     tensors: list[torch.Tensor] = []
     spec = spec_codec.encode(mask, tensors)
     sizes = (problem.N, problem.H, L, S, max(problem.E, problem.Ev), problem.q.element_size(), mask_heads(problem))
+    # symbolic sizes (dynamic shapes) take no format spec, and no constant function takes them:
+    # the planned share needs the real sizes, so they are decided by the mask's parameters alone
+    symbolic = _symbolic_sizes(sizes)
     if pairs is None:
         if _engine_refusal(problem, None, True) is not None:
             return None  # too small for the engine whatever the mask's data, as eager finds
-        reason = f"{mask.describe()} at {L * S:,} pairs per head: the CPU block engine skips its empty tiles; {_TRACED_OPERATOR}"
-    elif spec is not None and not tensors and all(type(n) is int for n in sizes):
+        size = "symbolic sizes" if symbolic else f"{L * S:,} pairs per head"
+        reason = f"{mask.describe()} at {size}: the CPU block engine skips its empty tiles; {_TRACED_OPERATOR}"
+    elif spec is not None and not tensors and not symbolic:
         visited = planned_share(spec, *sizes, needs_grad(problem))
         if visited > _SPARSE_MAX_VISITED or _engine_refusal(problem, visited, True) is not None:
             return None
@@ -1185,11 +1198,13 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
             f"the CPU block engine computes {visited:.1%} and skips the rest; {_TRACED_OPERATOR}"
         )
     else:
-        visited = pairs / (L * S)  # an upper bound of a mask with tensors (`&` of key padding)
+        # an upper bound: a mask with tensors (`&` of key padding), or any at symbolic sizes
+        visited = pairs / (L * S)
         if visited > _SPARSE_MAX_VISITED or _engine_refusal(problem, None, True) is not None:
             return None
+        share = "a share" if symbolic else f"at most {visited:.1%}"
         reason = (
-            f"{mask.describe()} leaves at most {visited:.1%} of the score matrix visible (from its parameters); the "
+            f"{mask.describe()} leaves {share} of the score matrix visible (from its parameters); the "
             f"CPU block engine computes about that and skips the rest; {_TRACED_OPERATOR}"
         )
     return _sparse_plan(problem, "blocks", reason, return_weights, return_lse, deferred=True)

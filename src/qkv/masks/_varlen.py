@@ -299,7 +299,8 @@ def _lengths_text(q_lengths: torch.Tensor, k_lengths: torch.Tensor) -> str:
 def _known_text(q_lengths: tuple[int, ...], k_lengths: tuple[int, ...]) -> str:
     """`_lengths_text` of lengths given as Python ints, without making tensors of them."""
     def short(x: tuple[int, ...]) -> str:
-        return str(list(x)) if len(x) <= 8 else f"{len(x)} lengths, total {sum(x)}"
+        # f-strings, not str(list): Dynamo formats a length it traces as symbolic, but has no repr for it
+        return "[" + ", ".join(f"{n}" for n in x) + "]" if len(x) <= 8 else f"{len(x)} lengths, total {sum(x)}"
 
     return short(q_lengths) if q_lengths == k_lengths else f"{short(q_lengths)}, {short(k_lengths)}"
 
