@@ -35,6 +35,7 @@ import torch
 from transformers import masking_utils as hf_masks
 
 from qkv import masks
+from qkv._private import torch as private_torch
 from qkv.masks import Mask
 
 __all__ = ["StructuredMask", "structured_mask"]
@@ -359,6 +360,8 @@ def _padding(attention_mask: torch.Tensor | None, sizes: _Sizes) -> Mask | None:
         # keys past the 2-D mask (a static cache's empty slots) are not real tokens, as in sdpa_mask
         valid = torch.nn.functional.pad(valid, (0, end - valid.shape[-1]))  # (B, end)
     valid = valid[:, sizes.kv_offset : end]  # (B, S)
-    if bool(valid.all()):
+    # a mask without padding adds nothing; while torch.compile traces, its values are unknown
+    # (reading them would break the graph), so it is kept: an all-true key padding hides nothing
+    if not private_torch.host_unreadable(valid) and bool(valid.all()):
         return None
     return masks.key_padding(valid.expand(sizes.batch, -1).contiguous())
