@@ -167,7 +167,9 @@ def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float | tor
             if values.numel() == 0:
                 return gate.to(torch.float64) * 0.0
             # times the gate (1): the bound feeds the overflow check, which gates q, so the check runs
-            return values.amax().to(torch.float64).clamp(min=0.0) * gate.to(torch.float64)
+            # every dim named: ONNX's exporter has no amax over all dims without them
+            top = values.amax(dim=tuple(range(values.dim())))
+            return top.to(torch.float64).clamp(min=0.0) * gate.to(torch.float64)
         if bool(bad.any()):
             first = torch.nonzero(bad)[:3].tolist()
             got = "NaN" if bool(torch.isnan(values).any()) else "+inf" if bool(torch.isposinf(values).any()) else "-inf"
@@ -259,7 +261,10 @@ class ALiBi(Bias):
 
     def bind(self, batch_shape: tuple[int, ...], H: int, L: int, S: int) -> Bias:
         super().bind(batch_shape, H, L, S)
-        return self if self.slopes is not None else ALiBi(alibi_slopes(H))
+        if self.slopes is not None:
+            return self
+        # the TorchScript ONNX exporter traces sizes as tensors: the slopes are constants of the head count
+        return ALiBi(alibi_slopes(int(H) if isinstance(H, torch.Tensor) else H))
 
     def terms(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_pos: torch.Tensor
@@ -280,7 +285,8 @@ class ALiBi(Bias):
         if private_torch.host_unreadable(self.slopes):
             if self.slopes.numel() == 0:
                 return checked
-            steepest = (-self.slopes.detach().amin()).to(torch.float64).clamp(min=0.0)
+            slopes = self.slopes.detach()
+            steepest = (-slopes.amin(dim=tuple(range(slopes.dim())))).to(torch.float64).clamp(min=0.0)  # every dim named, for ONNX
             return steepest * max(L, S) + 0.0 * checked  # + 0 * the gated check: compilers keep the check
         with torch.no_grad():
             steepest_host = max(0.0, -float(self.slopes.detach().min())) if self.slopes.numel() else 0.0

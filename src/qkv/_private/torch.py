@@ -33,6 +33,7 @@ tests/_private/test_torch.py checks them against the installed torch.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "is_wrapped_tensor",
     "mode_active",
     "onednn_linear_pointwise",
+    "onnx_exporting",
     "real_tensors",
     "require",
     "softmax_backward",
@@ -61,6 +63,22 @@ __all__ = [
     "traced_sizes_symbolic",
     "under_torch_func",
 ]
+
+def onnx_exporting() -> bool:
+    """Whether torch.onnx is exporting. ``torch.onnx.is_in_onnx_export()`` alone will not do:
+    Dynamo folds it to False while it traces, and the dynamo exporter retries a failed capture
+    with torch.export's strict (Dynamo) mode, where qkv would then trace the kernels ONNX has no
+    operator for. So the exporter's own flag is read too, when called (`_onnx_flag`)."""
+    return torch.onnx.is_in_onnx_export() or _onnx_flag()
+
+
+@torch.compiler.assume_constant_result
+def _onnx_flag() -> bool:
+    """The dynamo ONNX exporter's flag (False where that exporter was never loaded). Run when
+    called, not traced: a constant to Dynamo, as an export traces once."""
+    flags = sys.modules.get("torch.onnx._internal.exporter._flags")
+    return bool(getattr(flags, "_is_onnx_exporting", False))
+
 
 def is_exporting() -> bool:
     """Whether torch.export (or an ONNX export through it) is tracing: what
@@ -276,7 +294,7 @@ def require(condition: torch.Tensor, message: str) -> torch.Tensor:
     otherwise. The caller multiplies a tensor it uses by the gate: compilers drop an operator
     whose result nothing reads (``torch._assert_async`` is kept, but Inductor's CPU code
     terminates the process on it instead of raising)."""
-    if is_exporting() and torch.onnx.is_in_onnx_export():
+    if is_exporting() and onnx_exporting():
         # ONNX has no operator for this check: an ONNX graph carries none (documented in qkv.attention)
         return torch.ones((), dtype=torch.float32, device=condition.device)
     return _check_op(condition.detach(), message)

@@ -224,7 +224,7 @@ def _compile_tracing(problem: AttentionProblem) -> bool:
     """Whether torch.compile or torch.export (not vmap, grad, or an ONNX export) is tracing this
     call: the block engine may then stand in the graph as its operators
     (`qkv.backends.blocks.ops`), which plan the tiles when the graph runs."""
-    if not _traced(problem) or torch.onnx.is_in_onnx_export():
+    if not _traced(problem) or private_torch.onnx_exporting():
         return False
     return torch.compiler.is_compiling() or not private_torch.under_torch_func(problem.q)
 
@@ -880,7 +880,7 @@ def _sparse_plan(
         raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
     if _traced(problem):
         refusal = _traced_engine_refusal(problem, return_weights) if path == "blocks" else None
-        if torch.onnx.is_in_onnx_export():
+        if private_torch.onnx_exporting():
             raise ValueError(
                 f"backend={path!r} cannot be exported to ONNX: ONNX has no operator for qkv's {path} kernels; "
                 "use backend='auto', which exports the dense paths"

@@ -75,14 +75,14 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
     Without a mask a row sees them all; a mask of key intervals (causal, windows, prefix-LM,
     varlen, padded, and ``&`` of them: their intervals are tensor operations on Python
     parameters) counts the bad keys of each interval by a prefix sum, O(L + S); documents count
-    them per document (`_document_rows`); any other mask is rendered (N | 1, H | 1, L, S), as
+    them per document (`_document_rows`, but for ONNX exports); any other mask is rendered (N | 1, H | 1, L, S), as
     the dense paths render it anyway (the block engine's operator does not: a mask rendered
     here would cost what the engine saves)."""
     mask, L, S = problem.mask, problem.L, problem.S
     N, H = bad.shape[0], bad.shape[1]
     if mask is None:
         return bad.any(dim=-1, keepdim=True).expand(N, H, L)  # (N, H, L)
-    if isinstance(mask, Documents):
+    if isinstance(mask, Documents) and not private_torch.onnx_exporting():  # ONNX has no searchsorted
         return _document_rows(mask, bad, L, S)
     if isinstance(mask, Mask) and _intervals_traceable(mask):
         intervals = mask.row_intervals(L, S, bad.device)

@@ -326,7 +326,9 @@ def _traced_magnitudes(
         capped = scores if softcap is None else scores.clamp(max=softcap)
         added = torch.as_tensor(bias_top, dtype=torch.float64, device=q.device)
         if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-            added = added + compact(mask).detach().amax().to(torch.float64).clamp(min=0.0)
+            values = compact(mask).detach()
+            # every dim named: ONNX's exporter has no amax over all dims without them
+            added = added + values.amax(dim=tuple(range(values.dim()))).to(torch.float64).clamp(min=0.0)
         reach = torch.maximum(scores, capped + added)
         return private_torch.require(
             ~finite | (reach <= limit),

@@ -136,7 +136,11 @@ class Varlen(_Lengths):
         q_starts = torch.cumsum(self.q_lengths, 0) - self.q_lengths  # (docs,)
         k_starts = torch.cumsum(self.k_lengths, 0) - self.k_lengths  # (docs,)
         docs = torch.arange(self.q_lengths.numel(), device=self.q_lengths.device)
-        doc = torch.repeat_interleave(docs, self.q_lengths, output_size=L)  # (L,): the output size needs no read
+        if private_torch.onnx_exporting():
+            # ONNX's exporter takes no output_size: each row counts the documents that start at or before it
+            doc = (torch.arange(L, device=docs.device)[:, None] >= q_starts[None, 1:]).sum(dim=-1)  # (L,)
+        else:
+            doc = torch.repeat_interleave(docs, self.q_lengths, output_size=L)  # (L,): the output size needs no read
         i = torch.arange(doc.numel(), device=doc.device) - q_starts[doc]  # (L,): row inside the document
         k_len, k0 = self.k_lengths[doc], k_starts[doc]
         p = i + k_len - self.q_lengths[doc]
