@@ -176,6 +176,19 @@ def test_attention_is_the_function_after_its_package_is_imported() -> None:
     assert callable(qkv.attention) and qkv.attention.__module__ == "qkv.attention.functional"
 
 
+def test_the_nn_package_names_its_classes() -> None:
+    """``qkv.nn.MultiHeadAttention``, as a reader of the layout expects (formerly only
+    ``qkv.nn.multihead.MultiHeadAttention`` and ``qkv.MultiHeadAttention``)."""
+    import qkv.nn
+    from qkv.nn import cache, multihead, paged_cache
+
+    assert qkv.nn.MultiHeadAttention is multihead.MultiHeadAttention is qkv.MultiHeadAttention
+    assert qkv.nn.KVCache is cache.KVCache and qkv.nn.PagedKVCache is paged_cache.PagedKVCache
+    assert sorted(qkv.nn.__all__) == ["KVCache", "MultiHeadAttention", "PagedKVCache"]
+    with pytest.raises(AttributeError, match="no attribute 'Transformer'"):
+        qkv.nn.Transformer  # noqa: B018
+
+
 @pytest.mark.parametrize("old", ["qkv.functional", "qkv.modules", "qkv.positional", "qkv.dispatch"])
 def test_old_import_paths_still_work_and_warn(old: str) -> None:
     import importlib

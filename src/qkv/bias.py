@@ -155,7 +155,7 @@ def _largest_value(t: torch.Tensor, what: str, hide: bool = True) -> float | tor
     """max(0, largest finite value of t); ValueError naming ``what`` when t holds NaN or +inf
     (or -inf, unless ``hide``: there -inf hides a pair, as in a float mask). Where the host
     cannot read t (torch.compile, export, vmap) the same, as a 0-d float64 tensor and a check
-    that raises RuntimeError when the graph runs."""
+    that raises ValueError when the graph runs."""
     with torch.no_grad():
         values = t.detach()
         bad = torch.isnan(values) | torch.isposinf(values)

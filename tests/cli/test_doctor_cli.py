@@ -83,9 +83,9 @@ def _bf16_static_reason(stem: str) -> str | None:
     return compiled.static_reason(torch.bfloat16, CPU)
 
 
-def _report(*args: str) -> dict:  # type: ignore[type-arg]
+def _report(*args: str, exit_code: int = 0) -> dict:  # type: ignore[type-arg]
     result = CliRunner().invoke(app, ["doctor", "--json", *args])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == exit_code, result.output
     return json.loads(result.stdout)
 
 
@@ -142,16 +142,25 @@ def test_build_reports_a_failed_build_as_a_reason(monkeypatch: pytest.MonkeyPatc
     use_failing_compiler(monkeypatch, tmp_path)
     monkeypatch.delenv("QKV_NO_COMPILED_KERNELS", raising=False)  # the kernels built per tier read it themselves
     monkeypatch.setattr(compiled, "static_reason", lambda *args, **kwargs: None)
-    for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
-        forget_builds(monkeypatch, module)  # each kernel's one build attempt, emptied for this test
-    for tiered in TIERED_MODULES.values():
-        monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
-    report = _report("--build")
+
+    def forget_all() -> None:
+        for module in (interval_bf16, interval_bf16_backward, short_bf16, add_norm_bf16):
+            forget_builds(monkeypatch, module)  # each kernel's one build attempt, emptied for this test
+        for tiered in TIERED_MODULES.values():
+            monkeypatch.setattr(tiered._TIERED, "builds", {})  # the kernels built per tier keep one attempt per tier
+
+    forget_all()
+    report = _report("--build", exit_code=1)  # a failed build fails the command, after its report
     assert len(report["kernels"]) == len(KERNEL_STEMS) + len(TIERED)
     for kernel in report["kernels"]:
         assert kernel["reason"] == FAILED_BUILD
         assert kernel["seconds"] is not None and not kernel["built"]
         assert kernel["folder"].startswith(str(tmp_path / "cache"))
+    forget_all()  # as a new process would: one attempt per kernel
+    result = CliRunner().invoke(app, ["doctor", "--build"])  # the text report ends with the count
+    count = len(KERNEL_STEMS) + len(TIERED)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stdout.splitlines()[-1].startswith(f"{count} of {count} builds failed (each line above says why)")
 
 
 def test_build_builds_every_kernel_and_says_how_long(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]

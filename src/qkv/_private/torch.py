@@ -268,10 +268,11 @@ def under_torch_func(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("qkv::check", mutates_args=())
 def _check_op(condition: torch.Tensor, message: str) -> torch.Tensor:
-    """1.0 (a 0-d float32 tensor) when every entry of ``condition`` is True; RuntimeError(message)
-    otherwise. An operator, so that traced graphs keep it and run it with real values."""
+    """1.0 (a 0-d float32 tensor) when every entry of ``condition`` is True; ValueError(message)
+    otherwise, the type eager code raises for the same bad input. An operator, so that traced
+    graphs keep it and run it with real values."""
     if not bool(condition.all()):
-        raise RuntimeError(message)
+        raise ValueError(message)
     return torch.ones((), dtype=torch.float32, device=condition.device)
 
 
@@ -290,7 +291,7 @@ _check_op.register_vmap(_check_op_vmap)
 
 def require(condition: torch.Tensor, message: str) -> torch.Tensor:
     """A gate for a check that the host cannot make while tracing: 1.0 (0-d float32) when the
-    bool tensor ``condition`` holds everywhere, RuntimeError(message) when the graph runs
+    bool tensor ``condition`` holds everywhere, ValueError(message) when the graph runs
     otherwise. The caller multiplies a tensor it uses by the gate: compilers drop an operator
     whose result nothing reads (``torch._assert_async`` is kept, but Inductor's CPU code
     terminates the process on it instead of raising)."""

@@ -210,7 +210,9 @@ def attention(
             exp(s_ij - m) / (exp(sink_h - m) + sum_j exp(s_ij - m)), m the row max over the
             scores and the sink; the sink adds no value, so the weights sum to less than 1,
             and lse includes it. A row with no visible key still gives zeros (lse = -inf).
-            The math path applies them ('auto' chooses it; 'fused', 'blocks', 'flex' refuse).
+            'blocks' and 'flex' fold the sink into each row's lse and the math path adds it to
+            the softmax denominator; 'auto' takes the block engine from 65,536 pairs per head
+            (without a tensor mask or dropout), else the math path; 'fused' (SDPA) refuses.
 
     Returns:
         output (..., H, L, Ev) in q's dtype, or a tuple (output, weights), (output, lse) or
@@ -245,8 +247,8 @@ def attention(
           path), whose graphs are tensor operations only, the structured masks reaching them
           as dense masks built from their Python parameters. The NaN rule runs as tensor
           operations, and the refusals (overflow, NaN or +inf in a float mask, bias or sinks)
-          run inside the graph (a ``qkv::check`` operator) and raise RuntimeError when it
-          runs; the block engine's operators apply the NaN rule and refuse an overflow or a
+          run inside the graph (a ``qkv::check`` operator) and raise ValueError, as eagerly,
+          when it runs; the block engine's operators apply the NaN rule and refuse an overflow or a
           bad bias themselves when they run, with eager's ValueError. An ONNX graph carries no such check (ONNX has no operator for it).
           backend='flex' and 'decode', and 'blocks' under vmap, plan on the host and refuse to
           be traced, with a ValueError saying so.

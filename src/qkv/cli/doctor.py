@@ -4,6 +4,7 @@
                             each compiled kernel: may it run here, is it built, and why not
     qkv doctor --json       the same as JSON
     qkv doctor --build      build every kernel that may run here now, saying how long each took
+                            (exit status 1 when one of them failed)
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ def doctor_command(
     as_json: JsonOption = False,
     build: Annotated[bool, typer.Option("--build", help="Build every compiled kernel that can run here now.")] = False,
 ) -> None:
-    """What this machine offers qkv: CPU tier, native dtypes, torch build, compiled kernels."""
+    """What this machine offers qkv: CPU tier, native dtypes, torch build, compiled kernels.
+    With --build the exit status is 1 when a kernel that may run here failed to build."""
     report = machine_report(build)
+    # a kernel whose attempt was timed yet cannot run: its build (or self-check) failed
+    failed = [k for k in report["kernels"] if k["seconds"] is not None and not k["available"]]
     if as_json:
         typer.echo(json.dumps(report, indent=2))
+        if failed:
+            raise typer.Exit(1)
         return
     native = report["native"]
     tier = report["tier"] if report["forced_by"] is None else f"{report['tier']} ({report['forced_by']}; the machine is {report['detected_tier']})"
@@ -86,3 +92,7 @@ def doctor_command(
             say(f"- {kernel['name']}: runs here, {state}")
         else:
             say(f"- {kernel['name']}: does not run here: {kernel['reason']}")
+    if failed:
+        attempted = sum(k["seconds"] is not None for k in report["kernels"])
+        say(f"{len(failed)} of {attempted} builds failed (each line above says why); qkv runs their calls on its portable paths")
+        raise typer.Exit(1)
