@@ -1,4 +1,5 @@
-"""The import paths of qkv 0.1 that moved, kept working for one release with a warning.
+"""The import paths of qkv 0.1 that moved, kept working for one release with a warning, and
+the names a package resolves on first use (`lazy_names`).
 
 ``import qkv.functional`` (and the rest of `MOVED`) gives the module at its new path, the same
 module object, and warns once per old path with a `DeprecationWarning` that names the new one.
@@ -11,9 +12,11 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "lazy_names"]
 
 # old path -> new path; the new layout is described in docs/design.md
 MOVED: dict[str, str] = {
@@ -74,3 +77,19 @@ def install() -> None:
     """Put the finder on `sys.meta_path` once (after the normal finders: real modules win)."""
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.append(_Finder())
+
+
+def lazy_names(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: each name of ``exports`` (name -> the module
+    that defines it) is imported on first use and kept in the package, so that importing the
+    package imports none of them (the HTML viewer never loads matplotlib, ``qkv --help`` never
+    loads torch)."""
+
+    def resolve(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return resolve

@@ -8,8 +8,9 @@ The three classes are also names of this package, as of ``qkv`` itself
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv._aliases import lazy_names
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -25,10 +26,4 @@ if TYPE_CHECKING:
     from qkv.nn.multihead import MultiHeadAttention
     from qkv.nn.paged_cache import PagedKVCache
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkv.nn' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS)

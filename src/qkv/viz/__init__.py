@@ -12,8 +12,9 @@ Names resolve lazily: writing the HTML viewer never imports matplotlib.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv._aliases import lazy_names
 
 _EXPORTS: dict[str, str] = {
     "heatmap": "qkv.viz.heatmaps",
@@ -35,13 +36,7 @@ if TYPE_CHECKING:
     from qkv.viz.roles import role_grid, save_role_grid
     from qkv.viz.viewer import html, render, render_inline
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkv.viz' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
