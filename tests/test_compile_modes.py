@@ -396,6 +396,97 @@ def test_onnx_export_of_data_masks_and_score_terms(name: str, exporter: str) -> 
     np.testing.assert_allclose(got, expected.numpy(), atol=2e-6, rtol=0)
 
 
+# the TorchScript exporter is deprecated, and cautions on advanced indexing with negative
+# indices, which qkv's graphs do not hold
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning", "ignore:Exporting aten..index operator:UserWarning"
+)
+@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks", "documents & window", "blocks"])
+def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(name: str) -> None:
+    """The TorchScript exporter traces readable tensors with sizes as tensors: 'auto' at the
+    block engine's sizes formerly planned the engine there and failed ("L must be a positive
+    int, got tensor(320)"), and backend='blocks' was not refused by name. The graph's values
+    are checked at small sizes above (onnx's reference evaluator takes at most 64 keys)."""
+    import onnx
+
+    n = 320
+    kwargs: dict[str, Any] = {
+        "sliding_window": {"mask": qkv.masks.sliding_window(64)},
+        "alibi": {"bias": qkv.bias.alibi()},
+        "sinks": {"mask": qkv.masks.sliding_window(64), "sinks": torch.zeros(H)},
+        "documents & window": {"mask": qkv.masks.documents(torch.arange(n) // 64) & qkv.masks.sliding_window(64)},
+        "blocks": {"mask": qkv.masks.causal(), "backend": "blocks"},
+    }[name]
+
+    class Attend(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = qkv.attention(q, k, v, **kwargs)
+            assert isinstance(out, torch.Tensor)
+            return out
+
+    q, k, v = _inputs(torch.float32, n=n)
+    buffer = io.BytesIO()
+    if name == "blocks":
+        with pytest.raises(ValueError, match="backend='blocks' cannot be exported to ONNX"):
+            torch.onnx.export(Attend().eval(), (q, k, v), buffer, dynamo=False)
+        return
+    torch.onnx.export(Attend().eval(), (q, k, v), buffer, dynamo=False)
+    model = onnx.load_from_string(buffer.getvalue())
+    assert {node.domain for node in model.graph.node} <= {"", "ai.onnx"}  # ONNX's own operators only
+
+
+# the exporter's note that q, k, v and t share the one length n
+@pytest.mark.filterwarnings("ignore:# The axis name.*will not be used:UserWarning")
+@pytest.mark.parametrize("name", ["documents", "key padding"])
+def test_onnx_export_with_a_dynamic_length_runs_at_another_length(name: str) -> None:
+    """A mask given by data, exported with a dynamic length: the traced NaN rule formerly
+    evaluated it by chunks of 512 query rows in a Python loop, which fixed the exported length
+    (the model then refused any other)."""
+    from onnx.reference import ReferenceEvaluator
+
+    def mask_of(t: torch.Tensor) -> qkv.masks.Mask:
+        return qkv.masks.documents(t) if name == "documents" else qkv.masks.key_padding((t > 0).view(1, -1))
+
+    class Attend(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            out = qkv.attention(q, k, v, mask_of(t))
+            assert isinstance(out, torch.Tensor)
+            return out
+
+    def data(n: int) -> torch.Tensor:
+        return torch.arange(n) // 5 if name == "documents" else (torch.arange(n) < n - 3).long()  # ids, or 1 = a real key
+
+    length = torch.export.Dim("n", min=2, max=64)
+    q, k, v = _inputs(torch.float32, n=12)
+    program = torch.onnx.export(
+        Attend().eval(), (q, k, v, data(12)), dynamo=True,
+        dynamic_shapes=({2: length}, {2: length}, {2: length}, {0: length}),
+    )  # fmt: skip
+    assert program is not None
+    evaluator = ReferenceEvaluator(program.model_proto)
+    for n in (12, 20):
+        q, k, v = _inputs(torch.float32, seed=n, n=n)
+        (got,) = evaluator.run(None, dict(zip(evaluator.input_names, (q.numpy(), k.numpy(), v.numpy(), data(n).numpy()), strict=True)))
+        expected = qkv.attention(q.double(), k.double(), v.double(), mask_of(data(n)), backend="math")
+        np.testing.assert_allclose(got, expected.numpy(), atol=2e-6, rtol=0)
+
+
+def test_export_with_a_dynamic_length_keeps_the_block_engine() -> None:
+    """torch.export with a dynamic length at the engine's sizes: a share of the score matrix
+    compared with a threshold is a guard the exporter cannot prove for a symbolic length
+    ("Constraints violated"), so an exported graph keeps the engine's operator at any share;
+    its values at other lengths equal the module's eager calls."""
+    torch.manual_seed(0)
+    module = _WithMask(qkv.MultiHeadAttention(32, 4, num_kv_heads=2).eval(), qkv.masks.sliding_window(64))
+    length = torch.export.Dim("n", min=256, max=2048)
+    exported = torch.export.export(module, (torch.randn(1, 320, 32),), dynamic_shapes=({1: length},))
+    assert "qkv.blocks_forward" in str(exported.graph)
+    for n in (256, 333, 1000):
+        x = torch.randn(1, n, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(exported.module()(x), module(x), atol=2e-6, rtol=0)
+
+
 def test_vmap_over_the_batch_equals_a_loop() -> None:
     for name in CASES:
         q, k, v = _inputs(torch.float64, batch=3, n=12)

@@ -352,6 +352,8 @@ def _sinks_plan(problem: AttentionProblem, backend: str, return_weights: bool, r
         return _math_plan(problem, f"{why}; the score_mod reads tensors that require grad, which only the math path differentiates", return_weights, return_lse)
     if problem.L * problem.S < _SPARSE_MIN_PAIRS:
         return _math_plan(problem, f"{why}; below {_SPARSE_MIN_PAIRS:,} pairs per head the math path applies them faster than tiles", return_weights, return_lse)
+    if private_torch.onnx_exporting():
+        return _math_plan(problem, f"{why}; ONNX has no operator for the tile paths' kernels, the math path applies them", return_weights, return_lse)
     if _traced(problem):
         if _traced_engine_refusal(problem, return_weights) is None:
             return _sparse_plan(problem, "blocks", f"{why}; {_TRACED_OPERATOR}; it folds each row's sink into the merged lse",
@@ -878,13 +880,13 @@ def _sparse_plan(
     device = problem.q.device
     if switches.is_off(path):
         raise ValueError(f"backend={path!r}: {switches.off_reason(path)}")
+    if private_torch.onnx_exporting():  # either exporter: the TorchScript one traces readable tensors
+        raise ValueError(
+            f"backend={path!r} cannot be exported to ONNX: ONNX has no operator for qkv's {path} kernels; "
+            "use backend='auto', which exports the dense paths"
+        )
     if _traced(problem):
         refusal = _traced_engine_refusal(problem, return_weights) if path == "blocks" else None
-        if private_torch.onnx_exporting():
-            raise ValueError(
-                f"backend={path!r} cannot be exported to ONNX: ONNX has no operator for qkv's {path} kernels; "
-                "use backend='auto', which exports the dense paths"
-            )
         if path != "blocks" or not _compile_tracing(problem):
             raise ValueError(f"backend={path!r} {_TRACED_REFUSAL}")
         if refusal is not None:
@@ -980,8 +982,8 @@ def _scored_engine(problem: AttentionProblem, return_weights: bool, return_lse: 
     weights, SDPA a rendered bias (float mask)."""
     terms = problem.terms
     mask = problem.mask
-    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS:
-        return None
+    if isinstance(mask, torch.Tensor) or problem.L * problem.S < _SPARSE_MIN_PAIRS or private_torch.onnx_exporting():
+        return None  # an ONNX export (either exporter) keeps to the dense paths
     if _traced(problem):
         if _traced_engine_refusal(problem, return_weights) is not None:
             return _traced_flex(problem, return_weights, return_lse)
@@ -1025,8 +1027,8 @@ def _sparse_if_it_wins(problem: AttentionProblem, return_weights: bool, return_l
     """'auto' for a structured mask: the block engine (CPU) or FlexAttention (CUDA), when they
     pay off; else why not, when the engine's cost model decided (`_engine_refusal`), or None."""
     L, S = problem.L, problem.S
-    if L * S < _SPARSE_MIN_PAIRS:
-        return None
+    if L * S < _SPARSE_MIN_PAIRS or private_torch.onnx_exporting():
+        return None  # small, or an ONNX export (either exporter): the dense paths
     if _traced(problem):
         return _traced_sparse(problem, return_weights, return_lse)
     device = problem.q.device
@@ -1200,7 +1202,10 @@ def _traced_sparse(problem: AttentionProblem, return_weights: bool, return_lse: 
     else:
         # an upper bound: a mask with tensors (`&` of key padding), or any at symbolic sizes
         visited = pairs / (L * S)
-        if visited > _SPARSE_MAX_VISITED or _engine_refusal(problem, None, True) is not None:
+        # torch.export must hold for every size in its range, and a share of symbolic sizes is
+        # a guard it cannot always prove: an exported graph keeps the engine, right at any share
+        decided_by_share = not (symbolic and private_torch.is_exporting())
+        if (decided_by_share and visited > _SPARSE_MAX_VISITED) or _engine_refusal(problem, None, True) is not None:
             return None
         share = "a share" if symbolic else f"at most {visited:.1%}"
         reason = (

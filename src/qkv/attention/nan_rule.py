@@ -96,6 +96,9 @@ def _traced_key_rows(problem: AttentionProblem, bad: torch.Tensor) -> torch.Tens
     # any other mask: evaluated by chunks of query rows, (N | 1, H | 1, rows, S) at a time, so
     # that the path by query chunks (`qkv.backends.query_chunks`) holds no L x S tensor here either
     keys = torch.arange(S, device=bad.device)
+    if private_torch.onnx_exporting():
+        # one piece: a loop over L would fix the exported length (the dense path renders L x S anyway)
+        return (_visible_columns(problem, keys, 0, L) & bad[:, :, None, :]).any(dim=-1)  # (N, H, L)
     parts = [
         (_visible_columns(problem, keys, first, min(L, first + _RULE_ROWS)) & bad[:, :, None, :]).any(dim=-1)
         for first in range(0, L, _RULE_ROWS)
