@@ -1256,3 +1256,18 @@ def test_traced_nan_rule_cleans_through_its_operator_under_compile_only() -> Non
     layer = qkv.MultiHeadAttention(16, 4)
     exported = torch.export.export(layer, (torch.randn(2, 8, 16),))
     assert not [n for n in exported.graph.nodes if n.op == "call_function" and "qkv" in str(n.target)]
+
+
+def test_attention_varlen_traces_whole_and_checks_its_offsets_when_the_graph_runs() -> None:
+    """FlashAttention's packed signature under torch.compile(fullgraph=True): cu_seqlens'
+    checks read its values, which a trace cannot (formerly a data-dependent guard,
+    "Could not guard on data-dependent expression"); they now run inside the graph and raise
+    eager's ValueError type. Values equal the float64 math path."""
+    cu = torch.tensor([0, 20, 44, 48], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(48, H, E, generator=gen), torch.randn(48, G, E, generator=gen), torch.randn(48, G, E, generator=gen)
+    compiled = torch.compile(lambda q, k, v, cu: qkv.attention_varlen(q, k, v, cu, causal=True), backend="aot_eager", fullgraph=True)
+    expected = qkv.attention_varlen(q.double(), k.double(), v.double(), cu, causal=True, backend="math")
+    torch.testing.assert_close(compiled(q, k, v, cu).double(), expected, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0, never decrease and end at the packed tensor's 48 rows"):
+        compiled(q, k, v, torch.tensor([0, 30, 20, 48], dtype=torch.int32))

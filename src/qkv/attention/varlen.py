@@ -15,6 +15,7 @@ from typing import Literal, overload
 
 import torch
 
+from qkv._private import torch as private_torch
 from qkv.attention.dispatch import Backend
 from qkv.attention.functional import attention
 from qkv.bias import Bias
@@ -34,6 +35,12 @@ def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str) -> 
         raise ValueError(f"{name} must be 1-D with at least 2 entries [0, ..., total], got shape {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
+    if private_torch.host_unreadable(cu):
+        # traced (torch.compile, export, vmap): the same checks, made when the graph runs; the
+        # lengths carry the gate (1) so that no compiler drops it
+        valid = (cu[0] == 0) & (lengths >= 0).all() & (cu[-1] == total)
+        message = f"{name} must start at 0, never decrease and end at the packed tensor's {total} rows"
+        return lengths * private_torch.require(valid, message).to(lengths.dtype)
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
         raise ValueError(f"{name} must start at 0 and never decrease, got {cu_seqlens.tolist()}")
     if int(cu[-1]) != total:
