@@ -64,20 +64,18 @@ __all__ = [
     "under_torch_func",
 ]
 
-def onnx_exporting() -> bool:
-    """Whether torch.onnx is exporting. ``torch.onnx.is_in_onnx_export()`` alone will not do:
-    Dynamo folds it to False while it traces, and the dynamo exporter retries a failed capture
-    with torch.export's strict (Dynamo) mode, where qkv would then trace the kernels ONNX has no
-    operator for. So the exporter's own flag is read too, when called (`_onnx_flag`)."""
-    return torch.onnx.is_in_onnx_export() or _onnx_flag()
-
-
 @torch.compiler.assume_constant_result
-def _onnx_flag() -> bool:
-    """The dynamo ONNX exporter's flag (False where that exporter was never loaded). Run when
-    called, not traced: a constant to Dynamo, as an export traces once."""
+def onnx_exporting() -> bool:
+    """Whether torch.onnx (either exporter) is exporting. Run when called, not traced (a constant
+    to Dynamo, as an export traces once): Dynamo folds ``torch.onnx.is_in_onnx_export()`` to
+    False, and the dynamo exporter retries a failed capture with torch.export's strict (Dynamo)
+    mode, where qkv would then trace the kernels ONNX has no operator for; so the exporter's
+    own flag is read too; one function instead of two. False at once where torch.onnx was never
+    imported: no export runs then, and reading the flag must not import it (about 90 ms)."""
+    if "torch.onnx" not in sys.modules:
+        return False
     flags = sys.modules.get("torch.onnx._internal.exporter._flags")
-    return bool(getattr(flags, "_is_onnx_exporting", False))
+    return torch.onnx.is_in_onnx_export() or bool(getattr(flags, "_is_onnx_exporting", False))
 
 
 def is_exporting() -> bool:
