@@ -401,7 +401,7 @@ def test_onnx_export_of_data_masks_and_score_terms(name: str, exporter: str) -> 
 @pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning", "ignore:Exporting aten..index operator:UserWarning"
 )
-@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks", "documents & window", "blocks"])
+@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks", "documents & window", "bfloat16, no mask", "blocks"])
 def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(name: str) -> None:
     """The TorchScript exporter traces readable tensors with sizes as tensors: 'auto' at the
     block engine's sizes formerly planned the engine there and failed ("L must be a positive
@@ -415,6 +415,7 @@ def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(nam
         "alibi": {"bias": qkv.bias.alibi()},
         "sinks": {"mask": qkv.masks.sliding_window(64), "sinks": torch.zeros(H)},
         "documents & window": {"mask": qkv.masks.documents(torch.arange(n) // 64) & qkv.masks.sliding_window(64)},
+        "bfloat16, no mask": {},  # where the fused bf16 interval kernel runs, 'auto' takes it eagerly
         "blocks": {"mask": qkv.masks.causal(), "backend": "blocks"},
     }[name]
 
@@ -424,7 +425,7 @@ def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(nam
             assert isinstance(out, torch.Tensor)
             return out
 
-    q, k, v = _inputs(torch.float32, n=n)
+    q, k, v = _inputs(torch.bfloat16 if name.startswith("bfloat16") else torch.float32, n=n)
     buffer = io.BytesIO()
     if name == "blocks":
         with pytest.raises(ValueError, match="backend='blocks' cannot be exported to ONNX"):

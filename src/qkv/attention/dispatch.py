@@ -454,6 +454,8 @@ def _dense_bf16_kernel(problem: AttentionProblem, return_weights: bool, return_l
         return None
     if trains and interval_bf16_backward.unavailable_reason(q.dtype, q.device) is not None:
         return None
+    if private_torch.onnx_exporting():
+        return None  # an ONNX export (either exporter) keeps to the dense paths
     traced = _traced(problem)
     if traced and _traced_engine_refusal(problem, return_weights) is not None:
         return None
