@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import qkv
+from qkv._private import torch as private_torch
 from qkv.attention import dispatch, functional
 
 L = S = 48
@@ -401,7 +402,7 @@ def test_onnx_export_of_data_masks_and_score_terms(name: str, exporter: str) -> 
 @pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning", "ignore:Exporting aten..index operator:UserWarning"
 )
-@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks", "documents & window", "bfloat16, no mask", "blocks"])
+@pytest.mark.parametrize("name", ["sliding_window", "alibi", "sinks", "documents & window", "blocks"])
 def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(name: str) -> None:
     """The TorchScript exporter traces readable tensors with sizes as tensors: 'auto' at the
     block engine's sizes formerly planned the engine there and failed ("L must be a positive
@@ -415,7 +416,6 @@ def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(nam
         "alibi": {"bias": qkv.bias.alibi()},
         "sinks": {"mask": qkv.masks.sliding_window(64), "sinks": torch.zeros(H)},
         "documents & window": {"mask": qkv.masks.documents(torch.arange(n) // 64) & qkv.masks.sliding_window(64)},
-        "bfloat16, no mask": {},  # where the fused bf16 interval kernel runs, 'auto' takes it eagerly
         "blocks": {"mask": qkv.masks.causal(), "backend": "blocks"},
     }[name]
 
@@ -425,7 +425,7 @@ def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(nam
             assert isinstance(out, torch.Tensor)
             return out
 
-    q, k, v = _inputs(torch.bfloat16 if name.startswith("bfloat16") else torch.float32, n=n)
+    q, k, v = _inputs(torch.float32, n=n)
     buffer = io.BytesIO()
     if name == "blocks":
         with pytest.raises(ValueError, match="backend='blocks' cannot be exported to ONNX"):
@@ -434,6 +434,28 @@ def test_onnx_torchscript_export_at_block_engine_sizes_takes_the_dense_paths(nam
     torch.onnx.export(Attend().eval(), (q, k, v), buffer, dynamo=False)
     model = onnx.load_from_string(buffer.getvalue())
     assert {node.domain for node in model.graph.node} <= {"", "ai.onnx"}  # ONNX's own operators only
+
+
+def test_every_engine_gate_of_auto_keeps_an_onnx_export_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While torch.onnx exports (either exporter), 'auto' takes no engine path: structured masks,
+    score terms, sinks and dense bfloat16 (where the fused bf16 interval kernel runs, 'auto'
+    takes the engine eagerly; its gate formerly sent an export there, which then raised as if
+    backend='blocks' had been asked). Eager calls are the control: they do take the engine."""
+    n = 320
+    q32, k32, v32 = _inputs(torch.float32, n=n)
+    q16, k16, v16 = _inputs(torch.bfloat16, n=n)
+    calls = {
+        "bfloat16, no mask": ((q16, k16, v16), {}),
+        "alibi": ((q32, k32, v32), {"bias": qkv.bias.alibi()}),
+        "sinks": ((q32, k32, v32), {"mask": qkv.masks.sliding_window(64), "sinks": torch.zeros(H)}),
+        "documents & window": ((q32, k32, v32), {"mask": qkv.masks.documents(torch.arange(n) // 64) & qkv.masks.sliding_window(64)}),
+    }
+    eager = {name: qkv.explain(*tensors, **kwargs).path for name, (tensors, kwargs) in calls.items()}
+    monkeypatch.setattr(private_torch, "onnx_exporting", lambda: True)
+    for name, (tensors, kwargs) in calls.items():
+        assert qkv.explain(*tensors, **kwargs).path in ("fused", "math"), name
+    assert eager["alibi"] == eager["sinks"] == "blocks"  # the control: these gates were open
+    # (the bf16 gate is open eagerly where the fused interval kernel runs: AVX-512 BF16, a compiler)
 
 
 # the exporter's note that q, k, v and t share the one length n
